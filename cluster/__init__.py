@@ -1,0 +1,1 @@
+"""tandem's control plane: the ``tandem`` command line and cluster management."""

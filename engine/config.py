@@ -1,0 +1,164 @@
+"""Frozen configuration of a model and of an engine, read once and passed down."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of an HF config.json the Llama-family decoder needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 always; Llama/Qwen3 when config.attention_bias
+    o_proj_bias: bool  # Llama/Qwen3 when config.attention_bias
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence served: the trained context, capped by a sliding window (which this
+        engine does not implement, so it never lets a sequence grow past it)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per element size is applied by the caller: layers * (K + V) * kv heads * head dim."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no config.json: not a Hugging Face model folder")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; tandem supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        window = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            window = None
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported (no released Llama-family model uses it)")
+        bias = bool(cfg.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_rope_config(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bias,
+            o_proj_bias=bias and arch != "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    """Reads both spellings: ``rope_scaling`` + ``rope_theta`` (transformers 4) and
+    ``rope_parameters`` (transformers 5)."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0  # used on CPU when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )

@@ -1,0 +1,121 @@
+"""Offline batch API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.model_hub import resolve_model
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template
+
+Message = Mapping[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2",
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        load_format: str = "auto",
+        seed: int = 0,
+        **kwargs: Any,
+    ):
+        cfg = EngineConfig(
+            model_dir=str(resolve_model(model)),
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            load_format=load_format,
+            seed=seed,
+            **kwargs,
+        )
+        self.engine = LLMEngine(cfg)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: text or a flat list of token ids
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                prio = priority[i] if priority is not None else 0
+                ids.append(self.engine.add_request(None, prompt, p, priority=prio))
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer, so chat is unavailable")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        kwargs = {"chat_template": chat_template} if chat_template else {}
+        prompts = [
+            apply_chat_template(self.tokenizer, conv, add_generation_prompt, **kwargs)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        t0, done = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    done += 1
+                    if use_tqdm:
+                        rate = done / (time.perf_counter() - t0)
+                        print(f"\r{done}/{len(ids)} requests, {rate:.1f} req/s", end="", file=sys.stderr)
+        if use_tqdm:
+            print(file=sys.stderr)
+        return [final[i] for i in ids]
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return list(params)

@@ -1,0 +1,271 @@
+"""The step API every role wraps: add requests, step, abort, read outputs.
+
+A request's life in one engine::
+
+    1. add_request   validate params, tokenize, check the context length; n > 1 becomes n
+                     sequences (children) that share the prompt's blocks through the prefix cache
+    2. waiting       admitted by the scheduler when budget, max_num_seqs and blocks allow
+                     (prefix hits skip their tokens)
+    3. running       prompt chunks, then one token per step; may be preempted (back to 2, its
+                     KV recomputed later) when blocks run out
+    4. each step     sampled tokens are detokenized incrementally; stop strings end a sequence
+    5. finished      stop / length / abort: blocks freed at once, a final RequestOutput emitted
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import SampledToken
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int]
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one child sequence: its scheduler request and its text."""
+
+    request: Request
+    output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None
+    num_emitted: int = 0  # token ids already handed out in a delta
+
+
+@dataclass
+class _Group:
+    """A client request: ``n`` sequences with one id and one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+    finished: bool = False
+    dirty: set[int] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model_config = ModelConfig.from_dir(cfg.model_dir)
+        max_len = self.model_config.max_model_len
+        if cfg.max_model_len is not None:
+            if cfg.max_model_len > max_len:
+                raise ValueError(
+                    f"max_model_len={cfg.max_model_len} exceeds the model's limit of {max_len} tokens"
+                )
+            max_len = cfg.max_model_len
+        self.max_model_len = max_len
+        self.tokenizer = load_tokenizer(cfg.model_dir)
+        self.eos_token_ids = tuple(eos_token_ids(cfg.model_dir, self.tokenizer)) or (
+            self.model_config.eos_token_ids
+        )
+        self.runner = ModelRunner(cfg, self.model_config, max_len)
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
+        )
+        sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self._groups: dict[str, _Group] = {}
+        self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError on invalid input, changing nothing."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(token_ids, params)
+        params = params.with_eos(self.eos_token_ids)
+        group = _Group(request_id, text, token_ids, [], time.monotonic())
+        for i in range(params.n):
+            child = Request(
+                f"{request_id}#{i}" if params.n > 1 else request_id,
+                token_ids,
+                params.for_child(i) if params.n > 1 else params,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=group.arrival_time,
+            )
+            seq = _Sequence(child, CompletionOutput(index=i), self._detokenizer(child))
+            if params.logprobs is not None:
+                seq.output.logprobs = []
+            group.seqs.append(seq)
+        for seq in group.seqs:
+            self.scheduler.add_request(seq.request)
+            self._seq_owner[seq.request.request_id] = (group, seq)
+        self._groups[request_id] = group
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            child_ids = [s.request.request_id for s in group.seqs]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for seq in group.seqs:
+                if seq.output.finish_reason is None:
+                    seq.output.finish_reason = "abort"
+            self._retire(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; return an output for every request that progressed."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        sampled = self.runner.execute(sched_out)
+        token_ids = {rid: t.token_id for rid, t in sampled.items()}
+        progressed, finished = self.scheduler.update_from_output(sched_out, token_ids)
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for request in progressed:
+            group, seq = self._seq_owner[request.request_id]
+            group.first_token_time = group.first_token_time or now
+            self._on_token(seq, sampled[request.request_id])
+            touched[group.request_id] = group
+        for request in finished:
+            group, seq = self._seq_owner[request.request_id]
+            self._finish_seq(seq, request)
+            touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _on_token(self, seq: _Sequence, token: SampledToken) -> None:
+        request, out = seq.request, seq.output
+        out.token_ids.append(token.token_id)
+        if out.logprobs is not None:
+            entry = dict(token.top_logprobs or [])
+            entry[token.token_id] = token.logprob
+            out.logprobs.append(entry)
+        if seq.detokenizer is None:
+            return
+        if request.status == RequestStatus.FINISHED_STOPPED and not (
+            request.params.include_stop_str_in_output and request.stop_reason is not None
+        ):
+            return  # eos / stop token: ends the text, is not part of it (as in vLLM)
+        check = request.num_output_tokens >= request.params.min_tokens
+        stop = seq.detokenizer.update([token.token_id], check_stop=check)
+        if stop is not None and not request.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            self._finish_seq(seq, request)
+
+    def _finish_seq(self, seq: _Sequence, request: Request) -> None:
+        seq.output.finish_reason = request.status.finish_reason
+        seq.output.stop_reason = request.stop_reason
+        self.runner.release([request.request_id])
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        finished = all(s.output.finished for s in group.seqs)
+        snapshots = []
+        for seq in group.seqs:
+            out = seq.output
+            out.delta_token_ids = out.token_ids[seq.num_emitted :]
+            seq.num_emitted = len(out.token_ids)
+            if seq.detokenizer is not None:
+                out.delta_text = seq.detokenizer.get_next_output_text(out.finished, delta=True)
+                out.text += out.delta_text
+            snapshots.append(
+                replace(
+                    out,
+                    token_ids=list(out.token_ids),
+                    logprobs=None if out.logprobs is None else list(out.logprobs),
+                )
+            )
+        output = RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=max(group.seqs[0].request.num_cached_tokens, 0),
+            outputs=snapshots,
+            finished=finished,
+            arrival_time=group.arrival_time,
+            first_token_time=group.first_token_time,
+        )
+        if finished:
+            self._retire(group)
+        return output
+
+    def _retire(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._seq_owner.pop(seq.request.request_id, None)
+        self.runner.release([s.request.request_id for s in group.seqs])
+
+    # -- input handling ----------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "this model folder has no tokenizer: pass prompts as lists of token ids"
+                )
+            return prompt, encode_prompt(self.tokenizer, prompt)
+        token_ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return None, token_ids
+
+    def _check_length(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + (params.max_tokens or 0)} tokens ({n} in the messages, "
+                f"{params.max_tokens or 0} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        p = request.params
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+            stop=p.stop,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+        )

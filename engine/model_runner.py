@@ -1,0 +1,128 @@
+"""Runs one scheduled step on the device: inputs -> forward -> logits -> sampled tokens.
+
+The runner owns the model, the KV cache tensors and the per-request random generators; it
+keeps no other request state (every step's inputs come from the SchedulerOutput).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.attention import AttentionBackend, ChunkSpec, TorchAttentionBackend
+from engine.config import EngineConfig, ModelConfig
+from engine.models import model_class
+from engine.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.weights import init_dummy_weights, iterate_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.device = torch.device(cfg.device)
+        self.max_model_len = max_model_len
+        self.dtype = _DTYPES[cfg.dtype]
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
+        self.model = self._load_model(max_model_len)
+        self.backend: AttentionBackend = TorchAttentionBackend()
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
+        self.num_kv_blocks = self._num_kv_blocks()
+        slots = self.num_kv_blocks * cfg.block_size
+        shape = (2, slots, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(model_cfg.num_layers)
+        ]
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _load_model(self, max_model_len: int) -> torch.nn.Module:
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = model_class(self.model_cfg)(self.model_cfg, max_model_len)
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model.tie_weights()
+        if self.cfg.load_format == "dummy":
+            init_dummy_weights(model, self.cfg.seed)
+        else:
+            model.load_weights(iterate_weights(self.cfg.model_dir))
+        model.rotary.build(self.device)
+        model.eval()
+        logger.info("model loaded in %.1f s", time.perf_counter() - t0)
+        return model
+
+    def _num_kv_blocks(self) -> int:
+        if self.cfg.num_kv_blocks is not None:
+            return self.cfg.num_kv_blocks
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        block_bytes = self.model_cfg.kv_bytes_per_token * elem * self.cfg.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.cfg.gpu_memory_utilization) * total
+        else:
+            budget = self.cfg.kv_cache_memory_gb * (1 << 30)
+        # More blocks than max_num_seqs full-length sequences can use would only cost memory.
+        useful = self.cfg.max_num_seqs * -(-self.max_model_len // self.cfg.block_size)
+        num_blocks = min(int(budget // block_bytes), useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB); raise "
+                "kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks"
+            )
+        return num_blocks
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        chunks = sorted(out.scheduled, key=lambda c: c.num_tokens != 1)  # decodes first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        for c in chunks:
+            input_ids += c.request.all_token_ids[c.start : c.start + c.num_tokens]
+            positions += range(c.start, c.start + c.num_tokens)
+            if c.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(c)
+        specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
+        meta = self.backend.build(specs, self.cfg.block_size, self.device)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_caches,
+            meta,
+            self.backend,
+        )
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        rows = [self._sampling_row(c) for c in sampling]
+        tokens = self.sampler(logits, rows)
+        return {c.request.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    def _sampling_row(self, chunk: ScheduledRequest) -> SamplingRow:
+        request = chunk.request
+        rid = request.request_id
+        if rid not in self._generators:
+            self._generators[rid] = make_generator(request.params.seed, self.device)
+        return SamplingRow(
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            generator=self._generators[rid],
+        )
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self._generators.pop(rid, None)

@@ -1,0 +1,230 @@
+"""The Llama-family decoder: Llama (rope scaling default / linear / llama3), Mistral, Qwen2
+(q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Plain PyTorch, shapes in comments.
+
+Tokens of a step are flattened: ``T`` = total new tokens over all requests. Attention goes through
+the backend, which owns the paged KV cache layout; nothing here knows about blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths divided by ``factor``, short ones
+    kept, the band between interpolated smoothly."""
+    old_len = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = old_len / rope.low_freq_factor
+    short_wave = old_len / rope.high_freq_factor
+    scaled = torch.where(wavelen > long_wave, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    in_band = ~(wavelen < short_wave) & ~(wavelen > long_wave)
+    return torch.where(in_band, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+        super().__init__()
+        self.head_dim, self.max_positions, self.rope = head_dim, max_positions, rope
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+
+    def build(self, device: torch.device) -> None:
+        """(Re)compute the fp32 cos/sin tables on ``device`` (after the model left ``meta``)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.rope)
+        freqs = torch.arange(self.max_positions).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def forward(self, positions, q, k):  # positions [T]; q [T, H, D]; k [T, KVH, D]
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, positions, x, kv_cache, meta, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta, backend):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint names of the pieces we store fused: (ours, theirs, shard index)
+    STACKED = (
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after ``to_empty``, which unties them)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, slots, KVH, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # hidden states [T, hidden], before the final norm
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta, backend)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
+        return self.lm_head(self.norm(hidden)).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, shard = self._locate(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+            _copy_shard(params[target], tensor, shard, self._shard_sizes(target))
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        missing = self._expected_loads() - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _locate(self, name: str) -> tuple[str, int | None]:
+        for ours, theirs, shard in self.STACKED:
+            if f".{theirs}." in name:
+                return name.replace(theirs, ours), shard
+        return name, None
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        if "qkv_proj" in target:
+            q = self.cfg.num_heads * self.cfg.head_dim
+            kv = self.cfg.num_kv_heads * self.cfg.head_dim
+            return [q, kv, kv]
+        return [self.cfg.intermediate_size] * 2
+
+    def _expected_loads(self) -> set[str]:
+        expected = set()
+        for name, _ in self.named_parameters():
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif name.endswith("gate_up_proj.weight"):
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        return expected
+
+
+def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+    dst = param.data
+    if shard is not None:
+        offset = sum(sizes[:shard])
+        dst = dst.narrow(0, offset, sizes[shard])
+    if dst.shape != tensor.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+    dst.copy_(tensor)

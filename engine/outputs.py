@@ -1,0 +1,37 @@
+"""What the engine hands back: one RequestOutput per request per step it progressed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` sequences of a request. ``text``, ``token_ids`` and ``logprobs`` are
+    cumulative; ``delta_text`` / ``delta_token_ids`` are what this step added (for streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # Per generated token: {token_id: logprob} with the sampled token and the top-N alternatives.
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[CompletionOutput]
+    finished: bool
+    arrival_time: float = 0.0
+    first_token_time: float | None = None

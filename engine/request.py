@@ -1,0 +1,94 @@
+"""A request as the scheduler sees it: tokens, progress, status. Plain Python, no torch.
+
+Progress is one number. ``num_computed_tokens`` (tokens whose KV is in the cache) catches up
+with ``num_tokens`` (prompt + generated). There are no prefill and decode phases::
+
+    prompt                          output
+    |p0 p1 p2 ... p9 |o0 o1 o2|
+    |<- computed ->|               num_computed_tokens = 7: a chunked prefill is mid-way
+    |<------ computed ------>|    num_computed_tokens = num_tokens - 1: decoding
+
+Chunked prefill, prefix hits, recompute after preemption and (later) KV that arrives from a
+remote prefill worker are all the same thing: ``num_computed_tokens`` moving forward.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after ``PREEMPTED`` is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at first admission (reported to the client).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Chained block hashes of every full block of ``all_token_ids`` (grown by the block manager).
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower runs first and is preempted last: (priority, arrival)."""
+        return (self.priority, self.arrival_time)

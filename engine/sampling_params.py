@@ -1,0 +1,124 @@
+"""Sampling parameters of one request, validated at construction.
+
+Plain Python (no torch): the gateway builds these from HTTP bodies and the scheduler reads them.
+Every invalid value raises ``ValueError`` naming the parameter and the allowed range, so the
+gateway can turn it into an OpenAI-style 400 without guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. ``top_k`` of 0 or -1 disables top-k. Penalties follow the
+    OpenAI API (presence/frequency, on generated tokens) and HF (repetition, on prompt and
+    generated tokens). ``logprobs`` asks for the sampled token's log-probability plus the top-N
+    alternatives; ``logprobs=0`` returns only the sampled token's.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled by the engine from the tokenizer/generation config; not a user knob.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: sampling knobs are irrelevant; normalise so the sampler can batch.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not 0.0 <= self.temperature <= 2.0 * 1e3:
+            raise bad("temperature", "in [0, 2000] (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0 * 1e3:
+            raise bad("repetition_penalty", "> 0 (1 disables it)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None (up to the context length)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}."
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            raise bad("logprobs", f"an integer in [0, {self.MAX_LOGPROBS}] or None")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Parameters of the ``index``-th of ``n`` parallel samples (n=1, seed offset)."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+    def with_eos(self, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+        return replace(self, _eos_token_ids=tuple(eos_token_ids))

@@ -1,0 +1,210 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Plain Python.
+
+One loop closes each step::
+
+    out = scheduler.schedule()            # who runs, how many tokens each, which blocks
+    sampled = model_runner.execute(out)    # one forward pass over all of them
+    scheduler.update_from_output(out, sampled)
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests are served first, in
+priority order: a decoding request takes 1 token, a request mid-prefill takes what is left of its
+prompt up to the budget (chunked prefill), so decodes and prefill chunks share one step. When a
+running request's next block does not fit, the lowest-priority running request is preempted:
+its blocks are freed and it goes back to the front of the waiting queue to be recomputed later
+(its prefix-cached blocks usually make that cheap). Waiting requests are admitted, best first,
+while the budget, ``max_num_seqs`` and the free blocks allow, and only in steps with no
+preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_tokens)`` of its sequence."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens (so its logits are sampled)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- queue -----------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        needed = self.block_manager.blocks_needed(request.num_tokens + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs {needed} KV blocks but the pool "
+                f"has {self.block_manager.num_blocks}; raise num_kv_blocks or shorten the prompt"
+            )
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests wherever they are (abort, stop string); frees their blocks at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self.block_manager.free(request)
+            finished.append(request)
+        return finished
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=Request.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # ``request`` itself was preempted: everything after it already was
+            out.scheduled.append(self._chunk(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while self.block_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()  # lowest priority, latest arrival
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self.block_manager.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.block_manager.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            out.scheduled.append(self._chunk(request, num_hit_tokens, num_new))
+            budget -= num_new
+
+    def _chunk(self, request: Request, start: int, num_tokens: int) -> ScheduledRequest:
+        table = self.block_manager.block_table(request.request_id)
+        return ScheduledRequest(request, start, num_tokens, table)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Insert by (priority, arrival); FCFS when every priority is equal."""
+        key = request.sort_key()
+        pos = len(self.waiting)
+        while pos > 0 and self.waiting[pos - 1].sort_key() > key:
+            pos -= 1
+        self.waiting.insert(pos, request)
+
+    # -- closing the loop ------------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance progress after a forward pass. ``sampled`` maps request id to the token sampled
+        for every chunk that ``samples``. Returns (requests that got a token, requests finished
+        by a token-level stop: eos, stop_token_ids, max_tokens, context length)."""
+        progressed, finished = [], []
+        for chunk in out.scheduled:
+            request = chunk.request
+            if request.is_finished:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if not chunk.samples:
+                continue
+            request.append_output_token(sampled[request.request_id])
+            progressed.append(request)
+            status = self._check_stop(request)
+            if status is not None:
+                finished.extend(self.finish_requests([request.request_id], status))
+        return progressed, finished
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in params._eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,48 @@
+"""Weights from a local Hugging Face folder (single or sharded safetensors) or random ("dummy")."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / s for s in shards]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    missing = [f for f in files if not f.is_file()]
+    if not files or missing:
+        raise ValueError(
+            f"{model_dir}: no loadable *.safetensors weights"
+            + (f" (missing shards: {[m.name for m in missing]})" if missing else "")
+            + "; pass load_format='dummy' for random weights at this config"
+        )
+    return files
+
+
+def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights at the real shapes: speed does not depend on the values."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+            param.data.copy_(values)
