@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The KV cache of one layer is two tensors of slots, ``[num_blocks * block_size, kv_heads, head_dim]``
-(K and V). Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``; a request's block
+The KV cache of one layer is two tensors (K and V) of ``[kv_heads, num_blocks * block_size, head_dim]``:
+heads outermost, so one head's slots are contiguous and a gathered context is already laid out
+for a batched matmul. Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``; a request's block
 table lists its blocks in order, so the token at position ``p`` lives in slot
 ``table[p // block_size] * block_size + p % block_size``::
 
@@ -38,8 +39,8 @@ class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] slots to read, padded with 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] additive (0 / -inf)
+    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block tables, padded with 0
+    decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size] 0 / -inf
     # Prefill chunks: (first row, rows, context slots or None when no cached prefix, start pos)
     prefills: list[tuple[int, int, torch.Tensor | None, int]]
 
@@ -52,7 +53,9 @@ class AttentionBackend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def build(self, chunks: list[ChunkSpec], block_size: int, device: torch.device) -> AttentionMetadata: ...
+    def build(
+        self, chunks: list[ChunkSpec], block_size: int, device: torch.device
+    ) -> AttentionMetadata: ...
 
     @abc.abstractmethod
     def forward(
@@ -76,7 +79,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def build(self, chunks: list[ChunkSpec], block_size: int, device: torch.device) -> AttentionMetadata:
+    def build(
+        self, chunks: list[ChunkSpec], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
         slot_mapping: list[int] = []
         for c in chunks:
             slot_mapping += slots_for(c.block_table, c.start, c.start + c.num_tokens, block_size)
@@ -84,16 +89,16 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = len(decodes)
         if chunks[:num_decodes] != decodes:
             raise ValueError("decode chunks must come first")
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if decodes:
-            max_ctx = max(c.start + 1 for c in decodes)
-            padded = [slots_for(c.block_table, 0, c.start + 1, block_size) for c in decodes]
-            lens = torch.tensor([len(p) for p in padded])
-            padded = [p + [0] * (max_ctx - len(p)) for p in padded]
-            decode_slots = torch.tensor(padded, dtype=torch.long, device=device)
-            valid = torch.arange(max_ctx)[None, :] < lens[:, None]
-            mask = torch.zeros(num_decodes, max_ctx).masked_fill_(~valid, float("-inf"))
-            decode_mask = mask.view(num_decodes, 1, 1, max_ctx).to(device)
+            tables = [c.block_table[: c.start // block_size + 1] for c in decodes]
+            max_blocks = max(len(t) for t in tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+            decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)
+            lens = torch.tensor([c.start + 1 for c in decodes])
+            valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+            mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+            decode_mask = mask.view(1, num_decodes, 1, -1).to(device)
         prefills = []
         row = num_decodes
         for c in chunks[num_decodes:]:
@@ -107,14 +112,14 @@ class TorchAttentionBackend(AttentionBackend):
             num_tokens=len(slot_mapping),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             num_decodes=num_decodes,
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=prefills,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
@@ -122,39 +127,43 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale).reshape(nd, -1)
         for row, n, ctx, start in meta.prefills:
             if ctx is None:
-                ks, vs = k[row : row + n], v[row : row + n]
+                ks, vs = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:
-                ks, vs = k_cache[ctx], v_cache[ctx]
+                ks, vs = k_cache[:, ctx], v_cache[:, ctx]
             o = _prefill_attention(q[row : row + n], ks, vs, start, scale)
             out[row : row + n] = o.reshape(n, -1)
         return out
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [B, H, D] against each row's gathered context [B, L, KVH, D]; GQA by grouping heads."""
+    """q [B, H, D] against each row's gathered blocks; GQA by grouping the heads of a KV head."""
     b, num_heads, head_dim = q.shape
-    ks = k_cache[meta.decode_slots]  # [B, L, KVH, D]
-    vs = v_cache[meta.decode_slots]
-    kvh = ks.shape[2]
-    qg = q.view(b, kvh, num_heads // kvh, head_dim)  # [B, KVH, G, D]
-    scores = torch.matmul(qg, ks.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
-    scores = scores.float() + meta.decode_mask
-    probs = torch.softmax(scores, dim=-1).to(vs.dtype)
-    return torch.matmul(probs, vs.transpose(1, 2))  # [B, KVH, G, D]
+    kvh = k_cache.shape[0]
+    blocks = meta.decode_blocks
+    ks = k_cache.view(kvh, -1, _block_size(meta, k_cache), head_dim)[:, blocks]
+    vs = v_cache.view(kvh, -1, ks.shape[3], head_dim)[:, blocks]
+    ks = ks.view(kvh, b, -1, head_dim)  # [KVH, B, L, D]
+    vs = vs.view(kvh, b, -1, head_dim)
+    qg = q.view(b, kvh, num_heads // kvh, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+    scores = torch.matmul(qg, ks.transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
+    probs = torch.softmax(scores + meta.decode_mask, dim=-1).to(vs.dtype)
+    return torch.matmul(probs, vs).transpose(0, 1)  # [B, KVH, G, D]
+
+
+def _block_size(meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
+    return meta.decode_mask.shape[-1] // meta.decode_blocks.shape[1]
 
 
 def _prefill_attention(q, k, v, start: int, scale: float) -> torch.Tensor:
-    """Causal attention of ``n`` queries at positions ``start..start+n-1`` over ``start+n`` keys."""
-    n, num_heads, _ = q.shape
-    kvh = k.shape[1]
-    if kvh != num_heads:
-        k = k.repeat_interleave(num_heads // kvh, dim=1)
-        v = v.repeat_interleave(num_heads // kvh, dim=1)
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    """Causal attention of ``n`` queries at positions ``start..start+n-1`` (q ``[n, H, D]``) over
+    ``start+n`` keys (k, v ``[KVH, start+n, D]``)."""
+    n = q.shape[0]
+    qt = q.transpose(0, 1)
+    gqa = k.shape[0] != q.shape[1]
     if start == 0:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         q_pos = torch.arange(start, start + n, device=q.device)[:, None]
         mask = torch.arange(start + n, device=q.device)[None, :] <= q_pos
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1)

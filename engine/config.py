@@ -85,7 +85,9 @@ class ModelConfig:
         if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
             window = None
         if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=true is not supported (no released Llama-family model uses it)")
+            raise ValueError(
+                "mlp_bias=true is not supported (no released Llama-family model uses it)"
+            )
         bias = bool(cfg.get("attention_bias", False)) and arch != "MistralForCausalLM"
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -105,7 +105,11 @@ class LLM:
                     done += 1
                     if use_tqdm:
                         rate = done / (time.perf_counter() - t0)
-                        print(f"\r{done}/{len(ids)} requests, {rate:.1f} req/s", end="", file=sys.stderr)
+                        print(
+                            f"\r{done}/{len(ids)} requests, {rate:.1f} req/s",
+                            end="",
+                            file=sys.stderr,
+                        )
         if use_tqdm:
             print(file=sys.stderr)
         return [final[i] for i in ids]

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import AttentionBackend, ChunkSpec, TorchAttentionBackend
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_layout import use_transposed_linears
 from engine.models import model_class
 from engine.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -36,7 +37,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
         slots = self.num_kv_blocks * cfg.block_size
-        shape = (2, slots, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = (2, model_cfg.num_kv_heads, slots, model_cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(model_cfg.num_layers)
@@ -56,6 +57,8 @@ class ModelRunner:
         else:
             model.load_weights(iterate_weights(self.cfg.model_dir))
         model.rotary.build(self.device)
+        if self.device.type == "cpu":
+            use_transposed_linears(model)
         model.eval()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         return model

@@ -9,21 +9,26 @@ Pipeline per row (vLLM v1 / HF semantics)::
               └─► random rows: / temperature ─► top-k ─► top-p ─► min-p ─► draw
 
 Cost model: this runs every decode step (batch 64, vocab 49152, a 2-core CPU), so every
-stage is vectorised over the rows that need it and skipped when no row does. Three tricks
-keep the random path cheap:
+stage is vectorised over the rows that need it and skipped when no row does. The tricks
+that keep the random path cheap, each in its own function below:
 
-* Truncation as a threshold. Top-k, top-p and min-p each keep the tokens whose probability
-  is >= some per-row threshold, so they combine (by max) into one threshold and one
-  masking pass over the softmax of the temperature-scaled logits.
-* No full sort for top-p. The nucleus is found among the best 256 candidates (``topk``),
-  widening to 4096 and then the whole vocabulary only for rows whose nucleus is bigger.
+* Relative weights. Random rows work on ``exp(logit / T - max)`` in place: probabilities up
+  to each row's normaliser, with the best token at exactly 1. Min-p's threshold is then
+  ``min_p`` itself, and only top-p ever needs the normaliser (a row sum).
+* Truncation as a threshold. Top-k, top-p and min-p each keep the tokens whose weight is
+  >= some per-row threshold, so they combine (by max) into one threshold and one masking
+  pass. Ties at a threshold are kept, as in HF's and vLLM's masking.
+* No full sort for top-p. The nucleus is looked for among the best 256 candidates
+  (``topk``), widening to 4096 and then the whole vocabulary only for rows that need it.
 * Inverse-CDF draws. Each row draws a single uniform from its own generator (seeded
   requests) or the sampler's default generator, and picks the token by ``searchsorted`` in
-  the cumulative probabilities. A seeded row's token depends only on its own logits and its
-  own generator, so it is reproducible whatever else is in the batch (up to float rounding),
-  and it costs one random number per row instead of one per vocabulary entry (drawing a
+  its cumulative weights. A seeded row's token depends only on its own logits and its own
+  generator, so it is reproducible whatever else is in the batch (up to float rounding),
+  and it costs one random number per row rather than one per vocabulary entry (a
   vocabulary's worth of exponentials for an exponential race costs more than everything
-  else on a CPU).
+  else here on a CPU).
+* Reused scratch buffers. On CPU, fresh multi-megabyte tensors every step cost page faults
+  that about double the step; the sampler keeps its [rows, vocab] scratch tensors.
 """
 
 from __future__ import annotations
@@ -109,10 +114,26 @@ def _min_tokens_banned(sampling_row: SamplingRow, vocab_size: int) -> list[int]:
     return [t for t in banned if 0 <= t < vocab_size]
 
 
+# --------------------------------------------------------------------------- weights
+
+
+def _scaled_rows(
+    logits: torch.Tensor, index: torch.Tensor | None, temperature: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``index`` of ``logits`` (all when None) divided by their temperature, into ``out``."""
+    if index is None:
+        return torch.div(logits, temperature[:, None], out=out)
+    return torch.index_select(logits, 0, index, out=out).div_(temperature[:, None])
+
+
+def _relative_weights_(scaled: torch.Tensor) -> torch.Tensor:
+    """In place, exp(x - row max): probabilities up to the normaliser; the best token is 1."""
+    return scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+
+
 # --------------------------------------------------------------------------- truncation
-# Thresholds live in probability space: a row keeps the tokens whose probability is >= its
-# threshold, and 0 keeps everything. Ties at a threshold are kept, as in HF's and vLLM's
-# masking.
+# Thresholds are on the relative weights: a row keeps the tokens whose weight is >= its
+# threshold, and 0 keeps everything.
 
 
 def _candidate_sizes(vocab_size: int, largest_top_k: int, any_top_p_only: bool) -> Iterator[int]:
@@ -125,23 +146,28 @@ def _candidate_sizes(vocab_size: int, largest_top_k: int, any_top_p_only: bool) 
             yield size
 
 
-def _best_probs(probs: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size`` largest probabilities of each row, best first."""
-    if size >= probs.shape[-1]:
-        return probs.sort(dim=-1, descending=True).values
-    return probs.topk(size, dim=-1, sorted=True).values
+def _best_weights(weights: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` largest weights of each row, best first."""
+    if size >= weights.shape[-1]:
+        return weights.sort(dim=-1, descending=True).values
+    return weights.topk(size, dim=-1, sorted=True).values
 
 
 def _candidate_thresholds(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, size: int
+    weights: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    row_totals: torch.Tensor,
+    size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p thresholds from each row's ``size`` most likely tokens.
 
-    Returns ``(threshold, resolved)``. A top-p row without top-k whose nucleus is wider than
+    ``row_totals`` is each row's whole weight (used by top-p rows without top-k). Returns
+    ``(threshold, resolved)``; a top-p row without top-k whose nucleus is wider than
     ``size`` is not resolved: its candidates hold less than ``top_p`` of the mass.
     """
-    vocab_size = probs.shape[-1]
-    best = _best_probs(probs, size)
+    vocab_size = weights.shape[-1]
+    best = _best_weights(weights, size)
     zeros = best.new_zeros(best.shape[0])
     has_k = top_k > 0
     k_index = (top_k.clamp(1, size) - 1)[:, None]
@@ -151,10 +177,10 @@ def _candidate_thresholds(
         return k_threshold, torch.ones_like(has_k)
 
     # Top-p acts on the top-k-truncated distribution: drop candidates past k, renormalise.
-    positions = torch.arange(size, device=probs.device)
+    positions = torch.arange(size, device=weights.device)
     kept_by_k = positions[None, :] < torch.where(has_k, top_k, size)[:, None]
     cumulative = torch.where(kept_by_k, best, 0.0).cumsum_(dim=-1)
-    total = torch.where(has_k, cumulative.gather(1, k_index).squeeze(1), 1.0)
+    total = torch.where(has_k, cumulative.gather(1, k_index).squeeze(1), row_totals)
     target = top_p * total
     # Smallest prefix reaching top_p: the best token, plus each token before which the
     # cumulative mass is still below top_p.
@@ -166,22 +192,26 @@ def _candidate_thresholds(
 
 
 def _top_k_top_p_thresholds(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Per row, the smallest probability kept by top-k (0 = off) then top-p (1 = off).
+    """Per row, the smallest weight kept by top-k (0 = off) then top-p (1 = off).
 
     Avoids a full sort: top-k needs only k candidates, and the top-p nucleus is looked for
     among the best 256 tokens, then 4096, then the whole (sorted) row, per unresolved row.
     """
-    n_rows, vocab_size = probs.shape
-    thresholds = probs.new_zeros(n_rows)
-    pending = torch.arange(n_rows, device=probs.device)
-    any_top_p_only = bool(((top_p < 1.0) & (top_k == 0)).any())
+    n_rows, vocab_size = weights.shape
+    thresholds = weights.new_zeros(n_rows)
+    pending = torch.arange(n_rows, device=weights.device)
+    top_p_only = (top_p < 1.0) & (top_k == 0)
+    any_top_p_only = bool(top_p_only.any())
+    row_totals = weights.sum(dim=-1) if any_top_p_only else thresholds
     for size in _candidate_sizes(vocab_size, int(top_k.max()), any_top_p_only):
-        whole = pending.numel() == n_rows
-        rows_probs = probs if whole else probs[pending]
-        rows_k, rows_p = (top_k, top_p) if whole else (top_k[pending], top_p[pending])
-        threshold, resolved = _candidate_thresholds(rows_probs, rows_k, rows_p, size)
+        if pending.numel() == n_rows:
+            rows, k, p, totals = weights, top_k, top_p, row_totals
+        else:
+            rows, k, p = weights[pending], top_k[pending], top_p[pending]
+            totals = row_totals[pending]
+        threshold, resolved = _candidate_thresholds(rows, k, p, totals, size)
         thresholds[pending[resolved]] = threshold[resolved]
         pending = pending[~resolved]
         if pending.numel() == 0:
@@ -189,25 +219,20 @@ def _top_k_top_p_thresholds(
     return thresholds
 
 
-def _min_p_thresholds(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens less likely than ``min_p`` times the most likely one."""
-    return probs.amax(dim=-1) * min_p
-
-
-def _zero_below(probs: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-    """Zero each row's probabilities below its threshold (0 keeps the row as it is)."""
-    if probs.device.type != "cpu":
-        return torch.where(probs >= thresholds[:, None], probs, 0.0)
+def _zero_below(weights: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Zero each row's weights below its threshold (0 keeps the row as it is)."""
+    if weights.device.type != "cpu":
+        return torch.where(weights >= thresholds[:, None], weights, 0.0)
     # On CPU an in-place F.threshold_ per truncated row is ~5x faster than the masked
     # torch.where. threshold_ keeps x > bound, so pass the float just below the threshold.
     bounds = torch.nextafter(thresholds, thresholds.new_full((), _NEG_INF)).tolist()
     for i, (bound, threshold) in enumerate(zip(bounds, thresholds.tolist(), strict=True)):
         if threshold > 0.0:
-            F.threshold_(probs[i], bound, 0.0)
-    return probs
+            F.threshold_(weights[i], bound, 0.0)
+    return weights
 
 
-# --------------------------------------------------------------------------- drawing
+# --------------------------------------------------------------------------- picking
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -231,13 +256,13 @@ def _draw_uniforms(
     return uniforms
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative probability exceeds u * total.
+def _inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative weight exceeds u * total weight.
 
-    ``probs`` need not be normalised (truncation zeroes entries); it is overwritten with its
-    cumulative sum. Zero-probability tokens can never be picked.
+    ``weights`` need not be normalised; it is overwritten with its cumulative sum.
+    Zero-weight tokens can never be picked.
     """
-    cdf = probs.cumsum_(dim=-1)
+    cdf = weights.cumsum_(dim=-1)
     total = cdf[:, -1]
     # u < 1, but u * total can round up to total; stay strictly below it.
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -245,6 +270,26 @@ def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+class _Workspace:
+    """Float32 [rows, vocab] scratch tensors kept across steps (CPU only), grown on demand.
+
+    A view handed out is valid until the same name is taken again.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, n_rows: int, n_cols: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":  # the CUDA caching allocator already recycles memory
+            return torch.empty(n_rows, n_cols, dtype=torch.float32, device=device)
+        numel = n_rows * n_cols
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=torch.float32)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(n_rows, n_cols)
 
 
 def _row_index(indices: list[int], n_rows: int, device: torch.device) -> torch.Tensor | None:
@@ -268,10 +313,14 @@ def _column(
 
 
 class Sampler:
-    """Picks one token per row of ``logits`` according to each row's ``SamplingParams``."""
+    """Picks one token per row of ``logits`` according to each row's ``SamplingParams``.
+
+    Not thread-safe: it reuses scratch buffers between calls.
+    """
 
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
+        self._workspace = _Workspace()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Sample from ``logits`` [len(rows), vocab]; ``logits`` itself is left unchanged."""
@@ -281,92 +330,106 @@ class Sampler:
             )
         if not rows:
             return []
-        n_rows = len(rows)
-        processed = self.process_logits(logits, rows)
-        tokens = torch.empty(n_rows, dtype=torch.long, device=logits.device)
+        n_rows, device = len(rows), logits.device
+        processed = self._processed(logits, rows)
+        tokens = torch.empty(n_rows, dtype=torch.long, device=device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         if greedy:
-            index = _row_index(greedy, n_rows, logits.device)
-            picked = _greedy(_select(processed, index))
+            index = _row_index(greedy, n_rows, device)
+            picked = _greedy(self._gather(processed, index, "greedy", len(greedy)))
             tokens = picked if index is None else tokens.index_copy_(0, index, picked)
         if random:
-            index = _row_index(random, n_rows, logits.device)
-            picked = self._sample_random(_select(processed, index), [rows[i] for i in random])
+            index = _row_index(random, n_rows, device)
+            picked = self._sample_random(processed, index, [rows[i] for i in random])
             tokens = picked if index is None else tokens.index_copy_(0, index, picked)
         return self._results(logits, rows, tokens)
 
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """float32 logits after penalties and min_tokens masking, as a new tensor."""
+        return self._processed(logits, rows).clone()
+
     # ------------------------------------------------------------------ stages
 
-    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _gather(
+        self, source: torch.Tensor, index: torch.Tensor | None, name: str, n_rows: int
+    ) -> torch.Tensor:
+        """Rows ``index`` of ``source`` (``source`` itself when None), in a scratch buffer."""
+        if index is None:
+            return source
+        out = self._workspace.take(name, n_rows, source.shape[-1], source.device)
+        return torch.index_select(source, 0, index, out=out)
+
+    def _processed(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """float32 logits after penalties and min_tokens masking.
 
-        ``logits`` is never modified: a row that changes works on a copy. With nothing to do
-        the result may be ``logits`` itself, so callers must not write to it.
+        ``logits`` is never modified: changes go to a scratch copy. With nothing to change
+        the result is ``logits`` itself (when float32), so it must be treated as read-only.
         """
-        work = logits.float()
-        vocab_size = work.shape[-1]
+        vocab_size = logits.shape[-1]
         penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
         banned = {
             i: ids for i, row in enumerate(rows) if (ids := _min_tokens_banned(row, vocab_size))
         }
-        if not penalised and not banned:
-            return work
-        if work.data_ptr() == logits.data_ptr():
-            work = work.clone()
+        if not penalised and not banned and logits.dtype == torch.float32:
+            return logits
+        work = self._workspace.take("processed", len(rows), vocab_size, logits.device)
+        work.copy_(logits)
         for i in penalised:
             _apply_penalties(work[i], rows[i])
         for i, ids in banned.items():
             work[i, ids] = _NEG_INF
         return work
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample_random(
+        self, processed: torch.Tensor, index: torch.Tensor | None, rows: list[SamplingRow]
+    ) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one inverse-CDF draw per row."""
-        temperature = _column([r.params.temperature for r in rows], logits, torch.float32)
-        probs = (logits / temperature[:, None]).softmax(dim=-1)
-        thresholds = self._truncation_thresholds(probs, rows)
+        n_rows, vocab_size = len(rows), processed.shape[-1]
+        temperature = _column([r.params.temperature for r in rows], processed, torch.float32)
+        weights = self._workspace.take("weights", n_rows, vocab_size, processed.device)
+        weights = _relative_weights_(_scaled_rows(processed, index, temperature, out=weights))
+        thresholds = self._truncation_thresholds(weights, rows)
         if thresholds is not None:
-            probs = _zero_below(probs, thresholds)
+            weights = _zero_below(weights, thresholds)
         generators = [r.generator for r in rows]
-        uniforms = _draw_uniforms(generators, self.default_generator, logits.device)
-        return _inverse_cdf_sample(probs, uniforms)
+        uniforms = _draw_uniforms(generators, self.default_generator, processed.device)
+        return _inverse_cdf_sample(weights, uniforms)
 
-    @staticmethod
-    def _truncation_thresholds(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    def _truncation_thresholds(
+        self, weights: torch.Tensor, rows: list[SamplingRow]
+    ) -> torch.Tensor | None:
         """Combined top-k/top-p/min-p threshold per row, or None when no row truncates."""
         uses_kp = [i for i, r in enumerate(rows) if r.params.top_k > 0 or r.params.top_p < 1.0]
-        uses_min_p = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
+        uses_min_p = any(r.params.min_p > 0.0 for r in rows)
         if not uses_kp and not uses_min_p:
             return None
-        thresholds = probs.new_zeros(len(rows))
+        thresholds = weights.new_zeros(len(rows))
         if uses_kp:
-            index = _row_index(uses_kp, len(rows), probs.device)
-            top_k = _column([rows[i].params.top_k for i in uses_kp], probs, torch.long)
-            top_p = _column([rows[i].params.top_p for i in uses_kp], probs, torch.float32)
-            kp = _top_k_top_p_thresholds(_select(probs, index), top_k, top_p)
+            index = _row_index(uses_kp, len(rows), weights.device)
+            top_k = _column([rows[i].params.top_k for i in uses_kp], weights, torch.long)
+            top_p = _column([rows[i].params.top_p for i in uses_kp], weights, torch.float32)
+            candidates = self._gather(weights, index, "candidates", len(uses_kp))
+            kp = _top_k_top_p_thresholds(candidates, top_k, top_p)
             thresholds = kp if index is None else thresholds.index_copy_(0, index, kp)
         if uses_min_p:
-            # min-p is relative to the best token, which top-k/top-p always keep, so it
-            # combines with their thresholds by a max.
-            index = _row_index(uses_min_p, len(rows), probs.device)
-            min_p = _column([rows[i].params.min_p for i in uses_min_p], probs, torch.float32)
-            mp = _min_p_thresholds(_select(probs, index), min_p)
-            mp = torch.maximum(_select(thresholds, index), mp)
-            thresholds = mp if index is None else thresholds.index_copy_(0, index, mp)
+            # The best token's weight is 1 and top-k/top-p always keep it, so min-p's
+            # threshold is min_p itself and combines with theirs by a max.
+            min_p = _column([r.params.min_p for r in rows], weights, torch.float32)
+            thresholds = torch.maximum(thresholds, min_p)
         return thresholds
 
-    @staticmethod
     def _results(
-        logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
     ) -> list[SampledToken]:
         """Package tokens, with logprobs of the raw distribution for the rows that ask."""
-        token_list = tokens.tolist()
-        results = [SampledToken(t, None, None) for t in token_list]
+        results = [SampledToken(t, None, None) for t in tokens.tolist()]
         wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanting:
             return results
         index = _row_index(wanting, len(rows), logits.device)
-        logprobs = _select(logits, index).float().log_softmax(dim=-1)
+        out = self._workspace.take("logprobs", len(wanting), logits.shape[-1], logits.device)
+        logprobs = torch.log_softmax(_select(logits, index), -1, dtype=torch.float32, out=out)
         chosen = logprobs.gather(1, _select(tokens, index)[:, None]).squeeze(1).tolist()
         n_top = max(rows[i].params.logprobs or 0 for i in wanting)
         top_ids: list[list[int]] = [[] for _ in wanting]

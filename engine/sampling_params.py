@@ -81,7 +81,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0 * 1e3:
             raise bad("repetition_penalty", "> 0 (1 disables it)")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "an integer >= 1 or None (up to the context length)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")

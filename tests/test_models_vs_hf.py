@@ -93,7 +93,7 @@ def hf_greedy(model, prompt, max_new_tokens=MAX_TOKENS):
             eos_token_id=None,
             pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def run_engine(path, prompts, params=None, **kwargs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -222,15 +222,18 @@ def test_degenerate_truncation_is_greedy(knobs: dict[str, float], temperature: f
 # --------------------------------------------------------------------------- top-k/top-p thresholds
 
 
-def reference_thresholds(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Full-sort reference of the per-row smallest kept probability (0 keeps all)."""
-    out = torch.zeros(probs.shape[0])
+def reference_thresholds(
+    weights: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
+    """Full-sort reference of the per-row smallest kept weight (0 keeps all)."""
+    row_totals = weights.sum(dim=-1)
+    out = torch.zeros(weights.shape[0])
     for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)):
-        best = probs[i].sort(descending=True).values
+        best = weights[i].sort(descending=True).values
         keep = k if k > 0 else best.numel()
         if p < 1.0:
             cumulative = torch.where(torch.arange(best.numel()) < keep, best, 0.0).cumsum(0)
-            total = cumulative[keep - 1] if k > 0 else 1.0
+            total = cumulative[keep - 1] if k > 0 else row_totals[i]
             keep = min(keep, 1 + int((cumulative[:-1] < p * total).sum()))
         out[i] = best[keep - 1] if (k > 0 or p < 1.0) else 0.0
     return out
@@ -242,17 +245,18 @@ def test_top_k_top_p_thresholds_match_full_sort() -> None:
     # Flat rows need nuclei wider than 256 and 4096 candidates; peaked ones fit in 256.
     scales = [0.05, 0.05, 0.3, 1.0, 3.0, 8.0, 0.05, 3.0, 1.0, 0.01]
     logits = torch.stack([torch.randn(vocab, generator=gen) * s for s in scales])
-    probs = logits.softmax(dim=-1)
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # relative: best is 1
     top_k = [0, 0, 0, 0, 0, 50, 1000, 1, 300, 5000]
     top_p = [0.9, 0.5, 0.95, 0.8, 0.99, 1.0, 0.9, 0.3, 0.7, 0.99]
-    got = _top_k_top_p_thresholds(probs, torch.tensor(top_k), torch.tensor(top_p))
-    assert torch.equal(got, reference_thresholds(probs, top_k, top_p))
-    # One row at a time gives the same thresholds (no dependence on the batch).
-    for i in range(len(scales)):
+    got = _top_k_top_p_thresholds(weights, torch.tensor(top_k), torch.tensor(top_p))
+    assert torch.equal(got, reference_thresholds(weights, top_k, top_p))
+    # Fewer rows at a time give the same thresholds (no dependence on the batch).
+    for i in range(0, len(scales), 2):
+        part = slice(i, i + 2)
         alone = _top_k_top_p_thresholds(
-            probs[i : i + 1], torch.tensor(top_k[i : i + 1]), torch.tensor(top_p[i : i + 1])
+            weights[part], torch.tensor(top_k[part]), torch.tensor(top_p[part])
         )
-        assert torch.equal(alone, got[i : i + 1])
+        assert torch.equal(alone, got[part])
 
 
 def test_wide_nucleus_samples_stay_inside_it() -> None:
@@ -273,8 +277,11 @@ def flat_logits(n: int, vocab: int = 1000, seed: int = 6) -> torch.Tensor:
     return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed))
 
 
+RowsFactory = Callable[[], list[SamplingRow]]
+
+
 def run_steps(
-    logits_per_step: list[torch.Tensor], rows_factory, position: int, default_seed: int
+    logits_per_step: list[torch.Tensor], rows_factory: RowsFactory, position: int, default_seed: int
 ) -> list[int]:
     """Token picked for the row at ``position`` over several steps (fresh rows each run)."""
     rows = rows_factory()
@@ -320,11 +327,13 @@ def test_different_seeds_differ_and_unseeded_rows_use_the_default_generator() ->
     logits = flat_logits(1)
     steps = [logits] * 20
 
-    def seeded(seed: int):
+    def seeded(seed: int) -> RowsFactory:
         return lambda: [make_row(temperature=1.0, seed=seed)]
 
+    def unseeded() -> list[SamplingRow]:
+        return [make_row(temperature=1.0)]
+
     assert run_steps(steps, seeded(1), 0, 0) != run_steps(steps, seeded(2), 0, 0)
-    unseeded = lambda: [make_row(temperature=1.0)]  # noqa: E731
     assert run_steps(steps, unseeded, 0, 5) == run_steps(steps, unseeded, 0, 5)
     assert run_steps(steps, unseeded, 0, 5) != run_steps(steps, unseeded, 0, 6)
 
@@ -423,3 +432,21 @@ def test_mixed_batch_of_greedy_random_and_logprob_rows() -> None:
     for i in (5, 11):
         alone = sampler(99)(logits[i : i + 1], [make_row(temperature=1.0, min_p=0.02, seed=i)])
         assert alone[0].token_id == results[i].token_id
+
+
+def test_one_sampler_across_changing_batch_sizes() -> None:
+    """Scratch buffers are reused between calls; results must not leak across them."""
+    s = sampler()
+    for step, n in enumerate([8, 3, 16, 1, 16]):
+        logits = flat_logits(n, vocab=300, seed=step) * 3
+        output = [int(logits[0].argmax())]  # penalised below, so greedy must move off it
+        rows = [
+            make_row(output=output, temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
+            if i % 2 == 0
+            else make_row(temperature=0.0)
+            for i in range(n)
+        ]
+        expected = s.process_logits(logits, rows).argmax(dim=-1).tolist()
+        assert token_ids(s(logits, rows)) == expected
+        reference = reference_penalised(logits[0], [], output, 1.0, 2.0, 2.0)
+        assert expected[0] == int(reference.argmax())

@@ -72,10 +72,15 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def forward(self, positions, q, k):  # positions [T]; q [T, H, D]; k [T, KVH, D]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` for a step's positions (once per step, shared by all layers)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q, k, cos, sin):  # q [T, H, D]; k [T, KVH, D]; cos, sin [T, 1, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -84,19 +89,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, positions, x, kv_cache, meta, backend: AttentionBackend):
+    def forward(self, rope, x, kv_cache, meta, backend: AttentionBackend):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -104,7 +114,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o)
 
@@ -121,15 +131,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta, backend):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+    def forward(self, rope, x, kv_cache, meta, backend):
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,9 +156,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.rotary = rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -167,8 +177,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # hidden states [T, hidden], before the final norm
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta, backend)
+            x = layer(rope, x, kv_cache, meta, backend)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
@@ -188,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = self._locate(name)
             if target not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
+                )
             _copy_shard(params[target], tensor, shard, self._shard_sizes(target))
             loaded.add(target if shard is None else f"{target}#{shard}")
         missing = self._expected_loads() - loaded
@@ -220,11 +233,15 @@ class LlamaForCausalLM(nn.Module):
         return expected
 
 
-def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+def _copy_shard(
+    param: nn.Parameter, tensor: torch.Tensor, shard: int | None, sizes: list[int]
+) -> None:
     dst = param.data
     if shard is not None:
         offset = sum(sizes[:shard])
         dst = dst.narrow(0, offset, sizes[shard])
     if dst.shape != tensor.shape:
-        raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+        raise ValueError(
+            f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}"
+        )
     dst.copy_(tensor)

