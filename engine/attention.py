@@ -11,7 +11,8 @@ table lists its blocks in order, so the token at position ``p`` lives in slot
     slots       28..31   |  8..11  | 36 37
 
 A step's tokens are flattened (``[num_tokens, heads, head_dim]``), decode rows first (one query
-token each), then the prefill chunks. Every layer first writes the step's new K/V into their
+token each, shortest context first, so rows of similar length form padded groups), then the
+prefill chunks. Every layer first writes the step's new K/V into their
 slots, then attends: a request admitted in this step on top of blocks another request is filling
 in this same step reads them after they are written.
 """
@@ -19,6 +20,7 @@ in this same step reads them after they are written.
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +37,28 @@ class ChunkSpec:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows ``[first, first + num_rows)`` whose contexts are padded to one length."""
+
+    first: int
+    num_rows: int
+    block_size: int
+    blocks: torch.Tensor  # [num_rows, max_blocks] block tables, padded with block 0
+    mask: torch.Tensor  # [1, num_rows, 1, max_blocks * block_size] additive: 0 or -inf
+
+
+@dataclass
 class AttentionMetadata:
+    block_size: int
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
-    num_decodes: int  # rows [0, num_decodes) are single-token decodes
-    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block tables, padded with 0
-    decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size] 0 / -inf
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes, shortest context first
+    decode_groups: list[DecodeGroup]  # torch backend: decodes padded per group of similar length
     # Prefill chunks: (first row, rows, context slots or None when no cached prefix, start pos)
     prefills: list[tuple[int, int, torch.Tensor | None, int]]
+    # Native backends: every decode's block table (padded) and context length.
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
 
 
 class AttentionBackend(abc.ABC):
@@ -87,18 +103,9 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping += slots_for(c.block_table, c.start, c.start + c.num_tokens, block_size)
         decodes = [c for c in chunks if c.num_tokens == 1]
         num_decodes = len(decodes)
-        if chunks[:num_decodes] != decodes:
-            raise ValueError("decode chunks must come first")
-        decode_blocks = decode_mask = None
-        if decodes:
-            tables = [c.block_table[: c.start // block_size + 1] for c in decodes]
-            max_blocks = max(len(t) for t in tables)
-            padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-            decode_blocks = torch.tensor(padded, dtype=torch.long, device=device)
-            lens = torch.tensor([c.start + 1 for c in decodes])
-            valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
-            mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
-            decode_mask = mask.view(1, num_decodes, 1, -1).to(device)
+        if chunks[:num_decodes] != decodes or decodes != sorted(decodes, key=lambda c: c.start):
+            raise ValueError("decode chunks must come first, shortest context first")
+        groups = self._decode_groups(decodes, block_size, device)
         prefills = []
         row = num_decodes
         for c in chunks[num_decodes:]:
@@ -109,13 +116,27 @@ class TorchAttentionBackend(AttentionBackend):
             prefills.append((row, c.num_tokens, ctx, c.start))
             row += c.num_tokens
         return AttentionMetadata(
+            block_size=block_size,
             num_tokens=len(slot_mapping),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             num_decodes=num_decodes,
-            decode_blocks=decode_blocks,
-            decode_mask=decode_mask,
+            decode_groups=groups,
+            **self._decode_tables(decodes, block_size, device),
             prefills=prefills,
         )
+
+    def _decode_groups(self, decodes, block_size, device) -> list[DecodeGroup]:
+        return [_decode_group(first, g, block_size, device) for first, g in _by_length(decodes)]
+
+    def _decode_tables(self, decodes, block_size, device) -> dict:
+        return {}
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
+        for g in meta.decode_groups:
+            rows = slice(g.first, g.first + g.num_rows)
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, g, scale).reshape(
+                g.num_rows, -1
+            )
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -123,8 +144,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            nd = meta.num_decodes
-            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale).reshape(nd, -1)
+            self._decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale, out)
         for row, n, ctx, start in meta.prefills:
             if ctx is None:
                 ks, vs = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
@@ -135,23 +155,104 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes in one native pass over the paged cache (CPU, fp32):
+    no padded gather, no length groups (kernels/cpu/paged_decode_attention.cpp)."""
+
+    name = "cpu"
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def _decode_groups(self, decodes, block_size, device) -> list[DecodeGroup]:
+        return []
+
+    def _decode_tables(self, decodes, block_size, device) -> dict:
+        if not decodes:
+            return {}
+        tables = [c.block_table[: c.start // block_size + 1] for c in decodes]
+        width = max(len(t) for t in tables)
+        return {
+            "decode_block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            "decode_context_lens": torch.tensor([c.start + 1 for c in decodes]),
+        }
+
+    def _decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
+        o = self.kernel.paged_decode_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.block_size,
+            scale,
+        )
+        out[: q.shape[0]] = o.view(q.shape[0], -1)
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The fastest backend that runs here: native CPU decode for fp32 on CPU, else torch.
+    ``TANDEM_ATTENTION_BACKEND=torch`` forces the plain-torch backend."""
+    choice = os.environ.get("TANDEM_ATTENTION_BACKEND", "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"TANDEM_ATTENTION_BACKEND must be 'auto' or 'torch', got {choice!r}")
+    if choice == "auto" and device.type == "cpu" and dtype == torch.float32:
+        from kernels.cpu.paged_decode import load_kernel
+
+        kernel = load_kernel()
+        if kernel is not None:
+            return CpuAttentionBackend(kernel)
+    return TorchAttentionBackend()
+
+
+# Padding a group to its longest context wastes gather and matmul work on the shorter rows; a
+# new group starts when the padded size would exceed this factor of the useful size.
+MAX_PADDING = 1.3
+
+
+def _by_length(decodes: list[ChunkSpec]) -> list[tuple[int, list[ChunkSpec]]]:
+    """Split decodes (sorted by context length) into runs of similar length: (first row, run)."""
+    groups: list[tuple[int, list[ChunkSpec]]] = []
+    run: list[ChunkSpec] = []
+    useful = 0
+    for row, c in enumerate(decodes):
+        ctx = c.start + 1
+        if run and (len(run) + 1) * ctx > MAX_PADDING * (useful + ctx):
+            groups.append((row - len(run), run))
+            run, useful = [], 0
+        run.append(c)
+        useful += ctx
+    if run:
+        groups.append((len(decodes) - len(run), run))
+    return groups
+
+
+def _decode_group(first: int, run: list[ChunkSpec], block_size: int, device) -> DecodeGroup:
+    tables = [c.block_table[: c.start // block_size + 1] for c in run]
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    lens = torch.tensor([c.start + 1 for c in run])
+    valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+    return DecodeGroup(
+        first=first,
+        num_rows=len(run),
+        block_size=block_size,
+        blocks=torch.tensor(padded, dtype=torch.long, device=device),
+        mask=mask.view(1, len(run), 1, -1).to(device),
+    )
+
+
+def _decode_attention(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
     """q [B, H, D] against each row's gathered blocks; GQA by grouping the heads of a KV head."""
     b, num_heads, head_dim = q.shape
     kvh = k_cache.shape[0]
-    blocks = meta.decode_blocks
-    ks = k_cache.view(kvh, -1, _block_size(meta, k_cache), head_dim)[:, blocks]
-    vs = v_cache.view(kvh, -1, ks.shape[3], head_dim)[:, blocks]
-    ks = ks.view(kvh, b, -1, head_dim)  # [KVH, B, L, D]
-    vs = vs.view(kvh, b, -1, head_dim)
+    ks = k_cache.view(kvh, -1, g.block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
+    vs = v_cache.view(kvh, -1, g.block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
     qg = q.view(b, kvh, num_heads // kvh, head_dim).transpose(0, 1)  # [KVH, B, G, D]
     scores = torch.matmul(qg, ks.transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
-    probs = torch.softmax(scores + meta.decode_mask, dim=-1).to(vs.dtype)
+    probs = torch.softmax(scores + g.mask, dim=-1).to(vs.dtype)
     return torch.matmul(probs, vs).transpose(0, 1)  # [B, KVH, G, D]
-
-
-def _block_size(meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
-    return meta.decode_mask.shape[-1] // meta.decode_blocks.shape[1]
 
 
 def _prefill_attention(q, k, v, start: int, scale: float) -> torch.Tensor:

@@ -1,11 +1,17 @@
-"""CPU-only weight layout, applied from outside the model after its weights are loaded.
+"""CPU-only weight layouts, applied from outside the model after its weights are loaded.
 
-``F.linear(x, W)`` with ``W`` stored ``[out, in]`` makes MKL run a transposed GEMM; for the few
-rows of a decode step (M = batch) that path reaches about half the memory bandwidth that the same
-product does with the weight stored ``[in, out]`` (``x @ W_t``): measured on the 2-core dev
-machine, SmolLM2's fused qkv [576 -> 960] and down [1536 -> 576] at M = 16 ran 1.6-2.4x faster,
-with bit-identical results. Prefill-sized M is unchanged. The tied LM head keeps ``F.linear``
-(transposing it would copy the embedding).
+``F.linear(x, W)`` with ``W`` stored ``[out, in]`` makes MKL run a transposed GEMM. Measured on
+the 2-core dev machine (fp32, SmolLM2 shapes, ms per call; see benchmarks/NOTES.md):
+
+    shape (out x in), rows M     F.linear   x @ W_t   MKL packed
+    3072 x 576, M = 16            0.83       0.46      0.39
+    3072 x 576, M = 64            1.73       1.63      1.17
+    576 x 1536, M = 64            0.79       0.77      0.60
+
+so decode-sized inputs (few rows) use MKL's packed GEMM (``cblas_sgemm_pack`` through torch's
+``mkl::_mkl_linear``) and prefill-sized inputs use ``x @ W_t``, where packing no longer helps.
+Results are identical to ``F.linear`` up to float rounding (bit-identical for M > 1 on the shapes
+above). The tied LM head keeps ``F.linear`` (another layout would copy the embedding).
 """
 
 from __future__ import annotations
@@ -13,26 +19,43 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+PACKED_MAX_ROWS = 256  # above this, x @ W_t is as fast and packing costs a little
+_PACK_HINT = 64
 
-class TransposedLinear(nn.Module):
-    """``y = x @ weight_t + bias`` with ``weight_t`` stored ``[in, out]`` contiguous."""
 
-    def __init__(self, linear: nn.Linear):
+def mkl_packed_available() -> bool:
+    return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class CpuLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W^T`` stored ``[in, out]`` and, with MKL, a packed copy."""
+
+    def __init__(self, linear: nn.Linear, pack: bool):
         super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        weight = linear.weight.detach()
+        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
         self.bias = linear.bias
+        self.packed = None
+        if pack and weight.dtype == torch.float32:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACK_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS:
+            rows = x.shape[0]
+            return torch.ops.mkl._mkl_linear(
+                x.contiguous(), self.packed, self.weight_t.t(), self.bias, rows
+            )
         y = torch.matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias
 
 
-def use_transposed_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Swap every ``nn.Linear`` below ``model`` (except ``skip``) for a ``TransposedLinear``."""
+def use_cpu_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Swap every ``nn.Linear`` below ``model`` (except ``skip``) for a ``CpuLinear``."""
+    pack = mkl_packed_available()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and name not in skip:
-                setattr(parent, name, TransposedLinear(child))
+                setattr(parent, name, CpuLinear(child, pack))
                 swapped += 1
     return swapped

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from engine.attention import AttentionBackend, ChunkSpec, TorchAttentionBackend
+from engine.attention import AttentionBackend, ChunkSpec, select_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.cpu_layout import use_transposed_linears
+from engine.cpu_layout import use_cpu_linears
 from engine.models import model_class
 from engine.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -33,7 +33,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
         self.model = self._load_model(max_model_len)
-        self.backend: AttentionBackend = TorchAttentionBackend()
+        self.backend: AttentionBackend = select_backend(self.device, self.dtype)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
         slots = self.num_kv_blocks * cfg.block_size
@@ -58,7 +58,7 @@ class ModelRunner:
             model.load_weights(iterate_weights(self.cfg.model_dir))
         model.rotary.build(self.device)
         if self.device.type == "cpu":
-            use_transposed_linears(model)
+            use_cpu_linears(model)
         model.eval()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         return model
@@ -87,7 +87,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        chunks = sorted(out.scheduled, key=lambda c: c.num_tokens != 1)  # decodes first
+        # Decodes first, shortest context first (the attention backend groups them by length).
+        chunks = sorted(out.scheduled, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

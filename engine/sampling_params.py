@@ -46,6 +46,7 @@ class SamplingParams:
     MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -60,6 +61,35 @@ class SamplingParams:
             # Greedy: sampling knobs are irrelevant; normalise so the sampler can batch.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    _FLOATS = (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
+
+    def _check_types(self) -> None:
+        for name in self._FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}.")
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
+        for name in ("max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer or None, got {value!r}.")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}."
+            )
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

@@ -207,4 +207,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
+        bm = self.block_manager
+        if request.num_tokens > bm.num_blocks * bm.block_size:
+            return RequestStatus.FINISHED_LENGTH_CAPPED  # would outgrow the whole pool
         return None

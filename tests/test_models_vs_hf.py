@@ -119,11 +119,14 @@ def test_config_is_what_hf_saved(tiny):
     ],
     ids=["plain", "chunked", "preempt"],
 )
-def test_greedy_matches_hf(tiny, engine_kwargs):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_matches_hf(tiny, engine_kwargs, backend, monkeypatch):
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", backend)
     _, path, prompts, expected = tiny
-    _, outs = run_engine(path, prompts, **engine_kwargs)
+    llm, outs = run_engine(path, prompts, **engine_kwargs)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == expected
+    assert llm.engine.runner.backend.name == ("torch" if backend == "torch" else "cpu")
 
 
 def test_preemption_happens_and_tokens_match(tmp_path_factory):

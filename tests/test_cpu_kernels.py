@@ -1,0 +1,46 @@
+"""The native CPU decode kernel against its plain-torch reference, on random odd sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu.paged_decode import load_kernel, paged_decode_attention, paged_decode_attention_ref
+
+pytestmark = pytest.mark.skipif(
+    load_kernel() is None, reason="no C++ toolchain to build the kernel"
+)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 64, 1), (6, 2, 32, 32)],
+)
+def test_matches_reference(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + block_size)
+    num_blocks = 64
+    k = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g)
+    v = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g)
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 3 * block_size - 1, 77])
+    lens = lens.clamp(max=num_blocks * block_size // len(lens))
+    width = int((lens.max() + block_size - 1) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    got = paged_decode_attention(q, k, v, tables, lens, block_size, scale)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, block_size, scale)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_context_longer_than_table_is_an_error():
+    k = torch.zeros(1, 32, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        paged_decode_attention(q, k, k, torch.tensor([[0]]), torch.tensor([17]), 16, 1.0)
+
+
+def test_rejects_non_fp32():
+    k = torch.zeros(1, 32, 8, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        paged_decode_attention(q, k, k, torch.tensor([[0]]), torch.tensor([1]), 16, 1.0)
