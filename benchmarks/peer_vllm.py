@@ -26,6 +26,9 @@ def main() -> None:
         seed=0,
         max_model_len=spec["max_model_len"],
         enable_prefix_caching=False,
+        # On CPU this is the fraction of RAM vLLM reserves (weights + KV); its 0.92 default
+        # does not fit beside the other processes of the run.
+        gpu_memory_utilization=float(os.environ.get("PEER_MEMORY_FRACTION", "0.3")),
     )
     # Cold start to first token, as a user sees it (imports, engine start, one token).
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=1))

@@ -257,14 +257,15 @@ def _decode_attention(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torc
 
 def _prefill_attention(q, k, v, start: int, scale: float) -> torch.Tensor:
     """Causal attention of ``n`` queries at positions ``start..start+n-1`` (q ``[n, H, D]``) over
-    ``start+n`` keys (k, v ``[KVH, start+n, D]``)."""
+    ``start+n`` keys (k, v ``[KVH, start+n, D]``). Inputs go in 4-D: with a batch dimension torch
+    picks its fused (flash) CPU kernel, 3x faster than the 3-D math path at 512 tokens."""
     n = q.shape[0]
-    qt = q.transpose(0, 1)
+    qt, k4, v4 = q.transpose(0, 1)[None], k[None], v[None]
     gqa = k.shape[0] != q.shape[1]
     if start == 0:
-        o = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qt, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         q_pos = torch.arange(start, start + n, device=q.device)[:, None]
         mask = torch.arange(start + n, device=q.device)[None, :] <= q_pos
-        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qt, k4, v4, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)

@@ -33,7 +33,8 @@ def load_kernel():
         module = load(
             name="tandem_paged_decode_cpu",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, unsupported flags: fall back, say why
