@@ -9,7 +9,6 @@ compiler or ninja is available, ``load_kernel()`` returns None and callers use t
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import sys
 import time
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+_NAME = "tandem_paged_decode_cpu"
 
 
 @functools.cache
@@ -27,11 +26,18 @@ def load_kernel():
     if os.environ.get("TANDEM_DISABLE_CPU_KERNELS"):
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        built = Path(_get_build_directory(_NAME, verbose=False), f"{_NAME}.so").exists()
+        if not built:
+            print(
+                "tandem: compiling the native CPU decode kernel (once, about 40 s) ...",
+                file=sys.stderr,
+                flush=True,
+            )
         t0 = time.perf_counter()
         module = load(
-            name="tandem_paged_decode_cpu",
+            name=_NAME,
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -40,8 +46,8 @@ def load_kernel():
     except Exception as exc:  # no compiler, no ninja, unsupported flags: fall back, say why
         print(f"tandem: CPU decode kernel unavailable ({exc}); using torch", file=sys.stderr)
         return None
-    if time.perf_counter() - t0 > 2:
-        logger.info("built the CPU decode kernel in %.0f s", time.perf_counter() - t0)
+    if not built:
+        print(f"tandem: kernel built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return module
 
 
