@@ -1,0 +1,178 @@
+"""The engine's public surface on a random tiny Llama: loading (sharded, dummy, errors), input
+validation, the step API (streaming deltas, aborts) and block accounting after each of them."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.request import RequestStatus
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(str(tiny_dir), block_size=4, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(256) for _ in range(n)] for n in (3, 9, 21)]
+
+
+def greedy_ids(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tiny_dir, tmp_path, llm, prompts):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded = LLM(str(tmp_path), block_size=4, num_kv_blocks=64)
+    assert greedy_ids(sharded, prompts) == greedy_ids(llm, prompts)
+
+
+def test_missing_shard_is_a_clear_error(tiny_dir, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    next(iter(sorted(tmp_path.glob("*.safetensors")))).unlink()
+    with pytest.raises(ValueError, match="missing shards"):
+        LLM(str(tmp_path))
+
+
+def test_dummy_weights_need_only_config(tiny_dir, tmp_path):
+    shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        LLM(str(tmp_path))
+    llm = LLM(str(tmp_path), load_format="dummy", num_kv_blocks=32)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture.*GPT2LMHeadModel"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "unsupported rope_scaling type 'yarn'",
+        ),
+    ],
+)
+def test_unsupported_config_names_what_and_what_is_supported(tiny_dir, tmp_path, patch, message):
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **patch}))
+    with pytest.raises(ValueError, match=message) as err:
+        LLM(str(tmp_path), load_format="dummy")
+    assert "LlamaForCausalLM" in str(err.value) or "supported" in str(err.value)
+
+
+def test_bfloat16_on_cpu_runs(tiny_dir, prompts):
+    llm = LLM(str(tiny_dir), dtype="bfloat16", num_kv_blocks=32)
+    assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    outs = llm.generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], GREEDY, "prompt is empty"),
+        ([1, 256], GREEDY, r"token ids must be integers in \[0, 256\)"),
+        ([-1], GREEDY, "token ids must be integers"),
+        (list(range(128)), GREEDY, "maximum context length is 128 tokens"),
+        ("text", GREEDY, "no tokenizer"),
+    ],
+)
+def test_bad_input_raises_and_leaks_nothing(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request(None, prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_prompt_larger_than_the_pool_is_refused(tiny_dir):
+    llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=4)  # 16 tokens in all
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([list(range(20))], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_streaming_deltas_add_up_to_the_final_output(llm, prompts):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, n=2, logprobs=2)
+    engine.add_request("s", prompts[1], params)
+    deltas: dict[int, list[int]] = {0: [], 1: []}
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                deltas[c.index] += c.delta_token_ids
+            final = out
+    assert final.finished
+    for c in final.outputs:
+        assert deltas[c.index] == c.token_ids and len(c.token_ids) == 8
+        assert len(c.logprobs) == 8
+    engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_abort_at_every_stage_frees_everything(tiny_dir, prompts):
+    llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    engine.add_request("waiting-then-aborted", prompts[0], params, priority=5)
+    engine.add_request("mid-prefill", prompts[2], params)
+    engine.add_request("decoding", prompts[0], params)
+    engine.add_request("survivor", prompts[1], params)
+    seen: dict[str, object] = {}
+    for _ in range(2):  # budget 8: the 21-token prompt is two chunks in
+        for out in engine.step():
+            seen[out.request_id] = out
+    requests = engine.scheduler.requests
+    assert 0 < requests["mid-prefill"].num_computed_tokens < len(prompts[2])
+    assert requests["waiting-then-aborted"].status == RequestStatus.WAITING
+    engine.abort_request(["mid-prefill", "waiting-then-aborted"])
+    for _ in range(4):
+        engine.step()
+    assert requests["decoding"].num_output_tokens > 0
+    engine.abort_request("decoding")
+    assert engine.scheduler.requests.keys() == {"survivor"}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id] = out
+    assert seen["survivor"].outputs[0].finish_reason == "length"
+    assert len(seen["survivor"].outputs[0].token_ids) == 30
+    engine.block_manager.check_invariant(expect_idle=True)
