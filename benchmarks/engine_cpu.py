@@ -159,6 +159,13 @@ def summarise(workloads, systems: dict[str, dict]) -> dict:
                 "seconds": round(r["seconds"], 2),
                 "vs_hf": round(rate / hf_rate, 3),
                 "greedy_agreement_with_hf": agreement(r["token_ids"], hf["token_ids"]),
+                # HF's left-padded batches change fp32 rounding, so long greedy runs can part
+                # from the unpadded ones; tandem and vLLM both run unpadded.
+                "greedy_agreement_with_tandem": agreement(
+                    r["token_ids"], systems["tandem"][name]["token_ids"]
+                )
+                if "tandem" in systems
+                else None,
             }
         table[name] = row
     return table
