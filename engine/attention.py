@@ -170,10 +170,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode_tables(self, decodes, block_size, device) -> dict:
         if not decodes:
             return {}
-        tables = [c.block_table[: c.start // block_size + 1] for c in decodes]
-        width = max(len(t) for t in tables)
         return {
-            "decode_block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            "decode_block_tables": torch.tensor(padded_block_tables(decodes, block_size)),
             "decode_context_lens": torch.tensor([c.start + 1 for c in decodes]),
         }
 
@@ -227,10 +225,16 @@ def _by_length(decodes: list[ChunkSpec]) -> list[tuple[int, list[ChunkSpec]]]:
     return groups
 
 
+def padded_block_tables(decodes: list[ChunkSpec], block_size: int) -> list[list[int]]:
+    """Each decode's blocks up to its new token, right-padded with block 0 to one width."""
+    tables = [c.block_table[: c.start // block_size + 1] for c in decodes]
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
 def _decode_group(first: int, run: list[ChunkSpec], block_size: int, device) -> DecodeGroup:
-    tables = [c.block_table[: c.start // block_size + 1] for c in run]
-    max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    padded = padded_block_tables(run, block_size)
+    max_blocks = len(padded[0])
     lens = torch.tensor([c.start + 1 for c in run])
     valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
     mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
