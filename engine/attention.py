@@ -254,9 +254,11 @@ def _decode_attention(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torc
     ks = k_cache.view(kvh, -1, g.block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
     vs = v_cache.view(kvh, -1, g.block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
     qg = q.view(b, kvh, num_heads // kvh, head_dim).transpose(0, 1)  # [KVH, B, G, D]
-    scores = torch.matmul(qg, ks.transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
-    probs = torch.softmax(scores + g.mask, dim=-1).to(vs.dtype)
-    return torch.matmul(probs, vs).transpose(0, 1)  # [B, KVH, G, D]
+    if qg.dtype != torch.float32:  # keep scores and the weighted sum in fp32, as fused kernels do
+        qg, ks, vs = qg.float(), ks.float(), vs.float()
+    scores = torch.matmul(qg, ks.transpose(-1, -2)) * scale  # [KVH, B, G, L]
+    probs = torch.softmax(scores + g.mask, dim=-1)
+    return torch.matmul(probs, vs).transpose(0, 1).to(q.dtype)  # [B, KVH, G, D]
 
 
 def _prefill_attention(q, k, v, start: int, scale: float) -> torch.Tensor:
