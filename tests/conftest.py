@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from hf_oracle import hf_greedy_ids, tiny_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -15,3 +16,13 @@ def smollm2_dir():
     from engine.model_hub import resolve_model
 
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    return hf_greedy_ids
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return tiny_config

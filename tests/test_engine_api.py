@@ -9,25 +9,14 @@ import shutil
 
 import pytest
 import torch
+from hf_oracle import tiny_config
 
 from engine import LLM, SamplingParams
 from engine.request import RequestStatus
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
+CONFIG = tiny_config(vocab_size=256, max_position_embeddings=128)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 

@@ -9,25 +9,13 @@ import random
 
 import pytest
 import torch
+from hf_oracle import hf_greedy_ids, tiny_config
 
 from engine import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # larger than usual: random logits far from ties
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
-
+BASE = {"vocab_size": 320}
 CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
     "llama-tied-mqa": (
@@ -65,7 +53,7 @@ MAX_TOKENS = 10
 
 def _make_model(tmp_path_factory, name):
     cfg_cls, model_cls, extra = CONFIGS[name]
-    config = getattr(transformers, cfg_cls)(**{**BASE, **extra})
+    config = getattr(transformers, cfg_cls)(**tiny_config(**extra))
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(config).eval()
     path = tmp_path_factory.mktemp(name)
@@ -83,17 +71,7 @@ def tiny(request, tmp_path_factory):
 
 
 def hf_greedy(model, prompt, max_new_tokens=MAX_TOKENS):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),  # explicit: no token is padding
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_ids(model, prompt, max_new_tokens)
 
 
 def run_engine(path, prompts, params=None, **kwargs):

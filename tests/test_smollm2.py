@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_oracle import hf_greedy_ids
 
 from engine import LLM, SamplingParams
 
@@ -45,12 +46,7 @@ def prompts(llm):
 
 
 def hf_greedy(model, ids, max_new_tokens=MAX_TOKENS):
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False
-        )
-    return out[0, len(ids) :].tolist()
+    return hf_greedy_ids(model, ids, max_new_tokens, stop_at_eos=True)
 
 
 @pytest.fixture(scope="module")

@@ -18,45 +18,23 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
-
 
 @pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def tiny(request, tmp_path_factory):
+def tiny(request, tmp_path_factory, tiny_cfg):
     cfg_cls = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config"}[request.param]
     torch.manual_seed(0)
-    model = getattr(transformers, request.param)(getattr(transformers, cfg_cls)(**CONFIG))
+    model = getattr(transformers, request.param)(
+        getattr(transformers, cfg_cls)(
+            **tiny_cfg(
+                vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=8
+            )
+        )
+    )
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 7, 33, 100, 257)]
     return model, path, prompts
-
-
-def hf_greedy(model, prompt, n):
-    x = torch.tensor([prompt], device="cuda")
-    with torch.no_grad():
-        out = model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def run_engine(path, prompts, dtype):
@@ -68,7 +46,7 @@ def run_engine(path, prompts, dtype):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_fp32_greedy_on_cuda_equals_transformers(tiny):
+def test_fp32_greedy_on_cuda_equals_transformers(tiny, hf_greedy):
     model, path, prompts = tiny
     hf = model.to(device="cuda", dtype=torch.float32)
     assert run_engine(path, prompts, "float32") == [hf_greedy(hf, p, 16) for p in prompts]

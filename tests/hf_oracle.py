@@ -1,0 +1,40 @@
+"""The correctness oracle shared by the tests: transformers' greedy generate, and random tiny
+Llama-family configs to run it on."""
+
+from __future__ import annotations
+
+TINY_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # larger than usual: random logits far from ties
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def tiny_config(**overrides) -> dict:
+    """Keyword arguments of a random tiny Llama-family HF config (no eos: runs never stop early)."""
+    return {**TINY_CONFIG, **overrides}
+
+
+def hf_greedy_ids(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False):
+    """The oracle: transformers' greedy ``generate`` on one unpadded prompt."""
+    import torch
+
+    x = torch.tensor([prompt], device=model.device)
+    kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),  # explicit: no token is padding
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, len(prompt) :].tolist()
