@@ -10,8 +10,8 @@ Each step has a token budget (``max_num_batched_tokens``). Running requests are 
 priority order: a decoding request takes 1 token, a request mid-prefill takes what is left of its
 prompt up to the budget (chunked prefill), so decodes and prefill chunks share one step. When a
 running request's next block does not fit, the lowest-priority running request is preempted:
-its blocks are freed and it goes back to the front of the waiting queue to be recomputed later
-(its prefix-cached blocks usually make that cheap). Waiting requests are admitted, best first,
+its blocks are freed and it goes back to the waiting queue, in (priority, arrival) order (so at
+the front under FCFS), to be recomputed later (its prefix-cached blocks usually make that cheap). Waiting requests are admitted, best first,
 while the budget, ``max_num_seqs`` and the free blocks allow, and only in steps with no
 preemption.
 """
@@ -161,7 +161,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.waiting.insert(0, request)
+        self._enqueue(request)  # by (priority, arrival): ahead of later arrivals of its priority
 
     def _enqueue(self, request: Request) -> None:
         """Insert by (priority, arrival); FCFS when every priority is equal."""

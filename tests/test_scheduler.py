@@ -313,6 +313,22 @@ def test_preempted_requests_go_to_the_front_of_waiting_best_first() -> None:
     assert (b.num_preemptions, c.num_preemptions) == (1, 1)
 
 
+def test_preempted_request_stays_behind_higher_priority_waiting_ones() -> None:
+    sched = make_scheduler(num_blocks=6, max_num_seqs=2)
+    a = make_request("a", range(0, 15), max_tokens=4, arrival=0.0)  # 4 blocks
+    b = make_request("b", range(20, 23), max_tokens=8, arrival=1.0, priority=1)  # 1 block
+    urgent = make_request("urgent", range(40, 43), max_tokens=2, arrival=2.0, priority=0)
+    add(sched, a, b)
+    step(sched)
+    add(sched, urgent)  # waits: max_num_seqs
+    step(sched)
+    s = step(sched)  # a needs a 5th block: b (lowest priority) goes
+    assert s.preempted == ["b"]
+    assert [r.request_id for r in sched.waiting] == ["urgent", "b"]
+    run_until_idle(sched)
+    assert [r.num_output_tokens for r in (a, b, urgent)] == [4, 8, 2]
+
+
 def test_preempted_mid_prefill_request_restarts_from_its_cached_blocks() -> None:
     sched = make_scheduler(num_blocks=5, budget=8)
     a = make_request("a", range(0, 5), max_tokens=12, arrival=0.0)  # grows to 4 blocks
