@@ -1,9 +1,10 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The KV cache of one layer is two tensors (K and V) of ``[kv_heads, num_blocks * block_size, head_dim]``:
-heads outermost, so one head's slots are contiguous and a gathered context is already laid out
-for a batched matmul. Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``; a request's block
-table lists its blocks in order, so the token at position ``p`` lives in slot
+The KV cache of one layer is two tensors (K and V) of
+``[kv_heads, num_blocks * block_size, head_dim]``: heads outermost, so one head's slots are
+contiguous and a gathered context is already laid out for a batched matmul. Slot ``s`` is offset
+``s % block_size`` of block ``s // block_size``; a request's block table lists its blocks in
+order, so the token at position ``p`` lives in slot
 ``table[p // block_size] * block_size + p % block_size``::
 
     block table [7, 2, 9]      block_size 4
@@ -42,7 +43,6 @@ class DecodeGroup:
 
     first: int
     num_rows: int
-    block_size: int
     blocks: torch.Tensor  # [num_rows, max_blocks] block tables, padded with block 0
     mask: torch.Tensor  # [1, num_rows, 1, max_blocks * block_size] additive: 0 or -inf
 
@@ -134,9 +134,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
         for g in meta.decode_groups:
             rows = slice(g.first, g.first + g.num_rows)
-            out[rows] = _decode_attention(q[rows], k_cache, v_cache, g, scale).reshape(
-                g.num_rows, -1
-            )
+            o = _decode_attention(q[rows], k_cache, v_cache, g, meta.block_size, scale)
+            out[rows] = o.reshape(g.num_rows, -1)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -241,18 +240,19 @@ def _decode_group(first: int, run: list[ChunkSpec], block_size: int, device) -> 
     return DecodeGroup(
         first=first,
         num_rows=len(run),
-        block_size=block_size,
         blocks=torch.tensor(padded, dtype=torch.long, device=device),
         mask=mask.view(1, len(run), 1, -1).to(device),
     )
 
 
-def _decode_attention(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q, k_cache, v_cache, g: DecodeGroup, block_size: int, scale: float
+) -> torch.Tensor:
     """q [B, H, D] against each row's gathered blocks; GQA by grouping the heads of a KV head."""
     b, num_heads, head_dim = q.shape
     kvh = k_cache.shape[0]
-    ks = k_cache.view(kvh, -1, g.block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
-    vs = v_cache.view(kvh, -1, g.block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
+    ks = k_cache.view(kvh, -1, block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
+    vs = v_cache.view(kvh, -1, block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
     qg = q.view(b, kvh, num_heads // kvh, head_dim).transpose(0, 1)  # [KVH, B, G, D]
     if qg.dtype != torch.float32:  # keep scores and the weighted sum in fp32, as fused kernels do
         qg, ks, vs = qg.float(), ks.float(), vs.float()

@@ -92,16 +92,18 @@ class SamplingParams:
             )
 
     def _validate(self) -> None:
+        """Ranges and contents; ``_check_types`` has already checked every field's type."""
+
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             raise bad("n", "an integer >= 1")
         if not 0.0 <= self.temperature <= 2.0 * 1e3:
             raise bad("temperature", "in [0, 2000] (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise bad("top_k", "0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
@@ -111,11 +113,9 @@ class SamplingParams:
             raise bad("frequency_penalty", "in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0 * 1e3:
             raise bad("repetition_penalty", "> 0 (1 disables it)")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1 or None (up to the context length)")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -124,8 +124,6 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise bad("logprobs", f"an integer in [0, {self.MAX_LOGPROBS}] or None")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -11,9 +11,9 @@ priority order: a decoding request takes 1 token, a request mid-prefill takes wh
 prompt up to the budget (chunked prefill), so decodes and prefill chunks share one step. When a
 running request's next block does not fit, the lowest-priority running request is preempted:
 its blocks are freed and it goes back to the waiting queue, in (priority, arrival) order (so at
-the front under FCFS), to be recomputed later (its prefix-cached blocks usually make that cheap). Waiting requests are admitted, best first,
-while the budget, ``max_num_seqs`` and the free blocks allow, and only in steps with no
-preemption.
+the front under FCFS), to be recomputed later (its prefix-cached blocks usually make that
+cheap). Waiting requests are admitted, best first, while the budget, ``max_num_seqs`` and the
+free blocks allow, and only in steps with no preemption.
 """
 
 from __future__ import annotations

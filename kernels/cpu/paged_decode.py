@@ -2,7 +2,7 @@
 plain-torch reference.
 
 The kernel is built with ``torch.utils.cpp_extension.load`` the first time it is needed (about
-30 s, cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). When no
+40-50 s on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). When no
 compiler or ninja is available, ``load_kernel()`` returns None and callers use the torch path.
 """
 

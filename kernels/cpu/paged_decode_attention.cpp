@@ -159,7 +159,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     for (int64_t task = 0; task < B * KVH; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
       const int64_t L = lens[b];
-      if (L < 1 || (L + block_size - 1) / block_size > max_blocks) continue;  // checked above
       scratch.resize(G * L);
       const int64_t* table = tables + b * max_blocks;
       const int64_t head = b * H + kvh * G;
