@@ -21,28 +21,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_ceilings import hbm_copy_bandwidth  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def hbm_copy_bandwidth(gib: int = 4, reps: int = 20) -> float:
-    """Bytes read + written per second by a device-to-device copy."""
-    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / reps
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (gib << 30) / seconds
 
 
 def decode_itl(llm, context: int, steps: int) -> list[float]:

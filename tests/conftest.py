@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hf_oracle import hf_greedy_ids, tiny_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors (small shapes only). Triton
+# reads this when a kernel is decorated, so it is set before any test imports kernels/.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,42 @@
+"""The denominators of every GPU figure, measured in the same run as the figure itself.
+
+    from benchmarks.gpu_ceilings import hbm_copy_bandwidth, bf16_matmul_flops, time_cuda
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def time_cuda(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Mean seconds per call of ``fn`` on the current stream (CUDA events, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def hbm_copy_bandwidth(gib: int = 4, reps: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy of ``gib`` GiB."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = time_cuda(lambda: dst.copy_(src), reps)
+    src = dst = None
+    torch.cuda.empty_cache()
+    return 2 * (gib << 30) / seconds
+
+
+def bf16_matmul_flops(n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of a bf16 ``n x n x n`` matmul (cuBLAS), the compute ceiling of this GPU."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    seconds = time_cuda(lambda: a @ b, reps)
+    a = b = None
+    torch.cuda.empty_cache()
+    return 2 * n**3 / seconds
