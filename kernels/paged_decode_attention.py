@@ -1,0 +1,375 @@
+"""Paged decode attention on the GPU (Triton): one query token per sequence against its paged
+K/V, GQA-aware, split along the context (split-K / flash-decoding), CUDA-graph safe.
+
+Two launches::
+
+    split kernel, grid (B, KVH, S)                      reduce kernel, grid (B, H)
+    program (b, kvh, s): the G = H / KVH query heads     combines the S partials of one
+    of kv head kvh, over tokens [s*chunk, (s+1)*chunk)   (b, h) by log-sum-exp into out
+    of sequence b, in tiles of BLOCK_N tokens
+
+    context_lens[b] = 10, S = 3, BLOCK_N = 2  ->  chunk = cdiv(cdiv(10, 3), 2) * 2 = 4
+    positions   0 1 2 3 | 4 5 6 7 | 8 9
+    split           0   |    1    |  2     (a split past the end is empty: max -inf, sum 0)
+
+The chunk is computed in the kernel from ``context_lens``, so the grid depends on shapes only:
+no host read of lengths or tables, the same launch is replayable in a CUDA graph, and sequences
+of any length share their work evenly across the splits. With ``S == 1`` the split kernel
+normalises and writes ``out`` itself (no workspace, no second launch).
+
+Each tile gathers its tokens' slots, ``table[pos // block_size] * block_size + pos % block_size``
+(so any power-of-two block size works, also one larger than the tile), loads the K and V rows of
+those slots once, and scores them for all G query heads with one ``tl.dot`` (``[G_PAD, D] x
+[D, BLOCK_N]``, G padded up to the 16 rows the tensor-core instruction needs; padded rows are
+zeros and never stored). Scores, online softmax and accumulation are fp32; P is rounded to the
+cache dtype for the P @ V product, as flash kernels do.
+
+Why ``tl.dot`` even for G = 1 (MHA) rather than an elementwise multiply-and-sum: the kernel is
+bound by HBM reads, and the 16x padded tensor-core work stays far below what the SM can issue
+(H100: the MHA shape, batch 64, ctx 1k, reads K/V at 0.99 of copy bandwidth with the padded dot,
+benchmarks/gpu_decode_attention.py); one code path serves every group size.
+
+Tuning (H100, bf16, head_dim 128, block size 16; benchmarks/gpu_decode_attention.py): 64-token
+tiles, 4 warps, 3 stages are best or within 2% of the best at batch 64 (ctx 1k, 4k) and batch 8
+(ctx 8k); 8 warps lose 10-25%. One split is best once batch x kv heads gives two programs per SM;
+more splits only add programs that each pay a prologue (batch 64: 2 splits 8% slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a run-time loop bound (a 1-element array) into an int
+    with ``int(array)``, which NumPy 2.4 rejects; give it ``.item()``. Interpreter only: the
+    compiled kernels never take this path."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if getattr(patch_tensor, "tandem_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched.tandem_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_loop_bounds()
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,  # [B, H, D]
+    k_ptr,  # [KVH, slots, D]
+    v_ptr,
+    tables_ptr,  # [B, W]
+    lens_ptr,  # [B]
+    out_ptr,  # [B, H, D], written when DIRECT
+    ws_ptr,  # fp32 workspace, when not DIRECT: acc [B, H, S, D] (unnormalised sums), then
+    # ml [B, H, S, 2] (running max in log2 units, sum of exp2); one buffer, one pointer
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_kh,
+    stride_ks,
+    stride_vh,
+    stride_vs,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    table_width,
+    G: tl.constexpr,  # query heads per kv head
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # KV cache block size (tokens)
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    DIRECT: tl.constexpr,  # one split: normalise and write out, no workspace
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    rows = tl.arange(0, G_PAD)  # query heads of this kv head (padded)
+    dims = tl.arange(0, D)
+    heads = kvh * G + rows
+    row_ok = rows < G
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+
+    # Tokens past the table's capacity have no block: clamp instead of reading past the row.
+    ctx = tl.minimum(tl.load(lens_ptr + b), table_width * BLOCK_SIZE)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx)
+
+    table_row = tables_ptr + b.to(tl.int64) * stride_tb
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(
+            k_head + slot[:, None] * stride_ks + dims[None, :], mask=valid[:, None], other=0.0
+        )
+        v = tl.load(
+            v_head + slot[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0
+        )
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # The first tile of a non-empty split has a valid token, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if DIRECT:
+        o = acc / l_i[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (b * (G * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
+        ml_ptr = ws_ptr + (tl.num_programs(0) * G * tl.num_programs(1)).to(tl.int64) * (
+            num_splits * D
+        )
+        tl.store(ws_ptr + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    ws_ptr,  # fp32: acc [B, H, S, D] then ml [B, H, S, 2], as the split kernel wrote them
+    out_ptr,  # [B, H, D]
+    stride_ob,
+    stride_oh,
+    num_heads,
+    num_splits,
+    D: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D)
+    ok = splits < num_splits
+    part = (b * num_heads + h).to(tl.int64) * num_splits + splits
+    ml_ptr = ws_ptr + (tl.num_programs(0) * num_heads).to(tl.int64) * (num_splits * D)
+    m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+    l_s = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    # Empty splits (m = -inf) weigh 0; an all-empty row (length 0) would give -inf - -inf: guard.
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+    total = tl.sum(w * l_s, axis=0)
+    acc = tl.load(ws_ptr + part[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + dims
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+
+
+def _cdiv(a: int, b: int) -> int:  # host side: triton.cdiv costs ~5 us a call, this ~0.1
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: behave like an H100 so CPU tests see the same split counts
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Programs wanted per SM: a few resident per SM hide the gather latency and even out the tail.
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 64
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device) -> int:
+    """Splits per (sequence, kv head) from shapes only (CUDA-graph safe): enough programs to give
+    every SM ``_PROGRAMS_PER_SM`` of them, at most one split per block of the table's width
+    ``max_blocks`` and at most ``_MAX_SPLITS``."""
+    programs = batch * num_kv_heads
+    want = _cdiv(
+        _PROGRAMS_PER_SM
+        * _num_sms(device if isinstance(device, torch.device) else torch.device(device)),
+        programs,
+    )
+    return max(1, min(want, max_blocks, _MAX_SPLITS))
+
+
+def launch_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Default tile and launch parameters of ``_launch`` (benchmarks/gpu_decode_attention.py
+    sweeps them)."""
+    if dtype == torch.float32 or head_dim >= 256:
+        return {"block_n": 32, "num_warps": 4, "num_stages": 2}
+    return {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's one query token over its paged context.
+
+    q ``[B, H, D]`` (last dim contiguous, may be a view of a fused qkv), k_cache / v_cache
+    ``[KVH, slots, D]`` (last dim contiguous), block_tables ``[B, W]`` int32 (int64 works),
+    context_lens ``[B]`` int32 >= 1 (clamped to ``W * block_size``). Returns ``[B, H, D]`` in
+    q's dtype, written into ``out`` when given. ``num_splits`` defaults to
+    ``default_num_splits`` of the shapes, capped so that no split is shorter than one tile of
+    the longest context the table can hold."""
+    config = launch_config(q.shape[-1], q.dtype)
+    args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out, num_splits)
+    return _launch(*args, **config)
+
+
+def pick_num_splits(batch, kv_heads, max_blocks, block_size, block_n, device) -> int:
+    """``default_num_splits``, capped at one tile per split of a full table."""
+    splits = default_num_splits(batch, kv_heads, max_blocks, device)
+    return max(1, min(splits, _cdiv(max_blocks * block_size, block_n)))
+
+
+def _launch(
+    q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None,
+    num_splits=None, *, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:  # fmt: skip
+    """The launcher with its tile and launch parameters open, for tests and benchmarks."""
+    _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out)
+    batch, num_heads, head_dim = q.shape
+    kv_heads, width = k_cache.shape[0], block_tables.shape[1]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = pick_num_splits(batch, kv_heads, width, block_size, block_n, q.device)
+    if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"want num_splits >= 1 and block_n a power of two >= 16, got "
+                         f"{num_splits}, {block_n}")  # fmt: skip
+    group = num_heads // kv_heads
+    direct = num_splits == 1
+    # Workspace (fp32): acc [B, H, S, D] then (max, sum) [B, H, S, 2], one allocation.
+    ws = out if direct else torch.empty(batch * num_heads * num_splits * (head_dim + 2),
+                                        dtype=torch.float32, device=q.device)  # fmt: skip
+    _split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, ws,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), width,
+        G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if not direct:
+        _reduce_kernel[(batch, num_heads)](
+            ws, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            D=head_dim, S_PAD=_next_pow2(num_splits), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out) -> None:
+    """Shapes, dtypes, devices and strides the kernels rely on; errors say what was passed."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"want q [B, H, D] and k/v caches [KVH, slots, D] of one shape, got q "
+            f"{tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    if k_cache.shape[2] != head_dim or num_heads % kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}: head_dim must "
+            f"match and heads must be a multiple of kv heads"
+        )
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be a power of two in 16..256, got {head_dim}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q, k_cache, v_cache must share one of fp32/fp16/bf16, got {q.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}"
+        )
+    int_types = (torch.int32, torch.int64)
+    if block_tables.dtype not in int_types or context_lens.dtype not in int_types:
+        raise ValueError(
+            f"block_tables and context_lens must be int32 (or int64), got "
+            f"{block_tables.dtype}, {context_lens.dtype}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(
+            f"want block_tables [B, W] and context_lens [B] for B={batch}, got "
+            f"{tuple(block_tables.shape)}, {tuple(context_lens.shape)}"
+        )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}"
+        )
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
+    if out is not None:
+        tensors["out"] = out
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    if not context_lens.is_contiguous():
+        raise ValueError("context_lens must be contiguous")
+    devices = {t.device for t in (*tensors.values(), context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
+    """Plain torch, one sequence at a time, fp32 math: the definition the kernel is tested
+    against. Each query head ``h`` attends with kv head ``h // (H // KVH)``."""
+    batch, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[0]
+    out = torch.empty_like(q)
+    for i in range(batch):
+        n = int(context_lens[i])
+        pos = torch.arange(n, device=q.device)
+        slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache[:, slots].float().repeat_interleave(group, dim=0)  # [H, n, D]
+        v = v_cache[:, slots].float().repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hnd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,hnd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+__all__ = ["default_num_splits", "paged_decode_attention", "paged_decode_attention_ref"]
