@@ -38,7 +38,6 @@ more splits only add programs that each pay a prologue (batch 64: 2 splits 8% sl
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -46,28 +45,6 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _fix_interpreter_loop_bounds() -> None:
-    """Triton 3.6's interpreter turns a run-time loop bound (a 1-element array) into an int
-    with ``int(array)``, which NumPy 2.4 rejects; give it ``.item()``. Interpreter only: the
-    compiled kernels never take this path."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-    if getattr(patch_tensor, "tandem_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patched.tandem_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _fix_interpreter_loop_bounds()
 
 
 @triton.jit
