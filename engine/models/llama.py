@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
+from engine.ops import TorchOps, apply_rotary, rms_norm
+
+__all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
+
+
+@dataclass
+class StepContext:
+    """What every layer needs for one forward pass, besides its own input."""
+
+    ops: TorchOps  # or TritonOps (engine/ops.py): same interface
+    rope: object  # the ops' rotary state for this step's positions
+    meta: AttentionMetadata
+    backend: AttentionBackend
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +37,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, ops=None, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if residual is not None:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if ops is None:
+            return rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -72,21 +87,6 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` for a step's positions (once per step, shared by all layers)."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(q, k, cos, sin):  # q [T, H, D]; k [T, KVH, D]; cos, sin [T, 1, D]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -106,16 +106,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, rope, x, kv_cache, meta, backend: AttentionBackend):
+    def forward(self, step: StepContext, x, kv_cache):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            q, k = self.q_norm(q, step.ops), self.k_norm(k, step.ops)
+        q, k = step.ops.apply_rotary(q, k, step.rope)
+        o = step.backend.forward(q, k, v, kv_cache[0], kv_cache[1], step.meta, self.scale)
         return self.o_proj(o)
 
 
@@ -125,9 +125,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, step: StepContext, x):
+        return self.down_proj(step.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -138,9 +137,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, x, kv_cache, meta, backend):
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, step: StepContext, x, residual, kv_cache):
+        """``(x, residual)`` in and out: the residual stream is ``x + residual`` (vLLM's way,
+        so the add folds into the next norm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, step.ops), x
+        else:
+            x, residual = self.input_layernorm(x, step.ops, residual)
+        x = self.self_attn(step, x, kv_cache)
+        x, residual = self.post_attention_layernorm(x, step.ops, residual)
+        return self.mlp(step, x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops = TorchOps()  # the runner swaps in TritonOps on GPUs
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -177,13 +184,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # hidden states [T, hidden], before the final norm
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+        rope = self.ops.rope_state(self.rotary, positions, x.dtype)
+        step = StepContext(self.ops, rope, meta, backend)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta, backend)
-        return x
+            x, residual = layer(step, x, residual, kv_cache)
+        return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
-        return self.lm_head(self.norm(hidden)).float()
+        return self.lm_head(self.norm(hidden, self.ops)).float()
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -37,19 +37,59 @@ def tiny(request, tmp_path_factory, tiny_cfg):
     return model, path, prompts
 
 
-def run_engine(path, prompts, dtype):
+def run_engine(path, prompts, dtype, **kwargs):
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(path), dtype=dtype, device="cuda", num_kv_blocks=256, max_num_batched_tokens=64)
+    kwargs = {"num_kv_blocks": 256, "max_num_batched_tokens": 64, **kwargs}
+    llm = LLM(str(path), dtype=dtype, device="cuda", **kwargs)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     llm.engine.block_manager.check_invariant(expect_idle=True)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_fp32_greedy_on_cuda_equals_transformers(tiny, hf_greedy):
+# The default CUDA path (Triton kernels, decode steps replayed from CUDA graphs), the same kernels
+# launched one by one, and the plain-torch backend.
+MODES = {
+    "graphs": ({}, "triton"),
+    "eager": ({"enforce_eager": True}, "triton"),
+    "torch": ({}, "torch"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp32_greedy_on_cuda_equals_transformers(tiny, hf_greedy, mode, monkeypatch):
+    kwargs, backend = MODES[mode]
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", backend)
     model, path, prompts = tiny
     hf = model.to(device="cuda", dtype=torch.float32)
-    assert run_engine(path, prompts, "float32") == [hf_greedy(hf, p, 16) for p in prompts]
+    assert run_engine(path, prompts, "float32", **kwargs) == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+def test_graphs_cover_every_batch_size_and_match_eager(tiny):
+    """13 concurrent requests with chunked prefill: decode batches shrink from 13 through every
+    size as requests finish at different lengths, replaying padded buckets (16, 8, 4, 2, 1)."""
+    from engine import LLM, SamplingParams
+
+    _, path, _ = tiny
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 90))] for _ in range(13)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(13)
+    ]
+    results = []
+    for eager in (False, True):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=256,
+            max_num_batched_tokens=64,
+            enforce_eager=eager,
+        )
+        assert (llm.engine.runner.graphs is None) == eager
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.engine.block_manager.check_invariant(expect_idle=True)
+    assert results[0] == results[1]
 
 
 def test_bf16_greedy_picks_transformers_argmax_up_to_rounding(tiny):

@@ -1,0 +1,80 @@
+"""The decoder's elementwise layers in two implementations with one interface.
+
+``TorchOps`` is plain PyTorch: the CPU path and the numerical reference. ``TritonOps`` calls the
+fused kernels of kernels/ (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests): RMSNorm
+with the residual add folded in, rotary embedding applied in place from the position ids, and
+SiLU-and-multiply. Both follow one residual convention (vLLM's): a layer takes ``(x, residual)``
+and hands on ``(x, residual)``; ``add_rms_norm`` returns ``(norm(x + residual), x + residual)``
+with the sum rounded to the model dtype, as ``x + residual`` in the plain model rounds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in fp32, round to the input dtype, scale by the weight (HF Llama's order)."""
+    dtype = x.dtype
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def apply_rotary(q, k, cos, sin):  # q [T, H, D]; k [T, KVH, D]; cos, sin [T, 1, D]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+
+    def rope_state(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
+        """What every layer's rotary needs this step: cos, sin ``[T, 1, D]``, looked up once."""
+        cos, sin = rotary.cos[positions].to(dtype), rotary.sin[positions].to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def apply_rotary(self, q, k, state) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary(q, k, *state)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    """The fused kernels; one launch per op, no host work, so a decode step can be graphed."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import activation, rmsnorm, rotary
+
+        self._rmsnorm, self._rotary, self._activation = rmsnorm, rotary, activation
+
+    def rms_norm(self, x, weight, eps):
+        return self._rmsnorm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self._rmsnorm.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rope_state(self, rotary, positions, dtype):
+        return positions, rotary.cos, rotary.sin
+
+    def apply_rotary(self, q, k, state):
+        self._rotary.apply_rotary(q, k, *state)  # in place
+        return q, k
+
+    def silu_and_mul(self, x):
+        return self._activation.silu_and_mul(x)
