@@ -130,6 +130,15 @@ def itl_section(llm, bandwidth: float) -> dict:
     floor = weight_bytes / bandwidth
     graphed = statistics.median(decode_itl(llm, 512, 64))
     replay = graph_replay_s(llm)
+    # The same graph with cuBLAS for the batch-1 GEMMs instead of kernels/gemv.py.
+    from engine.ops import SkinnyLinear
+
+    rows, SkinnyLinear.max_rows = SkinnyLinear.max_rows, 0
+    runner.graphs.capture([1])
+    replay_cublas = graph_replay_s(llm)
+    itl_cublas = statistics.median(decode_itl(llm, 512, 32))
+    SkinnyLinear.max_rows = rows
+    runner.graphs.capture([1])
     graphs, runner.graphs = runner.graphs, None  # the same engine, kernel by kernel
     eager = statistics.median(decode_itl(llm, 512, 32))
     runner.graphs = graphs
@@ -139,6 +148,8 @@ def itl_section(llm, bandwidth: float) -> dict:
         "itl_graphs_s": graphed,
         "itl_eager_s": eager,
         "graph_replay_gpu_s": replay,
+        "graph_replay_cublas_gpu_s": replay_cublas,
+        "itl_graphs_cublas_s": itl_cublas,
         "itl_over_floor": graphed / floor,
         "eager_over_floor": eager / floor,
         "replay_over_floor": replay / floor if replay else None,
@@ -245,6 +256,8 @@ def print_table(r: dict) -> None:
         ]
         if i["graph_replay_gpu_s"]:
             rows.append(("replay (GPU)", f"{i['graph_replay_gpu_s'] * 1e3:.2f} ms"))
+            rows.append(("replay, cuBLAS", f"{i['graph_replay_cublas_gpu_s'] * 1e3:.2f} ms"))
+            rows.append(("ITL, cuBLAS", f"{i['itl_graphs_cublas_s'] * 1e3:.2f} ms"))
     if "kv" in r:
         k = r["kv"]
         rows.append(

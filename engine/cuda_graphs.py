@@ -74,12 +74,13 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture every bucket (or only ``sizes``, e.g. to re-capture after a layer swap)."""
         t0 = time.perf_counter()
         self._slots[2].fill_(-1)  # warm-up and capture write no KV
         self._lens[2].fill_(1)
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+        for b in sorted(sizes or self.sizes, reverse=True):  # largest first: smaller graphs reuse its pool memory
             self._forward(b)  # compiles the kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cpu_layout import use_cpu_linears
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import model_class
-from engine.ops import TritonOps
+from engine.ops import TritonOps, use_skinny_linears
 from engine.sampler import SampledToken, Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import init_dummy_weights, iterate_weights
@@ -39,6 +39,8 @@ class ModelRunner:
         self.backend: AttentionBackend = select_backend(self.device, self.dtype)
         if self.backend.name == "triton":
             self.model.ops = TritonOps()
+            if self.device.type == "cuda":
+                use_skinny_linears(self.model)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,3 +79,35 @@ class TritonOps:
 
     def silu_and_mul(self, x):
         return self._activation.silu_and_mul(x)
+
+
+class SkinnyLinear(nn.Module):
+    """``nn.Linear`` whose tiny batches (decode at batch 1) go to the Triton GEMV of
+    kernels/gemv.py, which streams the weight closer to HBM bandwidth than cuBLAS does there
+    (benchmarks/NOTES.md); larger batches stay on cuBLAS. Shares the original parameters, so
+    tied embeddings stay tied."""
+
+    max_rows = 1  # class-wide: benchmarks set 0 to compare against cuBLAS alone
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from kernels.gemv import gemv
+
+        self._gemv = gemv
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows:
+            return self._gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_skinny_linears(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` below ``model`` for a ``SkinnyLinear``; returns how many."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, SkinnyLinear(child))
+                swapped += 1
+    return swapped

@@ -1,0 +1,97 @@
+"""Skinny GEMM for decode at tiny batch: ``y[m] = W @ x[m] (+ b)`` with ``W`` ``[N, K]`` as
+``nn.Linear`` stores it, for a handful of rows ``m``.
+
+At batch 1 every weight byte is read once per token, so a decode step is a stream of GEMVs and
+its floor is weight bytes / HBM bandwidth. cuBLAS's kernels for M = 1 leave part of that on the
+table (benchmarks/NOTES.md has the measurement); this one is built for the stream alone:
+
+    grid (N / BLOCK_N, M): program (n, m) reads rows n*BLOCK_N.. of W in [BLOCK_N, BLOCK_K] tiles
+    along K, multiplies by x[m]'s slice in fp32 and keeps a [BLOCK_N, BLOCK_K] partial sum, reduced
+    once at the end; so loads are long contiguous runs of K and nothing is written until the end.
+
+Rows ``m`` > 0 re-read W, which then mostly hits L2: worth it only for M of 1 to a few, which is
+where the engine uses it (``GEMV_MAX_ROWS``); larger batches go to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_ROWS = 1
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def default_config(n: int, k: int) -> dict:
+    """Tiles from the H100 sweep in benchmarks/gpu_gemv.py."""
+    return {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config):
+    """``x @ weight.T + bias`` for ``x`` ``[M, K]`` (rows may be strided), ``weight`` ``[N, K]``
+    contiguous along K; output ``[M, N]`` in x's dtype, fp32 accumulation."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} mismatch")
+    cfg = {**default_config(n, k), **config}
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (-(-n // cfg["block_n"]), m)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def gemv_ref(x, weight, bias=None):
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
