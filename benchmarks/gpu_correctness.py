@@ -100,7 +100,7 @@ def main() -> None:
         for dt in (torch.bfloat16, torch.float32)
     }
     log("transformers bf16 generate, one prompt at a time")
-    mismatches, exact = [], 0
+    mismatches, exact, hf_self_exact = [], 0, 0
     chosen_bf16, chosen_fp32, top_bf16, hf_noise = [], [], [], []
     for i, (ids, out) in enumerate(zip(prompt_ids, ours, strict=True)):
         x = torch.tensor([ids], device="cuda")
@@ -116,6 +116,11 @@ def main() -> None:
                 )[0, len(ids) :]
                 .tolist()
             )
+            # transformers against itself: its generate (KV cache, one row per matmul) against
+            # the argmax of its own full-sequence forward (all rows at once) on that sequence.
+            own = torch.tensor([ids + ref], device="cuda")
+            own_argmax = hf[torch.bfloat16](own).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()
+            hf_self_exact += own_argmax == ref
             seq = torch.tensor([ids + list(out.token_ids)], device="cuda")
             lp = {
                 dt: torch.log_softmax(m(seq).logits[0, len(ids) - 1 : -1].float(), -1)
@@ -152,6 +157,7 @@ def main() -> None:
         "prompts": len(prompts),
         "new_tokens": NEW_TOKENS,
         "greedy_exact_match": exact / len(prompts),
+        "hf_generate_vs_hf_forward_exact_match": hf_self_exact / len(prompts),
         "mismatches": mismatches,
         "chosen_logprob_abs_diff_vs_hf_bf16": quantiles(torch.cat(chosen_bf16)),
         "chosen_logprob_abs_diff_vs_hf_fp32": quantiles(torch.cat(chosen_fp32)),
@@ -164,6 +170,7 @@ def main() -> None:
     print(
         f"greedy exact match      {exact}/{len(prompts)} = {exact / len(prompts):.3f}  (aim >= 0.9)"
     )
+    print(f"transformers vs itself  {hf_self_exact}/{len(prompts)} (generate vs full forward)")
     for m in mismatches:
         print(
             f"  prompt {m['prompt']:>2}: first divergence at token {m['first_divergent_position']},"

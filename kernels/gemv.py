@@ -57,8 +57,13 @@ def _gemv_kernel(
 
 
 def default_config(n: int, k: int) -> dict:
-    """Tiles from the H100 sweep in benchmarks/gpu_gemv.py."""
-    return {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}
+    """Tiles from the H100 sweep in benchmarks/gpu_gemv.py: long K runs (1024) everywhere; few
+    rows per program (4) and 8 warps for wide outputs, where there are programs to spare."""
+    if n >= 16384:
+        return {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 3}
+    if k > 8192:
+        return {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4}
+    return {"block_n": 8, "block_k": 1024, "num_warps": 8, "num_stages": 3}
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config):
