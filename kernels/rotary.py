@@ -8,10 +8,10 @@ columns of the cos/sin tables at the token's position::
 
 which is ``x * cos + rotate_half(x) * sin`` for tables built as ``RotaryEmbedding.build`` builds
 them (``emb = cat(freqs, freqs)``: both halves of a row are equal, so the kernel reads only the
-first). Any rope scaling is already folded into the tables. Rounding follows the plain model
-(and transformers): cos/sin rounded to the dtype, each product rounded, then the sum, so in bf16
-the kernel is bit-for-bit the model's arithmetic rather than one ulp more exact (bf16 greedy
-agreement with transformers depends on it: benchmarks/NOTES.md).
+first). Any rope scaling is already folded into the tables. Math in fp32 from the fp32 tables,
+rounded once to the dtype; the plain model instead rounds cos/sin to the dtype and each product
+and the sum (HF does the same), so in bf16 the kernel is the more exact of the two and the two
+differ by about 1 ulp of bf16 on some elements.
 
 Grid ``(T, q_blocks + k_blocks)``: program ``(t, j)`` rotates heads
 ``[j * BLOCK_H, (j + 1) * BLOCK_H)`` of q (``j < q_blocks``) or of k (the rest) of token ``t``::
@@ -48,14 +48,8 @@ def _rotate_heads(
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    # The model's rounding (transformers'): cos/sin in the dtype, each product rounded, then
-    # the sum; identical to fp32 math when the dtype is fp32.
-    c = cos.to(dtype).to(tl.float32)
-    s = sin.to(dtype).to(tl.float32)
-    a1, b1 = (x1 * c).to(dtype).to(tl.float32), (x2 * s).to(dtype).to(tl.float32)
-    a2, b2 = (x2 * c).to(dtype).to(tl.float32), (x1 * s).to(dtype).to(tl.float32)
-    tl.store(p1, (a1 - b1).to(dtype), mask=mask)
-    tl.store(p1 + HALF, (a2 + b2).to(dtype), mask=mask)
+    tl.store(p1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -131,14 +125,14 @@ def apply_rotary(
 
 
 def apply_rotary_ref(q, k, positions, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, new tensors: ``x * cos + rotate_half(x) * sin`` with cos/sin in the dtype and
-    every product rounded to it, as the model (and transformers) compute it."""
+    """Plain torch, new tensors: ``x * cos + rotate_half(x) * sin`` in fp32, rounded once."""
     c, s = cos[positions.long()][:, None, :], sin[positions.long()][:, None, :]  # [T, 1, D]
 
     def rotate(x):
+        xf = x.float()
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * c.to(x.dtype) + rotated * s.to(x.dtype)
+        rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * c + rotated * s).to(x.dtype)
 
     return rotate(q), rotate(k)
 
