@@ -219,12 +219,20 @@ def main() -> None:
     sections = set(args.only.split(","))
     gpu = torch.cuda.get_device_name()
     result: dict = {"gpu": gpu}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(partial: dict | None = None) -> None:
+        if partial is not None:
+            result["throughput"] = partial
+        (args.out / "gpu_engine.json").write_text(json.dumps(result, indent=2))
+
     log(f"{gpu}: measuring HBM copy bandwidth and the bf16 matmul rate")
     bandwidth = result["hbm_copy_bytes_per_s"] = hbm_copy_bandwidth()
     result["bf16_matmul_flops"] = bf16_matmul_flops()
     if "hf" in sections:
         log("transformers generate, batch 128, 512 in / 128 out")
         result["hf_512_128"] = hf_generate_tok_s(128, 512, 128)
+        save()
     log("loading tandem (Llama-3-8B shape, dummy bf16 weights), capturing decode graphs")
     t0 = time.perf_counter()
     llm = make_llm()
@@ -235,12 +243,11 @@ def main() -> None:
         log("decode ITL, batch 1, 512-token context")
         result["itl"] = itl_section(llm, bandwidth)
     if "throughput" in sections:
-        result["throughput"] = throughput_section(llm, args.num_requests)
+        result["throughput"] = throughput_section(llm, args.num_requests, save)
         if "hf_512_128" in result:
             ours = result["throughput"]["512/128"]["output_tok_s"]
             result["throughput_512_128_over_hf"] = ours / result["hf_512_128"]["output_tok_s"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_engine.json").write_text(json.dumps(result, indent=2))
+    save()
     print_table(result)
 
 
