@@ -193,15 +193,14 @@ def throughput(llm, prompts: list[list[int]], output_lens: list[int]) -> dict:
     }
 
 
-def throughput_section(llm, n: int) -> dict:
+def throughput_section(llm, n: int, save) -> dict:
+    """Each workload's figures are saved as soon as it finishes (a long run may be cut off)."""
     results = {}
-    for name, (p, o) in {
-        "512/128": (512, 128),
-        "1024/128": (1024, 128),
-        "128/1024": (128, 1024),
-    }.items():
+    shapes = {"512/128": (512, 128), "1024/128": (1024, 128), "128/1024": (128, 1024)}
+    for name, (p, o) in shapes.items():
         log(f"throughput {name}, {n} requests")
         results[name] = throughput(llm, random_prompts(n, p, seed=3), [o] * n)
+        save(results)
     lengths = json.loads((ROOT / "benchmarks" / SHAREGPT_LENGTHS).read_text())["lengths"][:n]
     rng = random.Random(4)
     prompts = [[rng.randrange(128, 128000) for _ in range(p)] for p, _ in lengths]
