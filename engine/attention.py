@@ -227,28 +227,28 @@ class TritonAttentionBackend(AttentionBackend):
         slots = np.concatenate([_slots_np(c, block_size) for c in chunks])
         fields = {}
         if decodes:
-            fields["decode_block_tables"] = _to(
+            fields["decode_block_tables"] = host_to_device(
                 _table_np(decodes, block_size, lambda c: c.start + 1), device
             )
-            fields["decode_context_lens"] = _to(
+            fields["decode_context_lens"] = host_to_device(
                 np.array([c.start + 1 for c in decodes], dtype=np.int32), device
             )
         if prefills:
             lens = np.array([c.num_tokens for c in prefills], dtype=np.int32)
             cu = np.zeros(len(prefills) + 1, dtype=np.int32)
             np.cumsum(lens, out=cu[1:])
-            fields["prefill_cu_seqlens"] = _to(cu, device)
-            fields["prefill_prefix_lens"] = _to(
+            fields["prefill_cu_seqlens"] = host_to_device(cu, device)
+            fields["prefill_prefix_lens"] = host_to_device(
                 np.array([c.start for c in prefills], dtype=np.int32), device
             )
-            fields["prefill_block_tables"] = _to(
+            fields["prefill_block_tables"] = host_to_device(
                 _table_np(prefills, block_size, lambda c: c.start + c.num_tokens), device
             )
             fields["prefill_max_len"] = int(lens.max())
         return AttentionMetadata(
             block_size=block_size,
             num_tokens=len(slots),
-            slot_mapping=_to(slots, device),
+            slot_mapping=host_to_device(slots, device),
             num_decodes=num_decodes,
             decode_groups=[],
             prefills=[],
@@ -305,7 +305,7 @@ def _table_np(chunks: list[ChunkSpec], block_size: int, tokens) -> np.ndarray:
     return table
 
 
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """Host array to ``device`` without a host sync: a pageable copy would wait for the GPU
     to drain its queue; a pinned one is queued on the stream like a kernel."""
     tensor = torch.from_numpy(array)

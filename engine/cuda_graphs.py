@@ -80,7 +80,8 @@ class DecodeGraphs:
         self._slots[2].fill_(-1)  # warm-up and capture write no KV
         self._lens[2].fill_(1)
         pool = torch.cuda.graph_pool_handle()
-        for b in sorted(sizes or self.sizes, reverse=True):  # largest first: smaller graphs reuse its pool memory
+        # Largest first: the smaller graphs reuse its pool memory.
+        for b in sorted(sizes or self.sizes, reverse=True):
             self._forward(b)  # compiles the kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -120,4 +121,3 @@ class DecodeGraphs:
         self._tables[2][:b].copy_(self._tables[0][:b], non_blocking=True)
         self._graphs[b].replay()
         return self._logits[b][:n]
-

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, ChunkSpec, select_backend
+from engine.attention import AttentionBackend, ChunkSpec, host_to_device, select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_layout import use_cpu_linears
 from engine.cuda_graphs import DecodeGraphs
@@ -186,10 +187,7 @@ class ModelRunner:
         return {c.request.request_id: t for c, t in zip(sampling, tokens, strict=True)}
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)  # no wait on the GPU
+        return host_to_device(np.asarray(values, dtype=np.int64), self.device)
 
     def _sampling_row(self, chunk: ScheduledRequest) -> SamplingRow:
         request = chunk.request

@@ -72,20 +72,16 @@ def slots_of(batch, i, start, end, block_size):
     return batch["block_tables"][i, pos // block_size].long() * block_size + pos % block_size
 
 
+KERNEL_ARGS = ("q", "k", "v", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "prefix_lens")
+
+
+def kernel_args(batch) -> list:
+    """The batch's tensors in the order extend_attention takes them."""
+    return [batch[name] for name in KERNEL_ARGS]
+
+
 def run(batch, block_size, config=None, out=None, use_tma=None):
-    args = [
-        batch[name]
-        for name in (
-            "q",
-            "k",
-            "v",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "cu_seqlens_q",
-            "prefix_lens",
-        )
-    ]
+    args = kernel_args(batch)
     scale = batch["q"].shape[-1] ** -0.5
     max_len = int((batch["cu_seqlens_q"][1:] - batch["cu_seqlens_q"][:-1]).max())
     if config is None:
@@ -207,38 +203,14 @@ def test_reference_matches_dense_computation():
             batch[name][:, slots_of(batch, i, p, p + t, block_size)] = batch[new][
                 first : first + t
             ].transpose(0, 1)
-    args = [
-        batch[name]
-        for name in (
-            "q",
-            "k",
-            "v",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "cu_seqlens_q",
-            "prefix_lens",
-        )
-    ]
+    args = kernel_args(batch)
     ref = extend_attention_ref(*args, block_size, 16**-0.5)
     torch.testing.assert_close(ref, dense_attention(batch, block_size), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_inputs_raise_with_the_values():
     batch = make_batch(4, 2, 32, 4, torch.float32, lens=[3], prefixes=[2])
-    args = [
-        batch[name]
-        for name in (
-            "q",
-            "k",
-            "v",
-            "k_cache",
-            "v_cache",
-            "block_tables",
-            "cu_seqlens_q",
-            "prefix_lens",
-        )
-    ]
+    args = kernel_args(batch)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         extend_attention(*args, 3, 6, 0.1)
     with pytest.raises(ValueError, match="prefix_lens must be contiguous int32"):
