@@ -137,6 +137,20 @@ class BlockManager:
         self._cache_full_blocks(request, num_tokens)
         return new_blocks
 
+    def reserve(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Blocks for the first ``num_tokens`` tokens of a request whose KV will be written by
+        someone else (a remote prefill worker). Their hashes are registered only once the request
+        computes on this side (its first ``allocate_slots``), so no other request can hit a
+        block whose contents have not arrived yet. ``None`` (nothing changed) when they do not fit."""
+        if request.request_id in self._req_blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        needed = self.blocks_needed(num_tokens)
+        if needed > len(self._free):
+            return None
+        blocks = [self._pop_free() for _ in range(needed)]
+        self._req_blocks[request.request_id] = blocks
+        return list(blocks)
+
     def free(self, request: Request) -> None:
         """Release ``request``'s blocks; hashed ones stay findable until evicted."""
         owned = self._req_blocks.pop(request.request_id, [])

@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
@@ -28,12 +29,22 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int]
+
+
+class StepObserver(Protocol):
+    """Sees every step around its forward pass (the prefill worker's KV streamer)."""
+
+    def begin_step(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        """Called before the forward pass; may return a per-layer hook for it."""
+
+    def end_step(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> None:
+        """Called after sampling, before the scheduler applies the sampled tokens."""
 
 
 @dataclass
@@ -85,6 +96,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
+        self._remote: dict[str, Request] = {}  # reserved for a remote prefill, KV not yet here
+        self.step_observer: StepObserver | None = None
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -98,18 +111,11 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError on invalid input, changing nothing."""
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._check_length(token_ids, params)
-        params = params.with_eos(self.eos_token_ids)
-        group = _Group(request_id, text, token_ids, [], time.monotonic())
+        request_id, group, params = self._new_group(request_id, prompt, params)
         for i in range(params.n):
             child = Request(
                 f"{request_id}#{i}" if params.n > 1 else request_id,
-                token_ids,
+                group.prompt_token_ids,
                 params.for_child(i) if params.n > 1 else params,
                 priority=priority,
                 cache_salt=cache_salt,
@@ -125,11 +131,94 @@ class LLMEngine:
         self._groups[request_id] = group
         return request_id
 
+    def _new_group(
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None
+    ) -> tuple[str, _Group, SamplingParams]:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(token_ids, params)
+        group = _Group(request_id, text, token_ids, [], time.monotonic())
+        return request_id, group, params.with_eos(self.eos_token_ids)
+
+    # -- remote prefill (decode role) --------------------------------------------------------------
+
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[int] | None:
+        """Hold blocks for a request whose prompt KV a prefill worker will write. Returns the
+        block table the KV goes to, or ``None`` (nothing changed) when the blocks or the running
+        batch are full now. Raises ValueError on invalid input."""
+        request_id, group, params = self._new_group(request_id, prompt, params)
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported on the disaggregated path; use n=1")
+        request = Request(
+            request_id,
+            group.prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=group.arrival_time,
+        )
+        busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._remote)
+        if busy >= self.cfg.max_num_seqs:
+            return None
+        # The prompt's KV plus room for the first decode step, so admission never preempts.
+        table = self.block_manager.reserve(request, request.num_tokens + 1)
+        if table is None:
+            return None
+        seq = _Sequence(request, CompletionOutput(index=0), self._detokenizer(request))
+        if params.logprobs is not None:
+            seq.output.logprobs = []
+        group.seqs.append(seq)
+        self._groups[request_id] = group
+        self._seq_owner[request_id] = (group, seq)
+        self._remote[request_id] = request
+        return table
+
+    def admit_remote(self, request_id: str, first: SampledToken) -> RequestOutput:
+        """The prompt's KV is in the reserved blocks and ``first`` is the token the prefill
+        worker sampled: the request runs from the next step. Returns its first output."""
+        request = self._remote.pop(request_id)
+        group, seq = self._seq_owner[request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = 0
+        request.append_output_token(first.token_id)
+        if not request.params.greedy and request.params.seed is not None:
+            self.runner.skip_draws(request, 1)  # the prefill worker drew the first token's
+        self.scheduler.add_running(request)
+        status = self.scheduler.check_stop(request)
+        if status is not None:
+            self.scheduler.finish_requests([request_id], status)
+        group.first_token_time = time.monotonic()
+        self._on_token(seq, first)
+        if status is not None:
+            self._finish_seq(seq, request)
+        return self._make_output(group)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def num_remote_pending(self) -> int:
+        return len(self._remote)
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self._groups.get(rid)
             if group is None:
                 continue
+            remote = self._remote.pop(rid, None)
+            if remote is not None:
+                remote.status = RequestStatus.FINISHED_ABORTED
+                self.block_manager.free(remote)
             child_ids = [s.request.request_id for s in group.seqs]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for seq in group.seqs:
@@ -151,7 +240,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        sampled = self.runner.execute(sched_out)
+        observer = self.step_observer
+        hook = observer.begin_step(sched_out) if observer is not None else None
+        sampled = self.runner.execute(sched_out, hook)
+        if observer is not None:
+            observer.end_step(sched_out, sampled)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
         progressed, finished = self.scheduler.update_from_output(sched_out, token_ids)
         now = time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -150,7 +151,11 @@ class ModelRunner:
     # -- the step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(
+        self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> dict[str, SampledToken]:
+        """One forward pass and sampling. ``layer_hook(i)`` runs after layer ``i`` wrote its KV
+        (such steps run eagerly: a graph replay has no point between layers to call it)."""
         # Decodes first, shortest context first (the attention backend groups them by length).
         chunks = sorted(out.scheduled, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids: list[int] = []
@@ -164,7 +169,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(c)
         specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
-        if self.graphs is not None and self.graphs.fits(specs):
+        if self.graphs is not None and layer_hook is None and self.graphs.fits(specs):
             logits = self.graphs.run(specs, input_ids)
             if not sampling:
                 return {}
@@ -178,6 +183,7 @@ class ModelRunner:
                 self.kv_caches,
                 meta,
                 self.backend,
+                layer_hook,
             )
             if not sampling:
                 return {}
@@ -200,6 +206,15 @@ class ModelRunner:
             output_token_ids=request.output_token_ids,
             generator=self._generators[rid],
         )
+
+    def skip_draws(self, request, num: int) -> None:
+        """Advance a seeded request's generator past ``num`` draws made elsewhere (the first
+        token sampled on a prefill worker), so its later tokens match a colocated run."""
+        generator = self._generators.setdefault(
+            request.request_id, make_generator(request.params.seed, self.device)
+        )
+        for _ in range(num if generator is not None else 0):
+            torch.rand(1, generator=generator, device=self.device)  # as the sampler draws
 
     def release(self, request_ids) -> None:
         for rid in request_ids:

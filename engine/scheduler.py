@@ -88,6 +88,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def add_running(self, request: Request) -> None:
+        """Take in a request whose blocks are already held and whose KV is computed up to
+        ``num_computed_tokens`` (a remote prefill finished it): it runs from the next step."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -189,12 +198,13 @@ class Scheduler:
                 continue
             request.append_output_token(sampled[request.request_id])
             progressed.append(request)
-            status = self._check_stop(request)
+            status = self.check_stop(request)
             if status is not None:
                 finished.extend(self.finish_requests([request.request_id], status))
         return progressed, finished
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        """The token-level stop (if any) that its last output token triggers."""
         params = request.params
         token = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens:

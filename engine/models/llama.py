@@ -8,7 +8,7 @@ the backend, which owns the paged KV cache layout; nothing here knows about bloc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -182,13 +182,18 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, slots, KVH, D]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # hidden states [T, hidden], before the final norm
+        """``layer_hook(i)``, when given, is called once layer ``i`` has written this step's KV
+        (queued on the current stream): the prefill worker streams that layer out from there."""
         x = self.embed_tokens(input_ids)
         rope = self.ops.rope_state(self.rotary, positions, x.dtype)
         step = StepContext(self.ops, rope, meta, backend)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(step, x, residual, kv_cache)
+            if layer_hook is not None:
+                layer_hook(i)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32

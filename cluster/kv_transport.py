@@ -1,0 +1,681 @@
+"""Moving a prompt's KV from a prefill worker to a decode worker, layer by layer.
+
+One interface, three backends::
+
+    backend   control channel          payload                      where
+    tcp       TCP socket (frames)      same socket, after header     CPU (CI, laptops), any host
+    nccl      TCP socket (frames)      cupy NCCL send/recv on its    GPUs (cluster/nccl_transport.py)
+                                       own CUDA stream
+    inproc    direct calls             tensor clone                  unit tests only
+
+A *pair channel* joins one prefill worker (``KVSender``) to one decode worker (``KVReceiver``).
+Everything on it is ordered, so both ends agree on what comes next (NCCL point-to-point needs
+both sides to post matching calls in the same order: each payload is announced by its header on
+the control channel first). The messages, in order::
+
+    hello  {kind, backend, spec, token[, nccl_id]}    -> reply {kind: "ready"} | {kind: "error"}
+    layer  {kind, layer, entries, nbytes}  + payload  one layer of one step, for every transfer
+                                                      of that step that goes to this decode
+                                                      worker; entries = [[transfer_id, start, n]]
+                                                      and the payload is [2, kv_heads, sum n,
+                                                      head_dim] in entry order
+    done   {kind, transfer_id, num_tokens, token}     the prompt is complete; ``token`` is the
+                                                      first sampled token (id, logprob, top-N)
+    abort  {kind, transfer_id, reason}                the prefill side gave up on it
+
+A frame is a 4-byte big-endian header length, the header as UTF-8 JSON, then ``nbytes`` raw bytes
+of payload (TCP backend). Nothing is unpickled; every header field is checked before use, and a
+payload's size must match what its entries say.
+
+A *transfer* is one request's prompt KV. The decode side registers it first (``expect``: where
+each token position goes), the prefill side then streams it; its life on the receiver ends in
+exactly one event: ``complete`` (every layer of every token arrived, then ``done``), ``failed``
+(abort, a broken pair, an incomplete ``done``) or ``released`` (after ``cancel``). After any of
+the three the receiver never writes into that transfer's blocks again, so the caller may free
+or admit them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_HEADER = 1 << 20
+_LEN = struct.Struct(">I")
+BACKENDS = ("tcp", "nccl", "inproc")
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What both ends of a pair must agree on: the per-layer KV shape and dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def payload_bytes(self, num_tokens: int) -> int:
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_kv_heads * num_tokens * self.head_dim * elem
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """What the receiver reports about one transfer: ``complete``, ``failed`` or ``released``."""
+
+    kind: str
+    transfer_id: str
+    token: dict | None = None  # complete: the first token sampled by the prefill worker
+    reason: str | None = None  # failed
+
+
+class TransferError(RuntimeError):
+    """A pair channel broke or a peer sent something it should not have."""
+
+
+# -- frames --------------------------------------------------------------------------------------
+
+
+def write_frame(sock: socket.socket, header: dict, payload: memoryview | None = None) -> None:
+    data = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+    if payload is not None and len(payload):
+        sock.sendall(payload)
+
+
+def read_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise TransferError("peer closed the connection")
+        got += n
+
+
+def read_header(sock: socket.socket) -> dict:
+    raw = bytearray(_LEN.size)
+    read_exact(sock, memoryview(raw))
+    (size,) = _LEN.unpack(raw)
+    if size > _MAX_HEADER:
+        raise TransferError(f"header of {size} bytes exceeds the {_MAX_HEADER}-byte limit")
+    data = bytearray(size)
+    read_exact(sock, memoryview(data))
+    try:
+        header = json.loads(data)
+    except ValueError as exc:
+        raise TransferError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise TransferError("header must be a JSON object with a string 'kind'")
+    return header
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (any dtype, bf16 included), without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def parse_entries(header: dict, spec: KVSpec) -> tuple[int, list[tuple[str, int, int]]]:
+    """Validate a ``layer`` header; returns (layer, entries)."""
+    layer, entries = header.get("layer"), header.get("entries")
+    if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
+        raise TransferError(f"layer must be an integer in [0, {spec.num_layers}), got {layer!r}")
+    if not isinstance(entries, list) or not entries:
+        raise TransferError("entries must be a non-empty list of [transfer_id, start, n]")
+    out = []
+    for e in entries:
+        ok = isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+        if not (ok and all(isinstance(v, int) and v >= 0 for v in e[1:]) and e[2] > 0):
+            raise TransferError(f"bad entry {e!r}: want [transfer_id, start >= 0, n > 0]")
+        out.append((e[0], e[1], e[2]))
+    total = sum(n for _, _, n in out)
+    if header.get("nbytes") != spec.payload_bytes(total):
+        raise TransferError(
+            f"payload of {header.get('nbytes')!r} bytes does not match {total} tokens "
+            f"({spec.payload_bytes(total)} bytes)"
+        )
+    return layer, out
+
+
+def check_hello(header: dict, spec: KVSpec, backend: str, token: str) -> None:
+    if header.get("kind") != "hello":
+        raise TransferError(f"expected hello, got {header.get('kind')!r}")
+    if not secrets.compare_digest(str(header.get("token", "")), token):
+        raise TransferError("hello carries a wrong cluster token")
+    if header.get("backend") != backend:
+        raise TransferError(f"backend {header.get('backend')!r} but this receiver is {backend!r}")
+    if header.get("spec") != spec.as_dict():
+        raise TransferError(f"KV layout {header.get('spec')!r} differs from {spec.as_dict()!r}")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str, int]:
+    """``tcp://host:port`` -> (scheme, host, port)."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme not in BACKENDS or not host or not port.isdigit():
+        raise ValueError(f"bad KV endpoint {endpoint!r}: want <backend>://host:port")
+    return scheme, host, int(port)
+
+
+# -- receiver (decode side) ----------------------------------------------------------------------
+
+
+@dataclass
+class _Incoming:
+    block_table: list[int]
+    num_tokens: int
+    received: list[int]  # tokens received per layer
+    peer: int | None = None  # connection the first layer came on
+
+
+class KVReceiver:
+    """The decode worker's end: accepts pair channels and writes arriving layers into its KV.
+
+    ``kv_caches`` is the engine's per-layer ``[2, kv_heads, slots, head_dim]`` list. ``on_event``
+    is called (from a receiver thread) with one ``TransferEvent`` per transfer; it must not block.
+    """
+
+    backend = "inproc"
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        kv_caches: Sequence[torch.Tensor],
+        block_size: int,
+        on_event: Callable[[TransferEvent], None],
+        token: str = "",
+    ) -> None:
+        self.spec, self.kv_caches, self.block_size = spec, list(kv_caches), block_size
+        self.on_event, self.token = on_event, token
+        self._lock = threading.Lock()
+        self._transfers: dict[str, _Incoming] = {}
+        self.bytes_received = 0
+        self.endpoint = ""
+
+    # -- the decode worker's calls ---------------------------------------------------------------
+
+    def expect(self, transfer_id: str, block_table: list[int], num_tokens: int) -> None:
+        if len(block_table) * self.block_size < num_tokens:
+            raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
+        with self._lock:
+            if transfer_id in self._transfers:
+                raise ValueError(f"transfer {transfer_id!r} is already expected")
+            incoming = _Incoming(list(block_table), num_tokens, [0] * self.spec.num_layers)
+            self._transfers[transfer_id] = incoming
+
+    def cancel(self, transfer_id: str) -> None:
+        """Stop writing into the transfer's blocks; ``released`` follows once that holds."""
+        with self._lock:
+            known = self._transfers.pop(transfer_id, None) is not None
+        if known:
+            self._after_quiet(TransferEvent("released", transfer_id))
+
+    def pending(self) -> list[str]:
+        with self._lock:
+            return list(self._transfers)
+
+    def close(self) -> None:
+        pass
+
+    # -- message handling (any backend) ----------------------------------------------------------
+
+    def _after_quiet(self, event: TransferEvent) -> None:
+        """Emit ``event`` once no earlier write into device memory is still pending."""
+        self.on_event(event)
+
+    def handle_layer(
+        self, peer: int, layer: int, entries: list[tuple[str, int, int]], kv: torch.Tensor
+    ) -> None:
+        """Scatter one layer's payload ``kv`` [2, H, sum n, D] into the reserved slots. Entries of
+        transfers no longer expected (cancelled, unknown) are dropped."""
+        src, dst = [], []
+        col = 0
+        with self._lock:
+            for tid, start, n in entries:
+                t = self._transfers.get(tid)
+                if t is not None and t.peer in (None, peer) and start + n <= t.num_tokens:
+                    t.peer = peer
+                    pos = np.arange(start, start + n)
+                    table = np.asarray(t.block_table, dtype=np.int64)
+                    dst.append(
+                        table[pos // self.block_size] * self.block_size + pos % self.block_size
+                    )
+                    src.append(np.arange(col, col + n))
+                    t.received[layer] = max(t.received[layer], start + n)
+                col += n
+            if dst:
+                cache = self.kv_caches[layer]
+                src_idx = torch.from_numpy(np.concatenate(src)).to(kv.device)
+                dst_idx = torch.from_numpy(np.concatenate(dst)).to(cache.device)
+                cache.index_copy_(2, dst_idx, kv.index_select(2, src_idx).to(cache.device))
+        self.bytes_received += kv.numel() * kv.element_size()
+
+    def handle_done(self, peer: int, header: dict) -> None:
+        tid, num_tokens, token = (
+            header.get("transfer_id"),
+            header.get("num_tokens"),
+            header.get("token"),
+        )
+        if not isinstance(tid, str) or not isinstance(token, dict):
+            raise TransferError("done needs a string transfer_id and a token object")
+        with self._lock:
+            t = self._transfers.get(tid)
+            if t is None or t.peer not in (None, peer):
+                return  # cancelled meanwhile (or not ours): nothing to report
+            del self._transfers[tid]
+        short = [i for i, got in enumerate(t.received) if got < t.num_tokens]
+        if num_tokens != t.num_tokens or short:
+            reason = (
+                f"transfer {tid} incomplete: {num_tokens!r} tokens announced, {t.num_tokens} "
+                f"expected, layers {short[:4]} short"
+            )
+            self._after_quiet(TransferEvent("failed", tid, reason=reason))
+        else:
+            self._after_quiet(TransferEvent("complete", tid, token=token))
+
+    def handle_abort(self, peer: int, header: dict) -> None:
+        tid = header.get("transfer_id")
+        with self._lock:
+            t = self._transfers.get(tid) if isinstance(tid, str) else None
+            if t is None or t.peer not in (None, peer):
+                return
+            del self._transfers[tid]
+        reason = f"prefill aborted the transfer: {header.get('reason', '')}"
+        self._after_quiet(TransferEvent("failed", tid, reason=reason))
+
+    def peer_lost(self, peer: int, reason: str) -> None:
+        """A pair channel broke: every transfer that was arriving on it fails."""
+        with self._lock:
+            lost = [tid for tid, t in self._transfers.items() if t.peer == peer]
+            for tid in lost:
+                del self._transfers[tid]
+        for tid in lost:
+            self._after_quiet(TransferEvent("failed", tid, reason=f"prefill peer lost: {reason}"))
+
+
+class TcpKVReceiver(KVReceiver):
+    """Listens on ``host`` (127.0.0.1 unless told otherwise); one thread per pair channel."""
+
+    backend = "tcp"
+
+    def __init__(self, *args, host: str = "127.0.0.1", port: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._server = socket.create_server((host, port))
+        self._server.settimeout(None)
+        self.endpoint = f"{self.backend}://{host}:{self._server.getsockname()[1]}"
+        self._conns: dict[int, socket.socket] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._server.close()
+        finally:
+            for conn in list(self._conns.values()):
+                _close_quietly(conn)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = next(self._ids)
+            self._conns[peer] = conn
+            threading.Thread(
+                target=self._serve, args=(peer, conn), name=f"kv-recv-{peer}", daemon=True
+            ).start()
+
+    def _serve(self, peer: int, conn: socket.socket) -> None:
+        reason = "connection closed"
+        try:
+            self._handshake(peer, conn, read_header(conn))
+            buf = [bytearray()]  # reused between layers, replaced when too small
+            while True:
+                header = read_header(conn)
+                kind = header["kind"]
+                if kind == "layer":
+                    layer, entries = parse_entries(header, self.spec)
+                    kv = self._read_payload(peer, conn, header["nbytes"], entries, buf)
+                    self.handle_layer(peer, layer, entries, kv)
+                elif kind == "done":
+                    self._before_done(peer)
+                    self.handle_done(peer, header)
+                elif kind == "abort":
+                    self.handle_abort(peer, header)
+                else:
+                    raise TransferError(f"unknown message kind {kind!r}")
+        except Exception as exc:  # noqa: BLE001 - whatever breaks, the pair's transfers fail
+            reason = str(exc)
+            if not self._closed and "closed the connection" not in reason:
+                logger.warning("KV pair channel %d dropped: %s", peer, reason)
+        finally:
+            self._conns.pop(peer, None)
+            _close_quietly(conn)
+            self._on_peer_closed(peer)
+            self.peer_lost(peer, reason)
+
+    def _handshake(self, peer: int, conn: socket.socket, hello: dict) -> None:
+        try:
+            check_hello(hello, self.spec, self.backend, self.token)
+        except TransferError as exc:
+            write_frame(conn, {"kind": "error", "message": str(exc)})
+            raise
+        write_frame(conn, {"kind": "ready"})
+
+    def _read_payload(self, peer, conn, nbytes: int, entries, buf: list) -> torch.Tensor:
+        if len(buf[0]) < nbytes:
+            buf[0] = bytearray(nbytes)
+        view = memoryview(buf[0])[:nbytes]
+        read_exact(conn, view)
+        total = sum(n for _, _, n in entries)
+        flat = torch.frombuffer(view, dtype=torch.uint8).view(self.spec.torch_dtype)
+        return flat.view(2, self.spec.num_kv_heads, total, self.spec.head_dim)
+
+    def _before_done(self, peer: int) -> None:
+        """Hook: wait until every write of this pair so far has landed (NCCL backend)."""
+
+    def _on_peer_closed(self, peer: int) -> None:
+        """Hook: release per-pair resources (NCCL backend)."""
+
+
+# -- sender (prefill side) -----------------------------------------------------------------------
+
+
+class KVSender:
+    """The prefill worker's end of one pair channel: an ordered queue drained by one thread, so
+    ``send_*`` never blocks the forward pass. ``on_failure(transfer_ids, reason)`` (from the
+    sender thread) names every transfer that was open when the channel broke."""
+
+    backend = "inproc"
+
+    def __init__(
+        self, endpoint: str, spec: KVSpec, on_failure: Callable[[list[str], str], None], token=""
+    ) -> None:
+        self.endpoint, self.spec, self.on_failure, self.token = endpoint, spec, on_failure, token
+        self.error: str | None = None
+        self.bytes_sent = 0
+        self._open: set[str] = set()  # transfers with layers sent and no done/abort yet
+        self._lock = threading.Lock()
+        self._queue: SimpleQueue = SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-send", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_open(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def send_layer(self, layer: int, entries: list[tuple[str, int, int]], kv: torch.Tensor) -> None:
+        """Queue one layer (``kv`` is [2, H, sum n, D], owned by the sender from now on)."""
+        with self._lock:
+            self._open.update(tid for tid, _, _ in entries)
+        self._put(("layer", layer, entries, kv))
+
+    def send_done(self, transfer_id: str, num_tokens: int, token: dict) -> None:
+        self._put(("done", transfer_id, num_tokens, token))
+
+    def send_abort(self, transfer_id: str, reason: str) -> None:
+        self._put(("abort", transfer_id, reason))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until everything queued so far has been handed to the channel."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def _put(self, item) -> None:
+        if self.error is not None:
+            self._fail_items([item], self.error)
+        else:
+            self._queue.put(item)
+
+    # -- the sender thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the channel's error
+            self._broken(f"cannot open KV channel to {self.endpoint}: {exc}")
+            return
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._disconnect()
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._send(item)
+            except Exception as exc:  # noqa: BLE001
+                self._broken(f"KV channel to {self.endpoint} broke: {exc}", first=item)
+                return
+            if item[0] in ("done", "abort"):
+                with self._lock:
+                    self._open.discard(item[1])
+
+    def _broken(self, reason: str, first=None) -> None:
+        self.error = reason
+        logger.warning("%s", reason)
+        pending = [first] if first is not None else []
+        while not self._queue.empty():
+            pending.append(self._queue.get())
+        self._fail_items(pending, reason)
+        self._disconnect()
+
+    def _fail_items(self, items, reason: str) -> None:
+        failed: set[str] = set()
+        for item in items:
+            if isinstance(item, threading.Event):
+                item.set()
+            elif item is not None and item[0] == "layer":
+                failed.update(e[0] for e in item[2])
+            elif item is not None:
+                failed.add(item[1])
+        with self._lock:
+            failed |= self._open
+            self._open.clear()
+        if failed:
+            self.on_failure(sorted(failed), reason)
+
+    def _connect(self) -> None:
+        self._receiver = _INPROC[self.endpoint]
+
+    def _disconnect(self) -> None:
+        rx = getattr(self, "_receiver", None)
+        if rx is not None:
+            rx.peer_lost(id(self), "sender closed")
+
+    def _send(self, item) -> None:
+        rx, peer = self._receiver, id(self)
+        if item[0] == "layer":
+            _, layer, entries, kv = item
+            rx.handle_layer(peer, layer, entries, kv)
+            self.bytes_sent += kv.numel() * kv.element_size()
+        elif item[0] == "done":
+            rx.handle_done(peer, {"transfer_id": item[1], "num_tokens": item[2], "token": item[3]})
+        else:
+            rx.handle_abort(peer, {"transfer_id": item[1], "reason": item[2]})
+
+
+class TcpKVSender(KVSender):
+    backend = "tcp"
+
+    def _connect(self) -> None:
+        _, host, port = split_endpoint(self.endpoint)
+        self._sock = socket.create_connection((host, port), timeout=30)
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        write_frame(self._sock, self._hello())
+        reply = read_header(self._sock)
+        if reply["kind"] != "ready":
+            raise TransferError(f"receiver refused the channel: {reply.get('message')}")
+        self._after_ready()
+
+    def _hello(self) -> dict:
+        return {
+            "kind": "hello",
+            "backend": self.backend,
+            "spec": self.spec.as_dict(),
+            "token": self.token,
+        }
+
+    def _after_ready(self) -> None:
+        """Hook: finish setting up the pair (the NCCL backend makes its communicator here)."""
+
+    def _disconnect(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            _close_quietly(sock)
+
+    def _send(self, item) -> None:
+        if item[0] == "layer":
+            _, layer, entries, kv = item
+            header = {
+                "kind": "layer",
+                "layer": layer,
+                "entries": [list(e) for e in entries],
+                "nbytes": kv.numel() * kv.element_size(),
+            }
+            self._send_payload(header, kv)
+            self.bytes_sent += header["nbytes"]
+        elif item[0] == "done":
+            msg = {"kind": "done", "transfer_id": item[1], "num_tokens": item[2], "token": item[3]}
+            write_frame(self._sock, msg)
+        else:
+            write_frame(self._sock, {"kind": "abort", "transfer_id": item[1], "reason": item[2]})
+
+    def _send_payload(self, header: dict, kv: torch.Tensor) -> None:
+        write_frame(self._sock, header, tensor_bytes(kv.cpu().contiguous()))
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+# -- backends ------------------------------------------------------------------------------------
+
+_INPROC: dict[str, KVReceiver] = {}
+_inproc_ids = itertools.count()
+
+
+class InProcessKVReceiver(KVReceiver):
+    """Unit tests only: senders in the same process call straight into it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.endpoint = f"inproc://local:{next(_inproc_ids)}"
+        _INPROC[self.endpoint] = self
+
+    def close(self) -> None:
+        _INPROC.pop(self.endpoint, None)
+
+
+def make_receiver(
+    backend: str,
+    spec: KVSpec,
+    kv_caches: Sequence[torch.Tensor],
+    block_size: int,
+    on_event: Callable[[TransferEvent], None],
+    *,
+    token: str = "",
+    host: str = "127.0.0.1",
+) -> KVReceiver:
+    if backend == "tcp":
+        return TcpKVReceiver(spec, kv_caches, block_size, on_event, token=token, host=host)
+    if backend == "nccl":
+        from cluster.nccl_transport import NcclKVReceiver
+
+        return NcclKVReceiver(spec, kv_caches, block_size, on_event, token=token, host=host)
+    if backend == "inproc":
+        return InProcessKVReceiver(spec, kv_caches, block_size, on_event, token=token)
+    raise ValueError(f"kv transport must be one of {BACKENDS}, got {backend!r}")
+
+
+class KVConnector:
+    """The prefill worker's senders, one per decode endpoint, made lazily. At most
+    ``max_channels`` stay open (each NCCL one holds GPU memory): past that the least recently
+    used idle channel is closed. A broken channel is dropped so the next request reopens it."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        on_failure: Callable[[list[str], str], None],
+        *,
+        token: str = "",
+        max_channels: int = 8,
+    ) -> None:
+        self.spec, self.on_failure, self.token = spec, on_failure, token
+        self.max_channels = max_channels
+        self._senders: OrderedDict[str, KVSender] = OrderedDict()
+
+    def sender(self, endpoint: str) -> KVSender:
+        backend, _, _ = split_endpoint(endpoint) if "://" in endpoint else ("", "", 0)
+        sender = self._senders.get(endpoint)
+        if sender is not None and sender.error is None:
+            self._senders.move_to_end(endpoint)
+            return sender
+        cls = {"tcp": TcpKVSender, "inproc": KVSender}.get(backend)
+        if backend == "nccl":
+            from cluster.nccl_transport import NcclKVSender as cls
+        if cls is None:
+            raise ValueError(f"bad KV endpoint {endpoint!r}")
+        sender = cls(endpoint, self.spec, self.on_failure, self.token)
+        self._senders[endpoint] = sender
+        self._evict()
+        return sender
+
+    def _evict(self) -> None:
+        for endpoint in list(self._senders):
+            if len(self._senders) <= self.max_channels:
+                return
+            old = self._senders[endpoint]
+            if old.num_open == 0:
+                del self._senders[endpoint]
+                old.close()
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._senders)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()

@@ -1,0 +1,143 @@
+"""The decode worker: reserves blocks, receives a prompt's KV from a prefill worker, decodes.
+
+A request's life here (prefill_worker/worker.py has the other half)::
+
+    1. reserve(request_id, prompt, params)     validate (errors come back as values), then hold
+       blocks for the prompt plus the first decode step, or answer ``{"ok": False, "full"}`` at
+       once so the caller can pick another decode worker; the KV receiver now expects the
+       transfer and the caller learns this worker's KV endpoint
+    2. the prefill worker streams the prompt's KV layer by layer; the receiver writes each
+       layer into the reserved blocks as it arrives (its own thread; over NCCL its own stream)
+    3. ``done`` after every layer: the request is admitted into the running batch with the
+       first token the prefill worker sampled (that token is its first stream output)
+    4. decode steps, batched with every other running request; stream(request_id) yields the
+       outputs (a Ray streaming generator, no polling)
+    5. completion or abort frees the blocks. A transfer that fails (prefill abort, broken
+       channel, timeout) frees them too and ends the stream with a retryable StreamError
+       before any token, so the caller can run the request on another pair
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from cluster.kv_transport import KVSpec, TransferEvent, make_receiver
+from cluster.worker import EngineWorker, StreamError, _aborted
+from engine.sampling_params import SamplingParams
+from prefill_worker.worker import token_from_dict
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        name: str = "",
+        *,
+        transport: str = "tcp",
+        token: str = "",
+        host: str = "127.0.0.1",
+        transfer_timeout_s: float = 60.0,
+    ) -> None:
+        self.transfer_timeout_s = transfer_timeout_s
+        self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
+        self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
+        super().__init__(engine_config, name)  # starts the engine thread: set its state first
+        mc, runner = self.engine.model_config, self.engine.runner
+        spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
+        self.receiver = make_receiver(
+            transport,
+            spec,
+            runner.kv_caches,
+            self.engine.cfg.block_size,
+            self._on_transfer_event,
+            token=token,
+            host=host,
+        )
+
+    async def endpoint(self) -> str:
+        return self.receiver.endpoint
+
+    async def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
+    ) -> dict[str, Any]:
+        """``{"ok": True, "endpoint"}``, ``{"ok": False, "full": True}`` (no room now) or
+        ``{"ok": False, "error"}`` (invalid request: retrying elsewhere will not help)."""
+        self._open_stream(request_id)
+
+        def reserve() -> dict[str, Any]:
+            table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
+            if table is None:
+                return {"ok": False, "full": True}
+            self.receiver.expect(request_id, table, len(prompt))
+            self._deadlines[request_id] = time.monotonic() + self.transfer_timeout_s
+            return {"ok": True, "endpoint": self.receiver.endpoint}
+
+        try:
+            result = await self.call(reserve)
+        except ValueError as exc:
+            result = {"ok": False, "error": str(exc)}
+        if not result["ok"]:
+            self._streams.pop(request_id, None)
+        return result
+
+    async def fail_transfer(self, request_id: str, reason: str) -> None:
+        """The caller saw the prefill side fail: drop the transfer, end the stream retryably."""
+        await self.call(lambda: self._cancel(request_id, reason))
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _on_transfer_event(self, event: TransferEvent) -> None:
+        """From a receiver thread: hand the event to the engine thread."""
+        self.post(lambda: self._handle_transfer_event(event))
+
+    def _handle_transfer_event(self, event: TransferEvent) -> None:
+        rid = event.transfer_id
+        self._deadlines.pop(rid, None)
+        cancelled = self._cancel_reasons.pop(rid, None)
+        if event.kind == "complete" and cancelled is None:
+            self._push(rid, self.engine.admit_remote(rid, token_from_dict(event.token)))
+            return
+        self.engine.abort_request(rid)  # frees the blocks: the receiver no longer writes them
+        reason = event.reason if event.kind == "failed" else cancelled
+        if reason:
+            self._push(rid, StreamError(rid, f"KV transfer failed: {reason}", retryable=True))
+        else:
+            self._push(rid, _aborted(rid))  # cancelled by the caller's abort
+
+    def _cancel(self, request_id: str, reason: str | None) -> None:
+        """Stop a transfer still arriving. Exactly one receiver event follows (``released``, or
+        a ``complete``/``failed`` already on its way); its handler frees the blocks."""
+        if request_id in self._deadlines and request_id not in self._cancel_reasons:
+            self._cancel_reasons[request_id] = reason or ""
+            self._deadlines[request_id] = math.inf
+            self.receiver.cancel(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._deadlines:
+            self._cancel(request_id, None)
+        else:
+            super()._abort(request_id)
+
+    def _wait_timeout(self) -> float | None:
+        deadline = min(self._deadlines.values(), default=math.inf)
+        return None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for rid, deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                self._cancel(rid, f"no KV after {self.transfer_timeout_s:.0f} s")
+
+    def _stats(self) -> dict[str, Any]:
+        stats = super()._stats()
+        stats["kv_bytes_received"] = self.receiver.bytes_received
+        stats["transfers_pending"] = len(self.receiver.pending())
+        return stats
+
+    def shutdown(self) -> None:
+        self.receiver.close()
+        super().shutdown()

@@ -1,0 +1,280 @@
+"""The KV transport's pair-channel semantics, on the TCP backend (real sockets on 127.0.0.1) and
+the in-process one: layers land in the reserved slots, every transfer ends in exactly one event,
+bad peers are refused, and a broken channel fails its transfers on both ends."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+
+import pytest
+import torch
+
+from cluster.kv_transport import (
+    InProcessKVReceiver,
+    KVConnector,
+    KVSpec,
+    TcpKVReceiver,
+    read_header,
+    write_frame,
+)
+
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32")
+BLOCK = 4
+SLOTS = 64
+
+
+class Events:
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+
+    def __call__(self, event) -> None:
+        self.q.put(event)
+
+    def next(self, timeout: float = 10.0):
+        return self.q.get(timeout=timeout)
+
+    def empty_after(self, seconds: float) -> bool:
+        try:
+            self.q.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        return False
+
+
+class Failures:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], str]] = []
+        self.event = threading.Event()
+
+    def __call__(self, tids, reason) -> None:
+        self.calls.append((tids, reason))
+        self.event.set()
+
+
+def caches(dtype=torch.float32) -> list[torch.Tensor]:
+    return [torch.zeros(2, SPEC.num_kv_heads, SLOTS, SPEC.head_dim, dtype=dtype) for _ in range(3)]
+
+
+def source(n: int, layer: int, dtype=torch.float32) -> torch.Tensor:
+    """Distinct values per (layer, k/v, head, token, dim)."""
+    x = torch.arange(2 * SPEC.num_kv_heads * n * SPEC.head_dim, dtype=torch.float32)
+    return (x.view(2, SPEC.num_kv_heads, n, SPEC.head_dim) + 1000 * layer).to(dtype)
+
+
+def slots_of(table, start, n):
+    return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)]
+
+
+@pytest.fixture(params=["tcp", "inproc"])
+def pair(request):
+    events, failures, kv = Events(), Failures(), caches()
+    cls = TcpKVReceiver if request.param == "tcp" else InProcessKVReceiver
+    rx = cls(SPEC, kv, BLOCK, events, token="secret")
+    conn = KVConnector(SPEC, failures, token="secret")
+    yield rx, conn, events, failures, kv
+    conn.close()
+    rx.close()
+
+
+def test_layers_land_in_reserved_slots_then_complete(pair) -> None:
+    rx, conn, events, _, kv = pair
+    table_a, table_b = [5, 2, 9], [7, 1]
+    rx.expect("a", table_a, 10)
+    rx.expect("b", table_b, 6)
+    tx = conn.sender(rx.endpoint)
+    # Two steps: a's first chunk (0..6) alone, then a's rest (6..10) together with all of b.
+    for layer in range(3):
+        tx.send_layer(layer, [("a", 0, 6)], source(6, layer))
+    for layer in range(3):
+        both = torch.cat([source(4, layer) + 100, source(6, layer) + 200], dim=2)
+        tx.send_layer(layer, [("a", 6, 4), ("b", 0, 6)], both)
+    tx.send_done("a", 10, {"token_id": 42, "logprob": None, "top_logprobs": []})
+    tx.send_done("b", 6, {"token_id": 7, "logprob": None, "top_logprobs": []})
+    got = {e.transfer_id: e for e in (events.next(), events.next())}
+    assert got["a"].kind == got["b"].kind == "complete"
+    assert got["a"].token["token_id"] == 42
+    for layer in range(3):
+        a = kv[layer][:, :, slots_of(table_a, 0, 10)]
+        expect_a = torch.cat([source(6, layer), source(4, layer) + 100], dim=2)
+        torch.testing.assert_close(a, expect_a, rtol=0, atol=0)
+        b = kv[layer][:, :, slots_of(table_b, 0, 6)]
+        torch.testing.assert_close(b, source(6, layer) + 200, rtol=0, atol=0)
+    # Nothing else was written: every other slot is still zero.
+    used = set(slots_of(table_a, 0, 10)) | set(slots_of(table_b, 0, 6))
+    others = [s for s in range(SLOTS) if s not in used]
+    assert all(float(kv[i][:, :, others].abs().sum()) == 0 for i in range(3))
+    assert rx.pending() == []
+
+
+def test_done_before_every_layer_fails_the_transfer(pair) -> None:
+    rx, conn, events, _, _ = pair
+    rx.expect("a", [0, 1], 8)
+    tx = conn.sender(rx.endpoint)
+    tx.send_layer(0, [("a", 0, 8)], source(8, 0))  # layers 1 and 2 never sent
+    tx.send_done("a", 8, {"token_id": 1})
+    event = events.next()
+    assert event.kind == "failed" and "incomplete" in event.reason
+
+
+def test_cancel_stops_writes_and_releases_once(pair) -> None:
+    rx, conn, events, _, kv = pair
+    rx.expect("a", [3], 4)
+    tx = conn.sender(rx.endpoint)
+    tx.send_layer(0, [("a", 0, 4)], source(4, 0))
+    tx.flush()
+    rx.cancel("a")
+    assert events.next().kind == "released"
+    before = [c.clone() for c in kv]
+    tx.send_layer(1, [("a", 0, 4)], source(4, 1))  # arrives after the cancel: dropped
+    tx.send_done("a", 4, {"token_id": 1})
+    tx.flush()
+    assert events.empty_after(0.3)  # no second event for a released transfer
+    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+    rx.cancel("a")  # a second cancel is a no-op
+    assert events.empty_after(0.1)
+
+
+def test_prefill_abort_fails_the_transfer(pair) -> None:
+    rx, conn, events, _, _ = pair
+    rx.expect("a", [0], 4)
+    tx = conn.sender(rx.endpoint)
+    tx.send_layer(0, [("a", 0, 4)], source(4, 0))
+    tx.send_abort("a", "client went away")
+    event = events.next()
+    assert event.kind == "failed" and "client went away" in event.reason
+
+
+def test_bfloat16_payload_round_trips(pair) -> None:
+    rx, conn, events, _, _ = pair
+    spec = KVSpec(3, 2, 4, "bfloat16")
+    kv = caches(torch.bfloat16)
+    rx2 = type(rx)(spec, kv, BLOCK, events, token="secret")
+    conn2 = KVConnector(spec, Failures(), token="secret")
+    try:
+        rx2.expect("a", [1, 0], 5)
+        tx = conn2.sender(rx2.endpoint)
+        for layer in range(3):
+            tx.send_layer(layer, [("a", 0, 5)], source(5, layer, torch.bfloat16))
+        tx.send_done("a", 5, {"token_id": 3})
+        assert events.next().kind == "complete"
+        got = kv[2][:, :, slots_of([1, 0], 0, 5)]
+        assert torch.equal(got, source(5, 2, torch.bfloat16))
+    finally:
+        conn2.close()
+        rx2.close()
+
+
+# -- TCP only: what a hostile or dying peer can do -------------------------------------------------
+
+
+@pytest.fixture
+def tcp():
+    events, kv = Events(), caches()
+    rx = TcpKVReceiver(SPEC, kv, BLOCK, events, token="secret")
+    yield rx, events, kv
+    rx.close()
+
+
+def test_receiver_listens_on_loopback_only(tcp) -> None:
+    rx, _, _ = tcp
+    assert rx.endpoint.startswith("tcp://127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "change", [{"token": "wrong"}, {"spec": {**SPEC.as_dict(), "head_dim": 8}}, {"backend": "nccl"}]
+)
+def test_handshake_refuses_wrong_token_layout_or_backend(tcp, change) -> None:
+    rx, _, _ = tcp
+    failures = Failures()
+    spec = KVSpec(3, 2, 8, "float32") if "spec" in change else SPEC
+    token = change.get("token", "secret")
+    conn = KVConnector(spec, failures, token=token)
+    if "backend" in change:  # hand-made hello: our senders always announce their own backend
+        host, port = rx.endpoint[len("tcp://") :].split(":")
+        with socket.create_connection((host, int(port))) as s:
+            write_frame(
+                s, {"kind": "hello", "backend": "nccl", "spec": SPEC.as_dict(), "token": "secret"}
+            )
+            reply = read_header(s)
+        assert reply["kind"] == "error" and "backend" in reply["message"]
+        return
+    tx = conn.sender(rx.endpoint)
+    tx.send_layer(0, [("a", 0, 1)], torch.zeros(2, 2, 1, spec.head_dim))
+    assert failures.event.wait(10)
+    tids, reason = failures.calls[0]
+    assert tids == ["a"] and "refused" in reason
+    assert tx.error is not None
+    # The connector drops a broken channel: the next request opens a new one.
+    assert conn.sender(rx.endpoint) is not tx
+    conn.close()
+
+
+def test_payload_size_mismatch_drops_channel_and_fails_its_transfers(tcp) -> None:
+    rx, events, kv = tcp
+    rx.expect("a", [0, 1], 8)
+    host, port = rx.endpoint[len("tcp://") :].split(":")
+    with socket.create_connection((host, int(port))) as s:
+        write_frame(
+            s, {"kind": "hello", "backend": "tcp", "spec": SPEC.as_dict(), "token": "secret"}
+        )
+        assert read_header(s)["kind"] == "ready"
+        good = source(4, 0)
+        write_frame(
+            s,
+            {"kind": "layer", "layer": 0, "entries": [["a", 0, 4]], "nbytes": 4 * good.numel()},
+            memoryview(good.numpy()).cast("B"),
+        )
+        # Lies about its size: 4 tokens announced, 2 tokens' bytes.
+        write_frame(s, {"kind": "layer", "layer": 1, "entries": [["a", 0, 4]], "nbytes": 64})
+        event = events.next()
+    assert event.kind == "failed" and "peer lost" in event.reason
+    assert rx.pending() == []
+
+
+def test_sender_dying_mid_transfer_fails_it_on_the_receiver(tcp) -> None:
+    rx, events, _ = tcp
+    rx.expect("a", [0, 1], 8)
+    rx.expect("b", [2], 4)  # not started on that channel: untouched by its loss
+    conn = KVConnector(SPEC, Failures(), token="secret")
+    tx = conn.sender(rx.endpoint)
+    tx.send_layer(0, [("a", 0, 8)], source(8, 0))
+    tx.flush()
+    tx.close()  # the prefill process goes away before layers 1, 2 and done
+    event = events.next()
+    assert (event.kind, event.transfer_id) == ("failed", "a")
+    assert rx.pending() == ["b"]
+
+
+def test_receiver_dying_mid_transfer_fails_it_on_the_sender(tcp) -> None:
+    rx, _, _ = tcp
+    rx.expect("a", [0, 1], 8)
+    failures = Failures()
+    conn = KVConnector(SPEC, failures, token="secret")
+    tx = conn.sender(rx.endpoint)
+    tx.send_layer(0, [("a", 0, 8)], source(8, 0))
+    tx.flush()
+    rx.close()  # the decode process goes away
+    for layer in (1, 2, 0, 1, 2) * 200:  # keep sending until the broken pipe shows
+        if failures.event.is_set():
+            break
+        tx.send_layer(layer, [("a", 0, 8)], source(8, layer))
+        tx.flush(5)
+    assert failures.event.wait(10)
+    assert failures.calls[0][0] == ["a"]
+    conn.close()
+
+
+def test_connector_keeps_at_most_max_channels_idle(tcp) -> None:
+    rx, events, _ = tcp
+    others = [TcpKVReceiver(SPEC, caches(), BLOCK, events, token="secret") for _ in range(2)]
+    conn = KVConnector(SPEC, Failures(), token="secret", max_channels=2)
+    try:
+        for r in [rx, *others]:
+            conn.sender(r.endpoint).flush(5)
+        assert conn.num_channels == 2
+    finally:
+        conn.close()
+        for r in others:
+            r.close()
