@@ -63,8 +63,14 @@ def test_triton_path_greedy_equals_transformers(tiny, triton_backend):
     shared = [rng.randrange(320) for _ in range(40)]
     prompts = [[rng.randrange(320)], shared[:35], shared + [7, 8, 9, 10, 11]]
     expected = [hf_greedy_ids(model, p, MAX_TOKENS) for p in prompts]
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16,
-              max_num_batched_tokens=16)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        block_size=16,
+        max_num_batched_tokens=16,
+    )
     runner = llm.engine.runner
     assert runner.backend.name == "triton" and runner.model.ops.name == "triton"
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

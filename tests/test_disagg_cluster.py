@@ -1,0 +1,210 @@
+"""Disaggregated serving on a real local Ray cluster (CPU, TCP transport, SmolLM2 fp32).
+
+One cluster for the module: 2 prefill, 2 decode and 1 colocated worker, with a small chunk
+budget so long prompts take several prefill steps (and several layer-wise sends). Greedy
+tokens through a prefill/decode pair must equal the colocated worker's and transformers';
+block accounting must be exact on every worker after completions, aborts and killed actors.
+The tests that kill actors run last (file order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hf_oracle import hf_greedy_ids
+
+from engine import SamplingParams
+
+ray = pytest.importorskip("ray")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 64  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+LONG = " ".join(f"Fact {i}: the quick brown fox jumps over the lazy dog." for i in range(12))
+VERY_LONG = " ".join(f"Line {i}: a slow river bends around the old stone mill." for i in range(90))
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir):
+    from cluster.local import LocalCluster
+
+    c = LocalCluster(
+        model=str(smollm2_dir),
+        num_prefill=2,
+        num_decode=2,
+        num_colocated=1,
+        engine={"max_num_batched_tokens": CHUNK, "num_kv_blocks": 256, "max_num_seqs": 16},
+        transfer_timeout_s=30,
+    )
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(cluster):
+    tok = cluster.tokenizer
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    texts = [chat, "Hello", "The first law of thermodynamics states that", LONG + " Summary:"]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(cluster, prompt, params=GREEDY, **kw):
+    return [out async for out in cluster.stream(prompt, params, **kw)]
+
+
+async def wait_until(predicate, timeout=60.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+def worker(cluster, name):
+    return next(w for w in cluster.workers if w.name == name)
+
+
+async def stats(cluster, name):
+    return await worker(cluster, name).handle.stats.remote()
+
+
+def assert_idle(cluster, timeout=20.0):
+    """Every worker idle with free + cached + in use == total and nothing in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = cluster.check_idle()
+        if all(v is None for v in report.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(v is None for v in report.values()), report
+
+
+def test_greedy_matches_colocated_and_transformers(cluster, prompts, hf) -> None:
+    assert max(len(p) for p in prompts) > 2 * CHUNK  # several prefill chunks
+    expected = [hf_greedy_ids(hf, p, MAX_TOKENS, stop_at_eos=True) for p in prompts]
+
+    async def both():
+        disagg = [collect(cluster, p, prefill="prefill-0", decode="decode-0") for p in prompts]
+        coloc = [collect(cluster, p, mode="colocated") for p in prompts]
+        return await asyncio.gather(asyncio.gather(*disagg), asyncio.gather(*coloc))
+
+    disagg, coloc = run(both())  # all eight requests concurrently
+    for p, d, c, e in zip(prompts, disagg, coloc, expected, strict=True):
+        assert d[-1].outputs[0].token_ids == e, f"disaggregated differs from HF on {len(p)} tokens"
+        assert c[-1].outputs[0].token_ids == e
+        assert d[-1].outputs[0].text == c[-1].outputs[0].text
+        # Streamed deltas add up to the final output, one token at a time after the first.
+        assert sum((o.outputs[0].delta_token_ids for o in d), []) == e
+        assert d[-1].finished and d[-1].prompt_token_ids == p
+    assert_idle(cluster)
+
+
+def test_prefill_prefix_hit_is_still_sent(cluster, prompts, hf) -> None:
+    base = prompts[-1]  # > 2 chunks
+    variant = base[: 3 * 16 + 5] + cluster.tokenizer(" In short, the fox")["input_ids"]
+    before = run(stats(cluster, "prefill-1"))["prefix_hit_tokens"]
+    run(collect(cluster, base, prefill="prefill-1", decode="decode-1"))
+    out = run(collect(cluster, variant, prefill="prefill-1", decode="decode-1"))
+    hit = run(stats(cluster, "prefill-1"))["prefix_hit_tokens"] - before
+    assert hit >= 3 * 16  # the shared whole blocks were not recomputed on the prefill worker...
+    expect = hf_greedy_ids(hf, variant, MAX_TOKENS, stop_at_eos=True)
+    assert out[-1].outputs[0].token_ids == expect  # ...yet the decode worker had their KV
+    assert_idle(cluster)
+
+
+def test_invalid_request_costs_nothing(cluster) -> None:
+    from cluster.local import RequestError
+
+    too_long = [1] * 9000  # SmolLM2's context is 8192
+    with pytest.raises(RequestError, match="maximum context length"):
+        run(collect(cluster, too_long))
+    with pytest.raises(RequestError, match="maximum context length"):
+        run(collect(cluster, too_long, mode="colocated"))
+    assert_idle(cluster)
+
+
+async def start_long_request(cluster, prefill, decode, rid):
+    """Start a many-chunk request and return (task, generator) once its KV is mid-transfer."""
+    ids = cluster.tokenizer(VERY_LONG)["input_ids"]
+    assert len(ids) > 10 * CHUNK
+    agen = cluster.stream(ids, GREEDY, request_id=rid, prefill=prefill, decode=decode)
+    task = asyncio.ensure_future(agen.__anext__())
+
+    async def mid_transfer():
+        s = await stats(cluster, decode)
+        return s["transfers_pending"] == 1 and s["kv_bytes_received"] > 0
+
+    base = (await stats(cluster, decode))["kv_bytes_received"]
+
+    async def started():
+        s = await stats(cluster, decode)
+        return s["transfers_pending"] == 1 and s["kv_bytes_received"] > base
+
+    await wait_until(started)
+    assert not task.done()  # no token before every layer has arrived
+    return ids, agen, task
+
+
+def test_abort_mid_transfer_frees_both_sides(cluster) -> None:
+    async def scenario():
+        _, agen, task = await start_long_request(cluster, "prefill-0", "decode-0", "abort-me")
+        task.cancel()  # the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await agen.aclose()
+
+    run(scenario())
+    assert_idle(cluster)
+    # The pair still works afterwards.
+    out = run(collect(cluster, "Hello", prefill="prefill-0", decode="decode-0"))
+    assert out[-1].finished
+
+
+def test_decode_killed_mid_transfer_retries_on_the_other_pair(cluster) -> None:
+    async def scenario():
+        ids, agen, task = await start_long_request(cluster, "prefill-1", "decode-1", "kill-d")
+        cluster.kill("decode-1")
+        first = await task  # retried on decode-0 (with prefill-0): the stream goes on
+        rest = [out async for out in agen]
+        return ids, [first, *rest]
+
+    ids, outs = run(scenario())
+    coloc = run(collect(cluster, ids, mode="colocated"))
+    assert outs[-1].finished and outs[-1].request_id == "kill-d"
+    assert outs[-1].outputs[0].token_ids == coloc[-1].outputs[0].token_ids
+    assert_idle(cluster)  # prefill-1 freed its side when the channel broke
+
+
+def test_prefill_killed_mid_transfer_retries_on_the_other_prefill(cluster) -> None:
+    async def scenario():
+        ids, agen, task = await start_long_request(cluster, "prefill-1", "decode-0", "kill-p")
+        cluster.kill("prefill-1")
+        first = await task
+        rest = [out async for out in agen]
+        return ids, [first, *rest]
+
+    ids, outs = run(scenario())
+    coloc = run(collect(cluster, ids, mode="colocated"))
+    assert outs[-1].outputs[0].token_ids == coloc[-1].outputs[0].token_ids
+    assert_idle(cluster)  # decode-0 freed the dead transfer's blocks
