@@ -273,9 +273,10 @@ class KVReceiver:
                 col += n
             if dst:
                 cache = self.kv_caches[layer]
-                src_idx = torch.from_numpy(np.concatenate(src)).to(kv.device)
                 dst_idx = torch.from_numpy(np.concatenate(dst)).to(cache.device)
-                cache.index_copy_(2, dst_idx, kv.index_select(2, src_idx).to(cache.device))
+                if len(dst_idx) < kv.shape[2]:  # some entries dropped: gather the rest
+                    kv = kv.index_select(2, torch.from_numpy(np.concatenate(src)).to(kv.device))
+                cache.index_copy_(2, dst_idx, kv.to(cache.device))
         self.bytes_received += kv.numel() * kv.element_size()
 
     def handle_done(self, peer: int, header: dict) -> None:

@@ -141,7 +141,8 @@ class LocalCluster:
         engine = {"model_dir": self.model_dir, "device": cfg.device, **cfg.engine}
         kwargs: dict[str, Any] = {}
         if role == "prefill":
-            cls, engine = PrefillWorker, {**engine, **cfg.prefill_engine}
+            # A prefill worker never decodes: no decode CUDA graphs to capture.
+            cls, engine = PrefillWorker, {"enforce_eager": True, **engine, **cfg.prefill_engine}
             kwargs = {"token": self._token}
         elif role == "decode":
             cls, engine = DecodeWorker, {**engine, **cfg.decode_engine}

@@ -132,6 +132,12 @@ class DecodeWorker(EngineWorker):
             if deadline <= now:
                 self._cancel(rid, f"no KV after {self.transfer_timeout_s:.0f} s")
 
+    async def kv_timings(self) -> list[tuple[int, float]]:
+        """(bytes, ms) of each layer message received since the last call (NCCL backend: CUDA
+        events around each recv on its pair stream; empty for other backends)."""
+        timings = getattr(self.receiver, "timings", None)
+        return timings.drain() if timings is not None else []
+
     def _stats(self) -> dict[str, Any]:
         stats = super()._stats()
         stats["kv_bytes_received"] = self.receiver.bytes_received
