@@ -176,7 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8000])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 2048, 8000])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_disagg.json"))

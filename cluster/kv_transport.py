@@ -54,6 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.attention import host_to_device
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -272,10 +274,12 @@ class KVReceiver:
                     t.received[layer] = max(t.received[layer], start + n)
                 col += n
             if dst:
+                # Indices go up pinned and non-blocking: a pageable copy would make this thread
+                # wait for the stream (on GPU the receive just posted) before the next header.
                 cache = self.kv_caches[layer]
-                dst_idx = torch.from_numpy(np.concatenate(dst)).to(cache.device)
+                dst_idx = host_to_device(np.concatenate(dst), cache.device)
                 if len(dst_idx) < kv.shape[2]:  # some entries dropped: gather the rest
-                    kv = kv.index_select(2, torch.from_numpy(np.concatenate(src)).to(kv.device))
+                    kv = kv.index_select(2, host_to_device(np.concatenate(src), kv.device))
                 cache.index_copy_(2, dst_idx, kv.to(cache.device))
         self.bytes_received += kv.numel() * kv.element_size()
 

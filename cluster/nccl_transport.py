@@ -24,6 +24,7 @@ benchmark divides bytes by those times and compares them with a bare send/recv.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 
@@ -35,6 +36,7 @@ from cluster.kv_transport import (
     TransferError,
     TransferEvent,
     check_hello,
+    read_header,
     write_frame,
 )
 
@@ -61,6 +63,34 @@ def _uint8() -> int:
     return getattr(nccl, "NCCL_UINT8", nccl.NCCL_INT8)
 
 
+def transfer_stream(device: torch.device) -> torch.cuda.Stream:
+    """A pair's stream, at the highest priority: the block scheduler then gives the NCCL
+    kernel SMs as soon as the prefill's GEMMs free any, instead of after every kernel queued
+    before it (the compute thread runs layers ahead of the GPU, so that would defer each
+    layer's send by about a layer's compute)."""
+    return torch.cuda.Stream(device, priority=-100)  # clamped to the device's highest
+
+
+def check_async_error(comm) -> None:
+    """Raise TransferError (after aborting ``comm``) if NCCL reports an asynchronous error."""
+    check = getattr(comm, "check_async_error", None)
+    if check is None:
+        return
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001 - cupy raises NcclError
+        comm.abort()
+        raise TransferError(f"NCCL error: {exc}") from None
+
+
+def comm_id(uid: list[int]):
+    """The unique id as this cupy wants it (bytes in cupy >= 13, a tuple of ints before)."""
+    try:
+        return bytes(b & 0xFF for b in uid)
+    except TypeError:
+        return tuple(uid)
+
+
 def wait_stream(stream: torch.cuda.Stream, comm, timeout_s: float) -> None:
     """Block until ``stream`` has finished its queued work, checking the communicator for async
     errors; abort it (unsticking the stream) and raise TransferError after ``timeout_s``."""
@@ -69,11 +99,7 @@ def wait_stream(stream: torch.cuda.Stream, comm, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     sleep = _POLL_S
     while not event.query():
-        try:
-            comm.check_async_error()
-        except Exception as exc:  # noqa: BLE001 - cupy raises NcclError
-            comm.abort()
-            raise TransferError(f"NCCL error: {exc}") from None
+        check_async_error(comm)
         if time.monotonic() > deadline:
             comm.abort()
             raise TransferError(f"NCCL transfer stuck for {timeout_s:.0f} s: communicator aborted")
@@ -117,10 +143,34 @@ class NcclKVSender(TcpKVSender):
         return {**super()._hello(), "nccl_id": list(self._uid)}
 
     def _after_ready(self) -> None:
+        """Join the communicator. ncclCommInitRank has no timeout and hangs if the receiver
+        never joins, so it runs in a helper thread while this one watches the control socket
+        (the receiver reports its own failure there) and a deadline."""
         self.device = torch.device("cuda", torch.cuda.current_device())
-        _use_device(self.device)
-        self._stream = torch.cuda.Stream(self.device)
-        self._comm = _nccl().NcclCommunicator(2, self._uid, 0)
+        self._stream = transfer_stream(self.device)
+        result: dict = {}
+
+        def init() -> None:
+            try:
+                _use_device(self.device)
+                result["comm"] = _nccl().NcclCommunicator(2, self._uid, 0)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                result["error"] = exc
+
+        joiner = threading.Thread(target=init, name="nccl-init", daemon=True)
+        joiner.start()
+        deadline = time.monotonic() + self.timeout_s
+        while joiner.is_alive():
+            joiner.join(0.01)
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if readable and joiner.is_alive():
+                reply = read_header(self._sock)  # raises on EOF
+                raise TransferError(f"receiver could not join NCCL: {reply.get('message')}")
+            if time.monotonic() > deadline:
+                raise TransferError(f"NCCL communicator not formed in {self.timeout_s:.0f} s")
+        if "error" in result:
+            raise TransferError(f"NCCL init failed: {result['error']}")
+        self._comm = result["comm"]
 
     def _send(self, item) -> None:
         if item[0] != "layer":
@@ -138,10 +188,7 @@ class NcclKVSender(TcpKVSender):
         kv.record_stream(self._stream)  # the allocator keeps it until the send has read it
         self.timings.add(nbytes, start, end)
         self.bytes_sent += nbytes
-        try:
-            self._comm.check_async_error()
-        except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"NCCL error: {exc}") from None
+        check_async_error(self._comm)
 
     def _fail_items(self, items, reason: str) -> None:
         plain = []
@@ -176,16 +223,22 @@ class NcclKVReceiver(TcpKVReceiver):
         try:
             check_hello(hello, self.spec, self.backend, self.token)
             uid = hello.get("nccl_id")
-            if not isinstance(uid, list) or not all(isinstance(b, int) for b in uid):
+            if not isinstance(uid, list) or not all(
+                isinstance(b, int) and -128 <= b < 256 for b in uid
+            ):
                 raise TransferError("hello needs an nccl_id list of integers")
         except TransferError as exc:
             write_frame(conn, {"kind": "error", "message": str(exc)})
             raise
         write_frame(conn, {"kind": "ready"})
-        _use_device(self.device)
-        torch.cuda.set_device(self.device)
-        comm = _nccl().NcclCommunicator(2, tuple(uid), 1)
-        self._pairs[peer] = (comm, torch.cuda.Stream(self.device))
+        try:
+            _use_device(self.device)
+            torch.cuda.set_device(self.device)
+            comm = _nccl().NcclCommunicator(2, comm_id(uid), 1)
+        except Exception as exc:  # noqa: BLE001 - tell the sender, whose init would hang
+            write_frame(conn, {"kind": "error", "message": f"NCCL init failed: {exc}"})
+            raise TransferError(f"NCCL init failed: {exc}") from None
+        self._pairs[peer] = (comm, transfer_stream(self.device))
 
     def _read_payload(self, peer, conn, nbytes, entries, buf) -> torch.Tensor:
         comm, stream = self._pairs[peer]
