@@ -1,6 +1,6 @@
 """The denominators of every GPU figure, measured in the same run as the figure itself.
 
-    from benchmarks.gpu_ceilings import hbm_copy_bandwidth, bf16_matmul_flops, time_cuda
+from benchmarks.gpu_ceilings import hbm_copy_bandwidth, bf16_matmul_flops, time_cuda
 """
 
 from __future__ import annotations

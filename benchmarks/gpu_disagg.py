@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -41,6 +42,7 @@ ENGINE = {
     "max_num_seqs": 8,
     "cuda_graph_max_batch": 8,
     "gpu_memory_utilization": 0.85,
+    "enforce_eager": True,  # TTFT involves no decode step; both sides run the same kernels
 }
 OUTPUT_TOKENS = 16
 
@@ -122,9 +124,11 @@ async def one_request(cluster, ids):
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     t0 = time.perf_counter()
     ttft, last = None, None
+    print(f"TRACE driver start {time.time():.6f}", file=sys.stderr)
     async for out in cluster.stream(ids, params):
         if ttft is None:
             ttft = time.perf_counter() - t0
+            print(f"TRACE driver first {time.time():.6f}", file=sys.stderr)
         last = out
     return ttft, last.outputs[0].token_ids
 
@@ -187,7 +191,11 @@ def main() -> None:
 
     from cluster.local import LocalCluster
 
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0"}})
+    env = {
+        "NCCL_NVLS_ENABLE": "0",
+        **{k: v for k, v in os.environ.items() if k.startswith("TANDEM_")},
+    }
+    ray.init(include_dashboard=False, runtime_env={"env_vars": env})
     gpu = torch.cuda.get_device_name(0)
     rng = random.Random(0)
     prompts = {

@@ -90,8 +90,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_gemv.json").write_text(json.dumps(results, indent=2))
     print(f"\n{gpu}, M={args.rows}, bf16; fraction of HBM copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'shape':<9}{'cuBLAS us':>10}{'/copy':>7}{'gemv us':>9}{'/copy':>7}{'best us':>9}"
-          f"{'/copy':>7}  best config")
+    print(
+        f"{'shape':<9}{'cuBLAS us':>10}{'/copy':>7}{'gemv us':>9}{'/copy':>7}{'best us':>9}"
+        f"{'/copy':>7}  best config"
+    )
     for name, r in results["shapes"].items():
         print(
             f"{name:<9}{r['cublas_s'] * 1e6:>10.1f}{r['cublas_over_copy']:>7.2f}"

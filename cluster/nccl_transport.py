@@ -39,6 +39,7 @@ from cluster.kv_transport import (
     read_header,
     write_frame,
 )
+from cluster.worker import trace
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,8 @@ class NcclKVSender(TcpKVSender):
             return super()._send(item)
         _, layer, entries, (kv, ready) = item
         ready.synchronize()  # the header goes out when the data is there: the recv is not early
+        if layer in (0, self.spec.num_layers - 1):
+            trace(entries[0][0], f"send.layer{layer}")
         nbytes = kv.numel() * kv.element_size()
         header = {"kind": "layer", "layer": layer, "entries": [list(e) for e in entries]}
         write_frame(self._sock, {**header, "nbytes": nbytes})
@@ -259,7 +262,9 @@ class NcclKVReceiver(TcpKVReceiver):
 
     def _before_done(self, peer: int) -> None:
         comm, stream = self._pairs[peer]
+        trace("-", "recv.done_header")
         wait_stream(stream, comm, self.timeout_s)
+        trace("-", "recv.stream_quiet")
 
     def _after_quiet(self, event: TransferEvent) -> None:
         """A cancelled or failed transfer's blocks are freed once every pair stream has no

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from cluster.kv_transport import KVSpec, TransferEvent, make_receiver
-from cluster.worker import EngineWorker, StreamError, _aborted
+from cluster.worker import EngineWorker, StreamError, _aborted, trace
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import token_from_dict
 
@@ -69,6 +69,7 @@ class DecodeWorker(EngineWorker):
         self._open_stream(request_id)
 
         def reserve() -> dict[str, Any]:
+            trace(request_id, "decode.reserve")
             table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
             if table is None:
                 return {"ok": False, "full": True}
@@ -99,6 +100,7 @@ class DecodeWorker(EngineWorker):
         self._deadlines.pop(rid, None)
         cancelled = self._cancel_reasons.pop(rid, None)
         if event.kind == "complete" and cancelled is None:
+            trace(rid, "decode.admit")
             self._push(rid, self.engine.admit_remote(rid, token_from_dict(event.token)))
             return
         self.engine.abort_request(rid)  # frees the blocks: the receiver no longer writes them

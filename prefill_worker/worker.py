@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from cluster.kv_transport import KVConnector, KVSpec
-from cluster.worker import EngineWorker
+from cluster.worker import EngineWorker, trace
 from engine.attention import host_to_device, slots_for
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
@@ -104,10 +104,14 @@ class KVStreamer:
             for ep, (slots, entries) in plan.items()
         ]
 
+        last = len(self.kv_caches) - 1
+
         def hook(layer: int) -> None:
             cache = self.kv_caches[layer]
             for sender, index, entries in sends:
                 sender.send_layer(layer, entries, cache.index_select(2, index))
+            if layer in (0, last):
+                trace(sends[0][2][0][0], f"prefill.hook{layer}")
 
         return hook
 
@@ -120,6 +124,7 @@ class KVStreamer:
             del self.transfers[rid]
             token = token_to_dict(sampled[rid])
             self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token)
+            trace(rid, "prefill.sampled")
             self.on_done(rid, token)
 
 
@@ -163,6 +168,7 @@ class PrefillWorker(EngineWorker):
         one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[], n=1)
 
         def add() -> None:
+            trace(request_id, "prefill.add")
             self.engine.add_request(request_id, prompt, one, **kwargs)
             self.streamer.add(request_id, request_id, endpoint, len(prompt))
 
