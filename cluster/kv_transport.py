@@ -192,7 +192,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str, int]:
 
 @dataclass
 class _Incoming:
-    block_table: list[int]
+    slots: torch.Tensor  # destination slot of every token position, on the KV's device
     num_tokens: int
     received: list[int]  # tokens received per layer
     peer: int | None = None  # connection the first layer came on
@@ -227,10 +227,14 @@ class KVReceiver:
     def expect(self, transfer_id: str, block_table: list[int], num_tokens: int) -> None:
         if len(block_table) * self.block_size < num_tokens:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
+        pos = np.arange(num_tokens)
+        table = np.asarray(block_table, dtype=np.int64)
+        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        slots_dev = host_to_device(slots, self.kv_caches[0].device)
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
-            incoming = _Incoming(list(block_table), num_tokens, [0] * self.spec.num_layers)
+            incoming = _Incoming(slots_dev, num_tokens, [0] * self.spec.num_layers)
             self._transfers[transfer_id] = incoming
 
     def cancel(self, transfer_id: str) -> None:
@@ -257,30 +261,26 @@ class KVReceiver:
         self, peer: int, layer: int, entries: list[tuple[str, int, int]], kv: torch.Tensor
     ) -> None:
         """Scatter one layer's payload ``kv`` [2, H, sum n, D] into the reserved slots. Entries of
-        transfers no longer expected (cancelled, unknown) are dropped."""
-        src, dst = [], []
+        transfers no longer expected (cancelled, unknown) are dropped. Destination slots are
+        slices of each transfer's slot tensor, made once at ``expect``: no host allocation and
+        no host-to-device copy per message."""
+        dst, keep = [], []
         col = 0
         with self._lock:
             for tid, start, n in entries:
                 t = self._transfers.get(tid)
                 if t is not None and t.peer in (None, peer) and start + n <= t.num_tokens:
                     t.peer = peer
-                    pos = np.arange(start, start + n)
-                    table = np.asarray(t.block_table, dtype=np.int64)
-                    dst.append(
-                        table[pos // self.block_size] * self.block_size + pos % self.block_size
-                    )
-                    src.append(np.arange(col, col + n))
+                    dst.append(t.slots[start : start + n])
+                    keep.append((col, n))
                     t.received[layer] = max(t.received[layer], start + n)
                 col += n
             if dst:
-                # Indices go up pinned and non-blocking: a pageable copy would make this thread
-                # wait for the stream (on GPU the receive just posted) before the next header.
                 cache = self.kv_caches[layer]
-                dst_idx = host_to_device(np.concatenate(dst), cache.device)
-                if len(dst_idx) < kv.shape[2]:  # some entries dropped: gather the rest
-                    kv = kv.index_select(2, host_to_device(np.concatenate(src), kv.device))
-                cache.index_copy_(2, dst_idx, kv.to(cache.device))
+                if sum(n for _, n in keep) < kv.shape[2]:  # some entries dropped: keep the rest
+                    kv = torch.cat([kv[:, :, c : c + n] for c, n in keep], dim=2)
+                index = dst[0] if len(dst) == 1 else torch.cat(dst)
+                cache.index_copy_(2, index, kv.to(cache.device))
         self.bytes_received += kv.numel() * kv.element_size()
 
     def handle_done(self, peer: int, header: dict) -> None:

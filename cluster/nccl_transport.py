@@ -188,6 +188,8 @@ class NcclKVSender(TcpKVSender):
             start.record()
             self._comm.send(kv.data_ptr(), nbytes, _uint8(), 1, self._stream.cuda_stream)
             end.record()
+        if layer in (0, 15, self.spec.num_layers - 1):
+            trace(entries[0][0], f"send.posted{layer}")
         kv.record_stream(self._stream)  # the allocator keeps it until the send has read it
         self.timings.add(nbytes, start, end)
         self.bytes_sent += nbytes
@@ -259,6 +261,8 @@ class NcclKVReceiver(TcpKVReceiver):
     def handle_layer(self, peer, layer, entries, kv) -> None:
         with torch.cuda.stream(self._pairs[peer][1]):
             super().handle_layer(peer, layer, entries, kv)  # the unpack, on the pair stream
+        if layer in (0, 15, self.spec.num_layers - 1):
+            trace(entries[0][0], f"recv.unpack_posted{layer}")
 
     def _before_done(self, peer: int) -> None:
         comm, stream = self._pairs[peer]
