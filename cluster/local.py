@@ -69,7 +69,9 @@ class ClusterConfig:
     num_colocated: int = 0
     device: str = "cpu"
     transport: str = "auto"  # tcp | nccl | auto (nccl on cuda, tcp on cpu)
-    host: str = "127.0.0.1"  # where decode workers listen for KV
+    host: str = (
+        "127.0.0.1"  # where decode workers listen for KV; "node": the node's IP (multi-node)
+    )
     transfer_timeout_s: float = 60.0
     reserve_timeout_s: float = 30.0
     ray_address: str | None = None
@@ -385,3 +387,54 @@ def _quietly(method, *args) -> None:
     """Fire-and-forget a Ray actor call (its failure is not the caller's concern)."""
     with contextlib.suppress(Exception):
         method.remote(*args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cluster.local [--prefill N --decode M | --colocated K] PROMPT...``: start a
+    local Ray cluster, generate every prompt through it (streaming the first one), shut down."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m cluster.local", description=main.__doc__)
+    ap.add_argument("prompts", nargs="+")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=1)
+    ap.add_argument("--colocated", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--transport", default="auto")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    engine = {"dtype": args.dtype} if args.dtype else {}
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    t0 = time.perf_counter()
+    print(
+        f"starting {args.prefill}P {args.decode}D {args.colocated}C on {args.device} ...",
+        file=sys.stderr,
+    )
+    with LocalCluster(
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        num_colocated=args.colocated,
+        device=args.device,
+        transport=args.transport,
+        engine=engine,
+    ) as cluster:
+        print(f"ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+        async def first() -> None:
+            async for out in cluster.stream(args.prompts[0], params):
+                print(out.outputs[0].delta_text, end="", flush=True)
+            print()
+
+        asyncio.run(first())
+        for out in cluster.generate(args.prompts[1:], params) if args.prompts[1:] else []:
+            print(out.outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

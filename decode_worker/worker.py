@@ -46,6 +46,10 @@ class DecodeWorker(EngineWorker):
         self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
         self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
         super().__init__(engine_config, name)  # starts the engine thread: set its state first
+        if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
+            import ray
+
+            host = ray.util.get_node_ip_address()
         mc, runner = self.engine.model_config, self.engine.runner
         spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
         self.receiver = make_receiver(
