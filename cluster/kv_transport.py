@@ -432,6 +432,7 @@ class KVSender:
         self.error: str | None = None
         self.bytes_sent = 0
         self._open: set[str] = set()  # transfers with layers sent and no done/abort yet
+        self._gates: dict[str, tuple[threading.Event, float]] = {}
         self._lock = threading.Lock()
         self._queue: SimpleQueue = SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-send", daemon=True)
@@ -441,6 +442,14 @@ class KVSender:
     def num_open(self) -> int:
         with self._lock:
             return len(self._open)
+
+    def hold(self, transfer_id: str, gate: threading.Event, timeout_s: float) -> None:
+        """Send nothing of ``transfer_id`` before ``gate`` is set (its decode worker is still
+        reserving the blocks it goes to); what is queued behind it waits too, so the channel
+        keeps its order. Past ``timeout_s`` the transfer is reported failed and its messages go
+        out anyway (a receiver that does not expect it drops them)."""
+        with self._lock:
+            self._gates[transfer_id] = (gate, timeout_s)
 
     def send_layer(self, layer: int, entries: list[tuple[str, int, int]], kv: torch.Tensor) -> None:
         """Queue one layer (``kv`` is [2, H, sum n, D], owned by the sender from now on)."""
@@ -485,6 +494,7 @@ class KVSender:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            self._wait_gates(item)
             try:
                 self._send(item)
             except Exception as exc:  # noqa: BLE001
@@ -493,6 +503,18 @@ class KVSender:
             if item[0] in ("done", "abort"):
                 with self._lock:
                     self._open.discard(item[1])
+                    self._gates.pop(item[1], None)
+
+    def _wait_gates(self, item) -> None:
+        tids = [e[0] for e in item[2]] if item[0] == "layer" else [item[1]]
+        for tid in tids:
+            with self._lock:
+                held = self._gates.get(tid)
+            if held is None or held[0].is_set():
+                continue
+            if not held[0].wait(held[1]):
+                held[0].set()  # once: later messages of it go out without waiting
+                self.on_failure([tid], f"no decode reservation confirmed in {held[1]:.0f} s")
 
     def _broken(self, reason: str, first=None) -> None:
         self.error = reason

@@ -4,9 +4,10 @@
 places one actor per worker (one GPU each on CUDA; custom resources ``prefill`` / ``decode``
 are requested when the cluster defines them) and routes each request:
 
-* ``mode="disagg"``: reserve on the least-loaded decode worker that has room (a full one
-  answers at once and the next is tried), run the prompt on the least-loaded prefill worker,
-  which streams the KV to that decode worker, then read the decode worker's stream. A
+* ``mode="disagg"``: reserve on the least-loaded decode worker and, at the same time, start
+  the prompt on the least-loaded prefill worker (its KV waits at the channel until the
+  reservation is confirmed; a full decode worker answers at once, the speculative prefill is
+  dropped and the next decode worker is tried), then read the decode worker's stream. A
   transfer that fails before the first token is retried once on another pair (the same pair
   when there is no other), then ends in an error. A dead prefill worker is noticed through its
   call; a dead decode worker through its stream.
@@ -259,6 +260,28 @@ class LocalCluster:
             await asyncio.sleep(delay)  # full everywhere: back off (the router queues instead)
             delay = min(delay * 2, 0.2)
 
+    async def _start_pair(self, irid, ids, params, kwargs, avoid, pin_p, pin_d):
+        """Reserve on a decode worker and start the prompt on a prefill worker. The first choice
+        runs both at once (the prefill computes while the decode worker reserves; its KV waits
+        at the channel until ``release``); if that decode worker is full the speculative prefill
+        is dropped and the others are asked in turn. Returns (decode, prefill, prefill ref)."""
+        d = self._least_loaded(self.decode, avoid, pin_d)[0]
+        p = self._least_loaded(self.prefill, avoid, pin_p)[0]
+        pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
+        try:
+            res = await d.handle.reserve.remote(irid, ids, params, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
+            res = {"ok": False, "full": True, "why": str(exc)}
+        if res["ok"]:
+            _quietly(p.handle.release, irid)
+            return d, p, pref
+        _quietly(p.handle.abort, irid)
+        if "error" in res:
+            raise RequestError(res["error"])
+        irid2 = f"{irid}~r"
+        d = await self._reserve(irid2, ids, params, kwargs, avoid | {d.name}, pin_d)
+        return d, p, (irid2, p.handle.prefill.remote(irid2, ids, params, d.endpoint, **kwargs))
+
     async def _stream_disagg(
         self, rid, ids, params, kwargs, pin_prefill=None, pin_decode=None
     ) -> AsyncIterator[RequestOutput]:
@@ -269,11 +292,19 @@ class LocalCluster:
         for attempt in range(2):
             irid = rid if attempt == 0 else f"{rid}~retry"
             first = attempt == 0
-            d = await self._reserve(irid, ids, params, kwargs, avoid, pin_decode if first else None)
-            p = self._least_loaded(self.prefill, avoid, pin_prefill if first else None)[0]
+            d, p, pref = await self._start_pair(
+                irid,
+                ids,
+                params,
+                kwargs,
+                avoid,
+                pin_prefill if first else None,
+                pin_decode if first else None,
+            )
+            if isinstance(pref, tuple):  # the speculative choice was full: another id
+                irid, pref = pref
             d.outstanding += 1
             p.outstanding += 1
-            pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
             watch = asyncio.ensure_future(self._watch_prefill(pref, d, irid))
             produced = finished = False
             try:

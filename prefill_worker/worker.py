@@ -24,6 +24,7 @@ A request's life here (the decode worker's module has the other half)::
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -71,8 +72,18 @@ class KVStreamer:
         self.transfers: dict[str, _Outgoing] = {}
         self.on_done = lambda request_id, token: None  # set by the worker
 
-    def add(self, request_id: str, transfer_id: str, endpoint: str, num_tokens: int) -> None:
-        self.connector.sender(endpoint)  # open the channel now: its handshake overlaps the queue
+    def add(
+        self,
+        request_id: str,
+        transfer_id: str,
+        endpoint: str,
+        num_tokens: int,
+        gate: threading.Event | None = None,
+        gate_timeout_s: float = 60.0,
+    ) -> None:
+        sender = self.connector.sender(endpoint)  # opened now: its handshake overlaps the queue
+        if gate is not None:
+            sender.hold(transfer_id, gate, gate_timeout_s)
         self.transfers[request_id] = _Outgoing(transfer_id, endpoint, num_tokens)
 
     def drop(self, request_id: str, reason: str) -> _Outgoing | None:
@@ -140,6 +151,7 @@ class PrefillWorker(EngineWorker):
         max_channels: int = 8,
     ) -> None:
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._gates: dict[str, threading.Event] = {}
         super().__init__(engine_config, name)
         mc, runner = self.engine.model_config, self.engine.runner
         spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
@@ -156,21 +168,31 @@ class PrefillWorker(EngineWorker):
         prompt: list[int],
         params: SamplingParams,
         endpoint: str,
+        *,
+        gated: bool = False,
         **kwargs: Any,
     ) -> dict[str, Any]:
         """Compute the prompt, stream its KV to ``endpoint`` (transfer id = request id) and
-        return ``{"ok": True, "token": first token}`` or ``{"ok": False, "error": ...}``."""
+        return ``{"ok": True, "token": first token}`` or ``{"ok": False, "error": ...}``.
+
+        ``gated``: the decode worker is reserving at the same time; the prompt computes at once
+        but none of its KV leaves before ``release(request_id)`` (or an abort)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if request_id in self._waiters:
             return {"ok": False, "error": f"request_id {request_id!r} is already in use"}
         self._waiters[request_id] = (loop, fut)
+        gate = None
+        if gated:  # registered before the first await, so a release() that follows finds it
+            gate = self._gates.pop(request_id, None) or threading.Event()
+            if not gate.is_set():  # (set already: the release overtook this call)
+                self._gates[request_id] = gate
         one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[], n=1)
 
         def add() -> None:
             trace(request_id, "prefill.add")
             self.engine.add_request(request_id, prompt, one, **kwargs)
-            self.streamer.add(request_id, request_id, endpoint, len(prompt))
+            self.streamer.add(request_id, request_id, endpoint, len(prompt), gate)
 
         try:
             await self.call(add)
@@ -179,7 +201,18 @@ class PrefillWorker(EngineWorker):
             return {"ok": False, "error": str(exc)}
         return await fut
 
+    async def release(self, request_id: str) -> None:
+        """The decode worker has reserved: a gated request's KV may leave."""
+        gate = self._gates.pop(request_id, None)
+        if gate is None:  # overtook its prefill() call: leave it open for that call
+            gate = self._gates[request_id] = threading.Event()
+        gate.set()
+
     def _resolve(self, request_id: str, result: dict[str, Any]) -> None:
+        if not result["ok"]:
+            gate = self._gates.pop(request_id, None)
+            if gate is not None:
+                gate.set()  # a failed or aborted request must not hold its channel
         entry = self._waiters.pop(request_id, None)
         if entry is not None:
             loop, fut = entry

@@ -144,6 +144,21 @@ def test_invalid_request_costs_nothing(cluster) -> None:
     assert_idle(cluster)
 
 
+def test_full_decode_worker_is_skipped(cluster, prompts) -> None:
+    """The speculative first choice is full: its prefill is dropped, the other one serves."""
+    d0 = worker(cluster, "decode-0").handle
+    hog = ray.get(d0.reserve.remote("hog", [1] * 3990, GREEDY))  # 250 of its 256 blocks
+    assert hog["ok"]
+    try:
+        assert [w.name for w in cluster._least_loaded(cluster.decode, set())][0] == "decode-0"
+        out = run(collect(cluster, prompts[-1], prefill="prefill-0"))
+        coloc = run(collect(cluster, prompts[-1], mode="colocated"))
+        assert out[-1].outputs[0].token_ids == coloc[-1].outputs[0].token_ids
+    finally:
+        ray.get(d0.abort.remote("hog"))
+    assert_idle(cluster)
+
+
 async def start_long_request(cluster, prefill, decode, rid):
     """Start a many-chunk request and return (task, generator) once its KV is mid-transfer."""
     ids = cluster.tokenizer(VERY_LONG)["input_ids"]

@@ -278,3 +278,37 @@ def test_connector_keeps_at_most_max_channels_idle(tcp) -> None:
         conn.close()
         for r in others:
             r.close()
+
+
+def test_held_transfer_waits_for_its_gate_and_keeps_order(pair) -> None:
+    rx, conn, events, _, kv = pair
+    gate = threading.Event()
+    tx = conn.sender(rx.endpoint)
+    tx.hold("a", gate, timeout_s=30)
+    for layer in range(3):  # "a" computes while its decode worker is still reserving
+        tx.send_layer(layer, [("a", 0, 4)], source(4, layer))
+    tx.send_done("a", 4, {"token_id": 9})
+    rx.expect("b", [5], 4)
+    for layer in range(3):  # queued behind "a": must not overtake it
+        tx.send_layer(layer, [("b", 0, 4)], source(4, layer))
+    tx.send_done("b", 4, {"token_id": 8})
+    assert events.empty_after(0.3)  # nothing left the channel
+    rx.expect("a", [2], 4)  # the reservation lands, then the gate opens
+    gate.set()
+    order = [events.next().transfer_id, events.next().transfer_id]
+    assert order == ["a", "b"]
+    torch.testing.assert_close(kv[1][:, :, 8:12], source(4, 1), rtol=0, atol=0)
+
+
+def test_gate_timeout_fails_only_that_transfer(pair) -> None:
+    rx, conn, events, failures, _ = pair
+    tx = conn.sender(rx.endpoint)
+    tx.hold("a", threading.Event(), timeout_s=0.2)  # never released
+    tx.send_layer(0, [("a", 0, 4)], source(4, 0))
+    rx.expect("b", [1], 4)
+    for layer in range(3):
+        tx.send_layer(layer, [("b", 0, 4)], source(4, layer))
+    tx.send_done("b", 4, {"token_id": 1})
+    assert events.next().kind == "complete"  # b went through after a's gate timed out
+    assert failures.event.wait(5) and failures.calls[0][0] == ["a"]
+    assert tx.error is None
