@@ -3,10 +3,13 @@ continues the request.
 
 A request's life here (the decode worker's module has the other half)::
 
-    1. the decode worker has reserved the request's blocks and named its KV endpoint
-    2. prefill(request_id, prompt, params, endpoint)   queued in the engine as a one-token
-       request; the prompt is chunked and batched with other prompts, and whole-block prefix
-       hits skip recomputation
+    1. the caller picks a decode worker (its KV endpoint) and asks it to reserve the request's
+       blocks; at the same time it calls
+    2. prefill(request_id, prompt, params, endpoint, gated=True)   queued in the engine as a
+       one-token request; the prompt is chunked and batched with other prompts, and
+       whole-block prefix hits skip recomputation. Until release(request_id) (the reservation
+       succeeded) the request's KV waits at the head of that pair's channel; if the decode
+       worker was full the caller aborts it here
     3. each step, before the forward pass, the streamer plans which token positions of which
        request go to which decode worker: the chunk's new tokens, plus on the first chunk the
        prefix-cache hits (skipped here, still needed there)
