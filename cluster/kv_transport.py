@@ -674,16 +674,15 @@ class KVConnector:
         self._senders: OrderedDict[str, KVSender] = OrderedDict()
 
     def sender(self, endpoint: str) -> KVSender:
-        backend, _, _ = split_endpoint(endpoint) if "://" in endpoint else ("", "", 0)
         sender = self._senders.get(endpoint)
         if sender is not None and sender.error is None:
             self._senders.move_to_end(endpoint)
             return sender
-        cls = {"tcp": TcpKVSender, "inproc": KVSender}.get(backend)
+        backend, _, _ = split_endpoint(endpoint)
         if backend == "nccl":
             from cluster.nccl_transport import NcclKVSender as cls
-        if cls is None:
-            raise ValueError(f"bad KV endpoint {endpoint!r}")
+        else:
+            cls = TcpKVSender if backend == "tcp" else KVSender
         sender = cls(endpoint, self.spec, self.on_failure, self.token)
         self._senders[endpoint] = sender
         self._evict()
@@ -701,6 +700,10 @@ class KVConnector:
     @property
     def num_channels(self) -> int:
         return len(self._senders)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in self._senders.values())
 
     def close(self) -> None:
         for sender in self._senders.values():

@@ -264,7 +264,8 @@ class LocalCluster:
         """Reserve on a decode worker and start the prompt on a prefill worker. The first choice
         runs both at once (the prefill computes while the decode worker reserves; its KV waits
         at the channel until ``release``); if that decode worker is full the speculative prefill
-        is dropped and the others are asked in turn. Returns (decode, prefill, prefill ref)."""
+        is dropped and the others are asked in turn (under a new id: the dropped one may still
+        be finishing). Returns (decode, prefill, request id used, prefill ref)."""
         d = self._least_loaded(self.decode, avoid, pin_d)[0]
         p = self._least_loaded(self.prefill, avoid, pin_p)[0]
         pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
@@ -274,13 +275,13 @@ class LocalCluster:
             res = {"ok": False, "full": True, "why": str(exc)}
         if res["ok"]:
             _quietly(p.handle.release, irid)
-            return d, p, pref
+            return d, p, irid, pref
         _quietly(p.handle.abort, irid)
         if "error" in res:
             raise RequestError(res["error"])
         irid2 = f"{irid}~r"
         d = await self._reserve(irid2, ids, params, kwargs, avoid | {d.name}, pin_d)
-        return d, p, (irid2, p.handle.prefill.remote(irid2, ids, params, d.endpoint, **kwargs))
+        return d, p, irid2, p.handle.prefill.remote(irid2, ids, params, d.endpoint, **kwargs)
 
     async def _stream_disagg(
         self, rid, ids, params, kwargs, pin_prefill=None, pin_decode=None
@@ -292,7 +293,7 @@ class LocalCluster:
         for attempt in range(2):
             irid = rid if attempt == 0 else f"{rid}~retry"
             first = attempt == 0
-            d, p, pref = await self._start_pair(
+            d, p, irid, pref = await self._start_pair(
                 irid,
                 ids,
                 params,
@@ -301,8 +302,6 @@ class LocalCluster:
                 pin_prefill if first else None,
                 pin_decode if first else None,
             )
-            if isinstance(pref, tuple):  # the speculative choice was full: another id
-                irid, pref = pref
             d.outstanding += 1
             p.outstanding += 1
             watch = asyncio.ensure_future(self._watch_prefill(pref, d, irid))

@@ -28,7 +28,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 _TRACE = bool(os.environ.get("TANDEM_TRACE"))
@@ -181,16 +181,15 @@ class EngineWorker:
 
     def _stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager
-        cached = sum(1 for i in bm._free if bm.blocks[i].block_hash is not None)
-        in_use = sum(1 for b in bm.blocks if b.ref_cnt > 0)
+        counts = bm.counts()
         sched = self.engine.scheduler
         return {
             "name": self.name,
             "role": self.role,
             "total_blocks": bm.num_blocks,
-            "free_blocks": bm.num_free_blocks - cached,
-            "cached_blocks": cached,
-            "in_use_blocks": in_use,
+            "free_blocks": counts["free"],
+            "cached_blocks": counts["cached"],
+            "in_use_blocks": counts["in_use"],
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "remote_pending": self.engine.num_remote_pending(),
@@ -227,8 +226,6 @@ class EngineWorker:
 
 
 def _aborted(request_id: str) -> RequestOutput:
-    from engine.outputs import CompletionOutput
-
     return RequestOutput(
         request_id, None, [], 0, [CompletionOutput(0, finish_reason="abort")], True, time.time()
     )

@@ -83,6 +83,15 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    def counts(self) -> dict[str, int]:
+        """Blocks free (no hash), cached (free but findable) and in use; they sum to the total."""
+        cached = sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        return {
+            "free": len(self._free) - cached,
+            "cached": cached,
+            "in_use": self.num_blocks - len(self._free),
+        }
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -248,5 +248,5 @@ class PrefillWorker(EngineWorker):
     def _stats(self) -> dict[str, Any]:
         stats = super()._stats()
         stats["kv_channels"] = self.connector.num_channels
-        stats["kv_bytes_sent"] = sum(s.bytes_sent for s in self.connector._senders.values())
+        stats["kv_bytes_sent"] = self.connector.bytes_sent
         return stats

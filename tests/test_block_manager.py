@@ -420,3 +420,28 @@ def test_check_invariant_expect_idle_reports_leaks() -> None:
         match=re.escape("blocks leaked while idle: free=6 cached=0 in_use=2 total=8"),
     ):
         bm.check_invariant(expect_idle=True)
+
+
+def test_reserved_blocks_publish_no_hash_until_computed_here() -> None:
+    """A remote prefill's blocks are held without hashes (their KV has not arrived), so another
+    request cannot hit them; the first local step publishes them."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    remote = make_request("remote", list(range(10)))
+    table = bm.reserve(remote, remote.num_tokens + 1)
+    assert table is not None and len(table) == 3
+    assert bm.counts() == {"free": 5, "cached": 0, "in_use": 3}
+    twin = make_request("twin", list(range(10)))
+    assert bm.get_computed_blocks(twin) == []  # nothing findable yet
+    remote.num_computed_tokens = remote.num_tokens  # the KV arrived; the first decode step:
+    assert bm.allocate_slots(remote, 1) == []  # fits in the reserved blocks
+    assert len(bm.get_computed_blocks(twin)) == 2  # its two full blocks are published now
+    bm.free(remote)
+    assert bm.counts() == {"free": 6, "cached": 2, "in_use": 0}
+    bm.check_invariant(expect_idle=True)
+
+
+def test_reserve_that_does_not_fit_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    assert bm.reserve(make_request("big", list(range(12))), 13) is None
+    assert bm.counts() == {"free": 2, "cached": 0, "in_use": 0}
+    bm.check_invariant(expect_idle=True)
