@@ -183,6 +183,13 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 2048, 8000])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for every worker, e.g. NCCL_P2P_USE_CUDA_MEMCPY=1 (repeatable)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_disagg.json"))
     args = ap.parse_args()
 

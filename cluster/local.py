@@ -106,7 +106,9 @@ class LocalCluster:
         self._token = secrets.token_hex(16)  # KV channels refuse peers without it
         self._ids = itertools.count()
         env = {"NCCL_NVLS_ENABLE": "0"}
-        env.update({k: v for k, v in os.environ.items() if k.startswith(("TANDEM_", "TRITON_"))})
+        env.update(
+            {k: v for k, v in os.environ.items() if k.startswith(("TANDEM_", "TRITON_", "NCCL_"))}
+        )
         workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
