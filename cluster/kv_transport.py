@@ -291,6 +291,9 @@ class KVReceiver:
         )
         if not isinstance(tid, str) or not isinstance(token, dict):
             raise TransferError("done needs a string transfer_id and a token object")
+        ints = [token.get("token_id"), token.get("num_cached_tokens", 0)]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+            raise TransferError("done's token needs a token_id (and num_cached_tokens) >= 0")
         with self._lock:
             t = self._transfers.get(tid)
             if t is None or t.peer not in (None, peer):

@@ -105,8 +105,14 @@ class DecodeWorker(EngineWorker):
         cancelled = self._cancel_reasons.pop(rid, None)
         if event.kind == "complete" and cancelled is None:
             trace(rid, "decode.admit")
-            self._push(rid, self.engine.admit_remote(rid, token_from_dict(event.token)))
-            return
+            try:
+                first = token_from_dict(event.token)
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed peer: this one fails
+                event = TransferEvent("failed", rid, reason=f"bad first token: {exc}")
+            else:
+                cached = event.token.get("num_cached_tokens", 0)
+                self._push(rid, self.engine.admit_remote(rid, first, num_cached_tokens=cached))
+                return
         self.engine.abort_request(rid)  # frees the blocks: the receiver no longer writes them
         reason = event.reason if event.kind == "failed" else cancelled
         if reason:

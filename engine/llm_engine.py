@@ -184,13 +184,16 @@ class LLMEngine:
         self._remote[request_id] = request
         return table
 
-    def admit_remote(self, request_id: str, first: SampledToken) -> RequestOutput:
+    def admit_remote(
+        self, request_id: str, first: SampledToken, num_cached_tokens: int = 0
+    ) -> RequestOutput:
         """The prompt's KV is in the reserved blocks and ``first`` is the token the prefill
-        worker sampled: the request runs from the next step. Returns its first output."""
+        worker sampled (``num_cached_tokens`` of the prompt came from its prefix cache): the
+        request runs from the next step. Returns its first output."""
         request = self._remote.pop(request_id)
         group, seq = self._seq_owner[request_id]
         request.num_computed_tokens = request.num_prompt_tokens
-        request.num_cached_tokens = 0
+        request.num_cached_tokens = int(num_cached_tokens)
         request.append_output_token(first.token_id)
         if not request.params.greedy and request.params.seed is not None:
             self.runner.skip_draws(request, 1)  # the prefill worker drew the first token's

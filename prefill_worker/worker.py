@@ -137,6 +137,8 @@ class KVStreamer:
                 continue
             del self.transfers[rid]
             token = token_to_dict(sampled[rid])
+            # The prompt tokens this worker served from its prefix cache (for the client's usage).
+            token["num_cached_tokens"] = max(chunk.request.num_cached_tokens, 0)
             self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token)
             trace(rid, "prefill.sampled")
             self.on_done(rid, token)

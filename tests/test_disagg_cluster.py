@@ -130,6 +130,7 @@ def test_prefill_prefix_hit_is_still_sent(cluster, prompts, hf) -> None:
     assert hit >= 3 * 16  # the shared whole blocks were not recomputed on the prefill worker...
     expect = hf_greedy_ids(hf, variant, MAX_TOKENS, stop_at_eos=True)
     assert out[-1].outputs[0].token_ids == expect  # ...yet the decode worker had their KV
+    assert out[-1].num_cached_tokens == hit  # reported to the client as cached
     assert_idle(cluster)
 
 
