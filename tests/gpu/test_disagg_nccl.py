@@ -73,3 +73,57 @@ def test_nccl_disaggregated_matches_colocated(tiny) -> None:
     by_role = {s["role"]: s for s in stats}
     assert by_role["decode"]["kv_bytes_received"] == by_role["prefill"]["kv_bytes_sent"] > 0
     assert by_role["prefill"]["prefix_hit_tokens"] >= 192
+
+
+def test_nccl_abort_mid_transfer_frees_both_sides(tmp_path_factory, tiny_cfg) -> None:
+    """A long prompt in small chunks keeps its transfer open for many steps; aborting it there
+    must release the receiver's side only after its queued NCCL writes (no late write into a
+    reused block) and leave both workers idle with exact accounting; the pair works after."""
+    import asyncio
+    import time
+
+    from cluster.local import LocalCluster
+    from engine import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    path = tmp_path_factory.mktemp("tiny-nccl-abort")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    engine = {**ENGINE, "max_num_batched_tokens": 32, "num_kv_blocks": 1024}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LocalCluster(
+        model=str(path), device="cuda", engine=engine, num_prefill=1, num_decode=1, transport="nccl"
+    ) as c:
+        d = c.decode[0].handle
+
+        async def scenario():
+            agen = c.stream(list(range(1, 500)) * 8, params, request_id="long")
+            task = asyncio.ensure_future(agen.__anext__())
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                s = await d.stats.remote()
+                if s["transfers_pending"] == 1 and s["kv_bytes_received"] > 0:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("never saw the transfer in flight")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await agen.aclose()
+
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 30
+        while any(v is not None for v in c.check_idle().values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(v is None for v in c.check_idle().values()), c.check_idle()
+        out = c.generate([[1, 2, 3] * 50], params)[0]
+        assert len(out.outputs[0].token_ids) == 8
