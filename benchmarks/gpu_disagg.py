@@ -133,20 +133,25 @@ async def one_request(cluster, ids):
     return ttft, last.outputs[0].token_ids
 
 
-def measure(cluster, prompts: dict[int, list[list[int]]], timings: bool) -> dict:
+def measure(cluster, prompts: dict[int, list[list[int]]], timings: bool, pairs: int) -> dict:
+    """Per length: a warm-up, then each rep sends ``pairs`` prompts at once (one per pair or
+    colocated worker: least-loaded placement spreads them); TTFT of every request."""
     import ray
+
+    async def wave(batch):
+        return await asyncio.gather(*(one_request(cluster, ids) for ids in batch))
 
     results = {}
     for length, reps in prompts.items():
         ttfts, tokens, streams = [], [], []
-        asyncio.run(one_request(cluster, reps[0]))  # warm-up (first-use kernels, channel set-up)
+        asyncio.run(wave(reps[:pairs]))  # warm-up (first-use kernels, channel set-up)
         if timings:
             for d in cluster.decode:
                 ray.get(d.handle.kv_timings.remote())
-        for ids in reps[1:]:
-            ttft, toks = asyncio.run(one_request(cluster, ids))
-            ttfts.append(ttft)
-            tokens.append(toks)
+        for r in range(1, len(reps) // pairs):
+            for ttft, toks in asyncio.run(wave(reps[r * pairs : (r + 1) * pairs])):
+                ttfts.append(ttft)
+                tokens.append(toks)
             if timings:
                 msgs = sum(ray.get([d.handle.kv_timings.remote() for d in cluster.decode]), [])
                 nbytes = sum(n for n, _ in msgs)
@@ -206,7 +211,10 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0)
     rng = random.Random(0)
     prompts = {
-        n: [[rng.randrange(128, 128000) for _ in range(n)] for _ in range(args.reps + 1)]
+        n: [
+            [rng.randrange(128, 128000) for _ in range(n)]
+            for _ in range((args.reps + 1) * args.pairs)
+        ]
         for n in args.lengths
     }
     report = {
@@ -228,10 +236,10 @@ def main() -> None:
         return c
 
     c = cluster(num_prefill=0, num_decode=0, num_colocated=args.pairs)
-    report["colocated"] = measure(c, prompts, timings=False)
+    report["colocated"] = measure(c, prompts, timings=False, pairs=args.pairs)
     c.shutdown()
     c = cluster(num_prefill=args.pairs, num_decode=args.pairs, transport="nccl")
-    report["disagg"] = measure(c, prompts, timings=True)
+    report["disagg"] = measure(c, prompts, timings=True, pairs=args.pairs)
     c.shutdown()
 
     peak_best = max(report["nccl_peak_gbps"].values())

@@ -268,22 +268,35 @@ class LocalCluster:
         at the channel until ``release``); if that decode worker is full the speculative prefill
         is dropped and the others are asked in turn (under a new id: the dropped one may still
         be finishing). Returns (decode, prefill, request id used, prefill ref)."""
+        # Counted as soon as chosen, so concurrent requests spread over the workers.
         d = self._least_loaded(self.decode, avoid, pin_d)[0]
         p = self._least_loaded(self.prefill, avoid, pin_p)[0]
-        pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
+        d.outstanding += 1
+        p.outstanding += 1
         try:
-            res = await d.handle.reserve.remote(irid, ids, params, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
-            res = {"ok": False, "full": True, "why": str(exc)}
-        if res["ok"]:
-            _quietly(p.handle.release, irid)
-            return d, p, irid, pref
-        _quietly(p.handle.abort, irid)
-        if "error" in res:
-            raise RequestError(res["error"])
-        irid2 = f"{irid}~r"
-        d = await self._reserve(irid2, ids, params, kwargs, avoid | {d.name}, pin_d)
-        return d, p, irid2, p.handle.prefill.remote(irid2, ids, params, d.endpoint, **kwargs)
+            pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
+            try:
+                res = await d.handle.reserve.remote(irid, ids, params, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
+                res = {"ok": False, "full": True, "why": str(exc)}
+            if res["ok"]:
+                _quietly(p.handle.release, irid)
+                return d, p, irid, pref
+            _quietly(p.handle.abort, irid)
+            if "error" in res:
+                raise RequestError(res["error"])
+            avoid = avoid | {d.name}
+            d.outstanding -= 1
+            d = None  # counted again once another one has room
+            irid = f"{irid}~r"
+            d = await self._reserve(irid, ids, params, kwargs, avoid, pin_d)
+            d.outstanding += 1
+            return d, p, irid, p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
+        except BaseException:
+            if d is not None:
+                d.outstanding -= 1
+            p.outstanding -= 1
+            raise
 
     async def _stream_disagg(
         self, rid, ids, params, kwargs, pin_prefill=None, pin_decode=None
@@ -304,8 +317,6 @@ class LocalCluster:
                 pin_prefill if first else None,
                 pin_decode if first else None,
             )
-            d.outstanding += 1
-            p.outstanding += 1
             watch = asyncio.ensure_future(self._watch_prefill(pref, d, irid))
             produced = finished = False
             try:

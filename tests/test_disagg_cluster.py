@@ -145,6 +145,24 @@ def test_invalid_request_costs_nothing(cluster) -> None:
     assert_idle(cluster)
 
 
+def test_concurrent_requests_spread_over_the_pairs(cluster, prompts) -> None:
+    names = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    key = {"prefill": "kv_bytes_sent", "decode": "kv_bytes_received"}
+
+    def moved():
+        return {n: run(stats(cluster, n))[key[n.split("-")[0]]] for n in names}
+
+    before = moved()
+
+    async def both():
+        return await asyncio.gather(*(collect(cluster, p) for p in prompts[:2]))
+
+    run(both())
+    after = moved()
+    assert all(after[n] > before[n] for n in names), (before, after)
+    assert_idle(cluster)
+
+
 def test_full_decode_worker_is_skipped(cluster, prompts) -> None:
     """The speculative first choice is full: its prefill is dropped, the other one serves."""
     d0 = worker(cluster, "decode-0").handle
