@@ -73,6 +73,13 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
         self._thread.start()
 
+    def kv_spec(self):
+        """This worker's per-layer KV shape and dtype, as pair channels compare them."""
+        from cluster.kv_transport import KVSpec
+
+        mc = self.engine.model_config
+        return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
+
     # -- the engine thread -----------------------------------------------------------------------
 
     def _has_work(self) -> bool:

@@ -23,7 +23,7 @@ import math
 import time
 from typing import Any
 
-from cluster.kv_transport import KVSpec, TransferEvent, make_receiver
+from cluster.kv_transport import TransferEvent, make_receiver
 from cluster.worker import EngineWorker, StreamError, _aborted, trace
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import token_from_dict
@@ -50,12 +50,10 @@ class DecodeWorker(EngineWorker):
             import ray
 
             host = ray.util.get_node_ip_address()
-        mc, runner = self.engine.model_config, self.engine.runner
-        spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
         self.receiver = make_receiver(
             transport,
-            spec,
-            runner.kv_caches,
+            self.kv_spec(),
+            self.engine.runner.kv_caches,
             self.engine.cfg.block_size,
             self._on_transfer_event,
             token=token,

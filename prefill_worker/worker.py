@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cluster.kv_transport import KVConnector, KVSpec
+from cluster.kv_transport import KVConnector
 from cluster.worker import EngineWorker, trace
 from engine.attention import host_to_device, slots_for
 from engine.sampler import SampledToken
@@ -158,12 +158,11 @@ class PrefillWorker(EngineWorker):
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._gates: dict[str, threading.Event] = {}
         super().__init__(engine_config, name)
-        mc, runner = self.engine.model_config, self.engine.runner
-        spec = KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
         self.connector = KVConnector(
-            spec, self._on_channel_failure, token=token, max_channels=max_channels
+            self.kv_spec(), self._on_channel_failure, token=token, max_channels=max_channels
         )
-        self.streamer = KVStreamer(self.connector, runner.kv_caches, self.engine.cfg.block_size)
+        kv_caches = self.engine.runner.kv_caches
+        self.streamer = KVStreamer(self.connector, kv_caches, self.engine.cfg.block_size)
         self.streamer.on_done = self._on_done
         self.engine.step_observer = self.streamer
 

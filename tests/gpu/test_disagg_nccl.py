@@ -30,8 +30,8 @@ ENGINE = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
+def save_tiny(tmp_path_factory, tiny_cfg, name: str, **overrides):
+    """A random tiny Llama (transformers-built) saved to a fresh folder; returns the folder."""
     torch.manual_seed(0)
     cfg = tiny_cfg(
         vocab_size=512,
@@ -40,9 +40,16 @@ def tiny(tmp_path_factory, tiny_cfg):
         num_attention_heads=8,
         num_hidden_layers=4,
         num_key_value_heads=2,
+        **overrides,
     )
-    path = tmp_path_factory.mktemp("tiny-nccl")
+    path = tmp_path_factory.mktemp(name)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_cfg):
+    path = save_tiny(tmp_path_factory, tiny_cfg, "tiny-nccl")
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 17, 130, 300)]
     prompts.append(prompts[-1][:200] + [5, 6, 7])  # shares whole blocks with the one before
@@ -85,18 +92,7 @@ def test_nccl_abort_mid_transfer_frees_both_sides(tmp_path_factory, tiny_cfg) ->
     from cluster.local import LocalCluster
     from engine import SamplingParams
 
-    torch.manual_seed(0)
-    cfg = tiny_cfg(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
-    path = tmp_path_factory.mktemp("tiny-nccl-abort")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    path = save_tiny(tmp_path_factory, tiny_cfg, "tiny-nccl-abort", max_position_embeddings=8192)
     engine = {**ENGINE, "max_num_batched_tokens": 32, "num_kv_blocks": 1024}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LocalCluster(
