@@ -368,7 +368,9 @@ class TcpKVReceiver(KVReceiver):
     def _serve(self, peer: int, conn: socket.socket) -> None:
         reason = "connection closed"
         try:
+            conn.settimeout(30.0)  # a peer that never says hello does not hold a thread forever
             self._handshake(peer, conn, read_header(conn))
+            conn.settimeout(None)
             buf = [bytearray()]  # reused between layers, replaced when too small
             while True:
                 header = read_header(conn)
