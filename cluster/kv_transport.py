@@ -51,10 +51,9 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
-import numpy as np
 import torch
 
-from engine.attention import host_to_device
+from engine.attention import host_to_device, slot_array
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +226,7 @@ class KVReceiver:
     def expect(self, transfer_id: str, block_table: list[int], num_tokens: int) -> None:
         if len(block_table) * self.block_size < num_tokens:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
-        pos = np.arange(num_tokens)
-        table = np.asarray(block_table, dtype=np.int64)
-        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        slots = slot_array(block_table, 0, num_tokens, self.block_size)
         slots_dev = host_to_device(slots, self.kv_caches[0].device)
         with self._lock:
             if transfer_id in self._transfers:
@@ -398,11 +395,18 @@ class TcpKVReceiver(KVReceiver):
 
     def _handshake(self, peer: int, conn: socket.socket, hello: dict) -> None:
         try:
-            check_hello(hello, self.spec, self.backend, self.token)
-        except TransferError as exc:
+            self._check_hello(hello)
+            write_frame(conn, {"kind": "ready"})
+            self._after_ready(peer, hello)
+        except TransferError as exc:  # the sender waits for this before giving up on the pair
             write_frame(conn, {"kind": "error", "message": str(exc)})
             raise
-        write_frame(conn, {"kind": "ready"})
+
+    def _check_hello(self, hello: dict) -> None:
+        check_hello(hello, self.spec, self.backend, self.token)
+
+    def _after_ready(self, peer: int, hello: dict) -> None:
+        """Hook: finish setting up the pair (the NCCL backend joins its communicator here)."""
 
     def _read_payload(self, peer, conn, nbytes: int, entries, buf: list) -> torch.Tensor:
         if len(buf[0]) < nbytes:

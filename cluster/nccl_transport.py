@@ -35,7 +35,6 @@ from cluster.kv_transport import (
     TcpKVSender,
     TransferError,
     TransferEvent,
-    check_hello,
     read_header,
     write_frame,
 )
@@ -120,8 +119,13 @@ class _Timings:
 
     def drain(self) -> list[tuple[int, float]]:
         """(bytes, milliseconds) of every finished message so far."""
-        done = [(n, s.elapsed_time(e)) for n, s, e in self.items if e.query()]
-        self.items = [x for x in self.items if not x[2].query()]
+        done, pending = [], []
+        for n, start, end in self.items:
+            if end.query():
+                done.append((n, start.elapsed_time(end)))
+            else:
+                pending.append((n, start, end))
+        self.items = pending
         return done
 
 
@@ -224,24 +228,20 @@ class NcclKVReceiver(TcpKVReceiver):
         self.device = self.kv_caches[0].device
         self._pairs: dict[int, tuple[object, torch.cuda.Stream]] = {}
 
-    def _handshake(self, peer, conn, hello) -> None:
-        try:
-            check_hello(hello, self.spec, self.backend, self.token)
-            uid = hello.get("nccl_id")
-            if not isinstance(uid, list) or not all(
-                isinstance(b, int) and -128 <= b < 256 for b in uid
-            ):
-                raise TransferError("hello needs an nccl_id list of integers")
-        except TransferError as exc:
-            write_frame(conn, {"kind": "error", "message": str(exc)})
-            raise
-        write_frame(conn, {"kind": "ready"})
+    def _check_hello(self, hello: dict) -> None:
+        super()._check_hello(hello)
+        uid = hello.get("nccl_id")
+        if not isinstance(uid, list) or not all(
+            isinstance(b, int) and -128 <= b < 256 for b in uid
+        ):
+            raise TransferError("hello needs an nccl_id list of integers")
+
+    def _after_ready(self, peer: int, hello: dict) -> None:
         try:
             _use_device(self.device)
             torch.cuda.set_device(self.device)
-            comm = _nccl().NcclCommunicator(2, comm_id(uid), 1)
-        except Exception as exc:  # noqa: BLE001 - tell the sender, whose init would hang
-            write_frame(conn, {"kind": "error", "message": f"NCCL init failed: {exc}"})
+            comm = _nccl().NcclCommunicator(2, comm_id(hello["nccl_id"]), 1)
+        except Exception as exc:  # noqa: BLE001 - reported to the sender, whose init would hang
             raise TransferError(f"NCCL init failed: {exc}") from None
         self._pairs[peer] = (comm, transfer_stream(self.device))
 

@@ -224,7 +224,9 @@ class TritonAttentionBackend(AttentionBackend):
         if chunks[:num_decodes] != decodes:
             raise ValueError("decode chunks must come first")
         prefills = chunks[num_decodes:]
-        slots = np.concatenate([_slots_np(c, block_size) for c in chunks])
+        slots = np.concatenate(
+            [slot_array(c.block_table, c.start, c.start + c.num_tokens, block_size) for c in chunks]
+        )
         fields = {}
         if decodes:
             fields["decode_block_tables"] = host_to_device(
@@ -289,10 +291,11 @@ class TritonAttentionBackend(AttentionBackend):
         return out.view(t, num_heads * head_dim)
 
 
-def _slots_np(c: ChunkSpec, block_size: int) -> np.ndarray:
-    positions = np.arange(c.start, c.start + c.num_tokens)
-    table = np.asarray(c.block_table, dtype=np.int64)
-    return table[positions // block_size] * block_size + positions % block_size
+def slot_array(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """``slots_for`` as an int64 array, computed without a Python loop over positions."""
+    positions = np.arange(start, end)
+    blocks = np.asarray(table, dtype=np.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
 
 
 def _table_np(chunks: list[ChunkSpec], block_size: int, tokens) -> np.ndarray:

@@ -36,7 +36,7 @@ import torch
 
 from cluster.kv_transport import KVConnector
 from cluster.worker import EngineWorker, trace
-from engine.attention import host_to_device, slots_for
+from engine.attention import host_to_device, slot_array
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -96,14 +96,14 @@ class KVStreamer:
         return t
 
     def begin_step(self, out: SchedulerOutput):
-        plan: dict[str, tuple[list[int], list[tuple[str, int, int]]]] = {}
+        plan: dict[str, tuple[list[np.ndarray], list[tuple[str, int, int]]]] = {}
         for chunk in out.scheduled:
             t = self.transfers.get(chunk.request.request_id)
             end = chunk.start + chunk.num_tokens
             if t is None or end <= t.sent_upto:
                 continue
             slots, entries = plan.setdefault(t.endpoint, ([], []))
-            slots += slots_for(chunk.block_table, t.sent_upto, end, self.block_size)
+            slots.append(slot_array(chunk.block_table, t.sent_upto, end, self.block_size))
             entries.append((t.transfer_id, t.sent_upto, end - t.sent_upto))
             t.sent_upto = end
         if not plan:
@@ -112,7 +112,7 @@ class KVStreamer:
         sends = [
             (
                 self.connector.sender(ep),
-                host_to_device(np.asarray(slots, np.int64), device),
+                host_to_device(np.concatenate(slots), device),
                 entries,
             )
             for ep, (slots, entries) in plan.items()
