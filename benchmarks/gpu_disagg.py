@@ -12,7 +12,11 @@ prompt one prefill chunk (max_num_batched_tokens 8192). Three sections, in one r
 2. ``colocated``: TTFT of one colocated worker (time from the call to the first output at the
    caller, through Ray), then 16 greedy tokens.
 3. ``disagg``: the same through prefill -> decode with the NCCL transport; the decode worker's
-   per-message recv timings give the stream's bandwidth.
+   per-message recv timings give the stream's bandwidth, the prefill worker's send timings its
+   post lag (layer packed -> send started) and send time.
+
+``--carveouts 0 8 16`` repeats section 3 with the prefill workers' cuBLAS matmuls leaving that many
+SMs free (``sm_carveout``), so the NCCL send kernels need not wait for a layer's GEMMs to finish.
 
 Figures: (a) stream GB/s over the peak for the same message size and over the best peak;
 (b) disaggregated TTFT over colocated TTFT (medians); (c) greedy tokens identical.
@@ -146,14 +150,14 @@ def measure(cluster, prompts: dict[int, list[list[int]]], timings: bool, pairs: 
         ttfts, tokens, streams = [], [], []
         asyncio.run(wave(reps[:pairs]))  # warm-up (first-use kernels, channel set-up)
         if timings:
-            for d in cluster.decode:
-                ray.get(d.handle.kv_timings.remote())
+            ray.get([w.handle.kv_timings.remote() for w in cluster.decode + cluster.prefill])
         for r in range(1, len(reps) // pairs):
             for ttft, toks in asyncio.run(wave(reps[r * pairs : (r + 1) * pairs])):
                 ttfts.append(ttft)
                 tokens.append(toks)
             if timings:
                 msgs = sum(ray.get([d.handle.kv_timings.remote() for d in cluster.decode]), [])
+                sends = sum(ray.get([p.handle.kv_timings.remote() for p in cluster.prefill]), [])
                 nbytes = sum(n for n, _ in msgs)
                 ms = sum(t for _, t in msgs)
                 streams.append(
@@ -162,6 +166,10 @@ def measure(cluster, prompts: dict[int, list[list[int]]], timings: bool, pairs: 
                         "bytes": nbytes,
                         "ms": ms,
                         "gbps": nbytes / (ms / 1e3) / 1e9 if ms else None,
+                        "recv_ms_median": statistics.median(t for _, t in msgs),
+                        # sender side: pack done -> send started (host path), send start -> end
+                        "post_lag_ms_median": statistics.median(lag for _, lag, _ in sends),
+                        "send_ms_median": statistics.median(t for _, _, t in sends),
                     }
                 )
         results[length] = {
@@ -174,6 +182,9 @@ def measure(cluster, prompts: dict[int, list[list[int]]], timings: bool, pairs: 
             f"{length} tokens: TTFT median {1e3 * results[length]['ttft_median_s']:.1f} ms"
             + (
                 f", stream {statistics.median(s['gbps'] for s in streams):.1f} GB/s"
+                f" (per message: recv {streams[-1]['recv_ms_median']:.2f} ms, send"
+                f" {streams[-1]['send_ms_median']:.2f} ms after a post lag of"
+                f" {streams[-1]['post_lag_ms_median']:.2f} ms)"
                 if streams
                 else ""
             )
@@ -188,6 +199,14 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 2048, 8000])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument(
+        "--carveouts",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="SMS",
+        help="prefill workers' sm_carveout values; one disaggregated run each (default: 0)",
+    )
     ap.add_argument(
         "--env",
         action="append",
@@ -206,7 +225,9 @@ def main() -> None:
     env = {
         "NCCL_NVLS_ENABLE": "0",
         **{k: v for k, v in os.environ.items() if k.startswith("TANDEM_")},
+        **dict(kv.split("=", 1) for kv in args.env),
     }
+    report_env = dict(env)
     ray.init(include_dashboard=False, runtime_env={"env_vars": env})
     gpu = torch.cuda.get_device_name(0)
     rng = random.Random(0)
@@ -224,6 +245,7 @@ def main() -> None:
         "engine": ENGINE,
         "lengths": args.lengths,
         "reps": args.reps,
+        "env": report_env,
     }
 
     sizes = sorted({layer_message_bytes(n) for n in args.lengths} | {256 << 20})
@@ -238,18 +260,26 @@ def main() -> None:
     c = cluster(num_prefill=0, num_decode=0, num_colocated=args.pairs)
     report["colocated"] = measure(c, prompts, timings=False, pairs=args.pairs)
     c.shutdown()
-    c = cluster(num_prefill=args.pairs, num_decode=args.pairs, transport="nccl")
-    report["disagg"] = measure(c, prompts, timings=True, pairs=args.pairs)
-    c.shutdown()
+    report["disagg"] = {}
+    for carveout in args.carveouts:
+        c = cluster(
+            num_prefill=args.pairs,
+            num_decode=args.pairs,
+            transport="nccl",
+            prefill_engine={"sm_carveout": carveout},
+        )
+        report["disagg"][carveout] = measure(c, prompts, timings=True, pairs=args.pairs)
+        c.shutdown()
 
     peak_best = max(report["nccl_peak_gbps"].values())
     rows = []
-    for n in args.lengths:
-        co, di = report["colocated"][n], report["disagg"][n]
+    for carveout, n in ((c, n) for c in args.carveouts for n in args.lengths):
+        co, di = report["colocated"][n], report["disagg"][carveout][n]
         gbps = statistics.median(s["gbps"] for s in di["stream"])
         same = report["nccl_peak_gbps"][str(layer_message_bytes(n))]
         rows.append(
             {
+                "prefill_sm_carveout": carveout,
                 "prompt_tokens": n,
                 "layer_message_mib": layer_message_bytes(n) / 2**20,
                 "stream_gbps": gbps,
@@ -270,13 +300,13 @@ def main() -> None:
         f"NCCL best peak {peak_best:.0f} GB/s"
     )
     print(
-        "| prompt | layer msg | stream GB/s | / peak same size | / best peak | TTFT coloc ms "
+        "| carveout | prompt | layer msg | stream GB/s | / peak same size | / best peak | TTFT coloc ms "
         "| TTFT disagg ms | ratio | greedy same |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['prompt_tokens']} | {r['layer_message_mib']:.0f} MiB | {r['stream_gbps']:.0f} | "
+            f"| {r['prefill_sm_carveout']} | {r['prompt_tokens']} | {r['layer_message_mib']:.0f} MiB | {r['stream_gbps']:.0f} | "
             f"{r['stream_over_peak_same_size']:.3f} | {r['stream_over_peak_best']:.3f} | "
             f"{r['ttft_colocated_ms']:.1f} | {r['ttft_disagg_ms']:.1f} | {r['ttft_ratio']:.3f} | "
             f"{r['greedy_identical']} |"

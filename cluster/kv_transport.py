@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from cluster.worker import trace
 from engine.attention import host_to_device, slot_array
 
 logger = logging.getLogger(__name__)
@@ -524,6 +525,7 @@ class KVSender:
             if not held[0].wait(held[1]):
                 held[0].set()  # once: later messages of it go out without waiting
                 self.on_failure([tid], f"no decode reservation confirmed in {held[1]:.0f} s")
+            trace(tid, "send.gate_opened")
 
     def _broken(self, reason: str, first=None) -> None:
         self.error = reason
@@ -696,6 +698,13 @@ class KVConnector:
         self._senders[endpoint] = sender
         self._evict()
         return sender
+
+    def drain_timings(self) -> list[tuple[float, ...]]:
+        """Per layer message sent since the last call, over every channel that times its sends
+        (NCCL: (bytes, ms from the layer's pack to the send's start, ms of the send))."""
+        return [
+            t for s in self._senders.values() if hasattr(s, "timings") for t in s.timings.drain()
+        ]
 
     def _evict(self) -> None:
         for endpoint in list(self._senders):

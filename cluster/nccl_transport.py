@@ -17,8 +17,9 @@ ends post matching send/recv calls in the same order. Per pair::
     5. a broken control socket or an NCCL error aborts the communicator, so a dead peer never
        leaves a stream waiting forever; transfers on the pair fail on both sides
 
-Every send and receive is timed with CUDA events on its pair stream (``timings``): the
-benchmark divides bytes by those times and compares them with a bare send/recv.
+Every send and receive is timed with CUDA events (``timings``): a send from its layer's pack to
+its start and to its end, a receive from its start to its end. The benchmark divides bytes by
+the receive times and compares them with a bare send/recv.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import logging
 import select
 import threading
 import time
+from itertools import pairwise
 
 import torch
 
@@ -108,23 +110,24 @@ def wait_stream(stream: torch.cuda.Stream, comm, timeout_s: float) -> None:
 
 
 class _Timings:
-    """(bytes, start event, end event) per message; resolved lazily (no sync on the hot path)."""
+    """(bytes, CUDA events...) per message; resolved lazily (no sync on the hot path) into
+    (bytes, ms between the first two events, ms between the next two, ...)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit, self.items = limit, []
 
-    def add(self, nbytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def add(self, nbytes: int, *events: torch.cuda.Event) -> None:
         if len(self.items) < self.limit:
-            self.items.append((nbytes, start, end))
+            self.items.append((nbytes, events))
 
-    def drain(self) -> list[tuple[int, float]]:
-        """(bytes, milliseconds) of every finished message so far."""
+    def drain(self) -> list[tuple[float, ...]]:
+        """One tuple per finished message so far: (bytes, ms, ...)."""
         done, pending = [], []
-        for n, start, end in self.items:
-            if end.query():
-                done.append((n, start.elapsed_time(end)))
+        for n, events in self.items:
+            if events[-1].query():
+                done.append((n, *(a.elapsed_time(b) for a, b in pairwise(events))))
             else:
-                pending.append((n, start, end))
+                pending.append((n, events))
         self.items = pending
         return done
 
@@ -139,7 +142,7 @@ class NcclKVSender(TcpKVSender):
         super().__init__(*args, **kwargs)
 
     def send_layer(self, layer, entries, kv) -> None:
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)
         ready.record()  # on the caller's (compute) stream, right after the pack
         super().send_layer(layer, entries, (kv, ready))
 
@@ -182,20 +185,19 @@ class NcclKVSender(TcpKVSender):
             return super()._send(item)
         _, layer, entries, (kv, ready) = item
         ready.synchronize()  # the header goes out when the data is there: the recv is not early
-        if layer in (0, self.spec.num_layers - 1):
-            trace(entries[0][0], f"send.layer{layer}")
+        trace(entries[0][0], f"send.layer{layer}")
         nbytes = kv.numel() * kv.element_size()
         header = {"kind": "layer", "layer": layer, "entries": [list(e) for e in entries]}
         write_frame(self._sock, {**header, "nbytes": nbytes})
+        trace(entries[0][0], f"send.header{layer}")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             start.record()
             self._comm.send(kv.data_ptr(), nbytes, _uint8(), 1, self._stream.cuda_stream)
             end.record()
-        if layer in (0, 15, self.spec.num_layers - 1):
-            trace(entries[0][0], f"send.posted{layer}")
+        trace(entries[0][0], f"send.posted{layer}")
         kv.record_stream(self._stream)  # the allocator keeps it until the send has read it
-        self.timings.add(nbytes, start, end)
+        self.timings.add(nbytes, ready, start, end)  # (bytes, post lag ms, send ms)
         self.bytes_sent += nbytes
         check_async_error(self._comm)
 

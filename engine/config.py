@@ -152,6 +152,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
+    sm_carveout: int = 0  # CUDA: SMs cuBLAS matmuls leave free (for the KV stream's NCCL kernels)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -164,6 +165,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.sm_carveout < 0:
+            raise ValueError(f"sm_carveout must be >= 0, got {self.sm_carveout}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -37,6 +37,11 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
         self.memory_report: dict[str, float] = {}  # CUDA: how the KV pool was sized
+        if self.device.type == "cuda" and cfg.sm_carveout:
+            # cuBLAS targets (SM count - carveout) SMs per matmul, so kernels on other streams (the
+            # KV stream's NCCL sends) get SMs during a prefill instead of waiting for its GEMMs.
+            # Process-wide: one engine per worker process.
+            torch._C._set_sm_carveout_experimental(cfg.sm_carveout)
         self.model = self._load_model(max_model_len)
         self.backend: AttentionBackend = select_backend(self.device, self.dtype)
         if self.backend.name == "triton":

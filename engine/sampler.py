@@ -232,6 +232,21 @@ def _zero_below(weights: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor
     return weights
 
 
+def _host_list(t: torch.Tensor) -> list:
+    """``t.tolist()`` for a device tensor, through pinned memory and an event. With a plain
+    ``tolist()`` or ``.cpu()`` (a pageable device-to-host copy) other threads' CUDA calls waited
+    until the whole forward pass had run: a prefill worker's KV sender sat in
+    ``Event.record`` for ~75 ms at 8k tokens (benchmarks/NOTES.md, disaggregation, change 7)."""
+    if t.device.type == "cpu":
+        return t.tolist()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
+
+
 # --------------------------------------------------------------------------- picking
 
 
@@ -423,20 +438,20 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
     ) -> list[SampledToken]:
         """Package tokens, with logprobs of the raw distribution for the rows that ask."""
-        results = [SampledToken(t, None, None) for t in tokens.tolist()]
+        results = [SampledToken(t, None, None) for t in _host_list(tokens)]
         wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanting:
             return results
         index = _row_index(wanting, len(rows), logits.device)
         out = self._workspace.take("logprobs", len(wanting), logits.shape[-1], logits.device)
         logprobs = torch.log_softmax(_select(logits, index), -1, dtype=torch.float32, out=out)
-        chosen = logprobs.gather(1, _select(tokens, index)[:, None]).squeeze(1).tolist()
+        chosen = _host_list(logprobs.gather(1, _select(tokens, index)[:, None]).squeeze(1))
         n_top = max(rows[i].params.logprobs or 0 for i in wanting)
         top_ids: list[list[int]] = [[] for _ in wanting]
         top_values: list[list[float]] = [[] for _ in wanting]
         if n_top > 0:
             top = logprobs.topk(min(n_top, logprobs.shape[-1]), dim=-1, sorted=True)
-            top_ids, top_values = top.indices.tolist(), top.values.tolist()
+            top_ids, top_values = _host_list(top.indices), _host_list(top.values)
         for j, i in enumerate(wanting):
             n = rows[i].params.logprobs or 0
             results[i].logprob = chosen[j]

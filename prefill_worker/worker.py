@@ -118,14 +118,11 @@ class KVStreamer:
             for ep, (slots, entries) in plan.items()
         ]
 
-        last = len(self.kv_caches) - 1
-
         def hook(layer: int) -> None:
             cache = self.kv_caches[layer]
             for sender, index, entries in sends:
                 sender.send_layer(layer, entries, cache.index_select(2, index))
-            if layer in (0, last):
-                trace(sends[0][2][0][0], f"prefill.hook{layer}")
+            trace(sends[0][2][0][0], f"prefill.hook{layer}")
 
         return hook
 
@@ -207,6 +204,7 @@ class PrefillWorker(EngineWorker):
 
     async def release(self, request_id: str) -> None:
         """The decode worker has reserved: a gated request's KV may leave."""
+        trace(request_id, "prefill.release")
         gate = self._gates.pop(request_id, None)
         if gate is None:  # overtook its prefill() call: leave it open for that call
             gate = self._gates[request_id] = threading.Event()
@@ -245,6 +243,11 @@ class PrefillWorker(EngineWorker):
         for rid in list(self._waiters):
             self._abort(rid)
         super()._fail_everything(message)
+
+    async def kv_timings(self) -> list[tuple[float, ...]]:
+        """(bytes, post lag ms, send ms) of each layer message sent since the last call (NCCL
+        backend: CUDA events at the pack, at the send's start and at its end; empty otherwise)."""
+        return self.connector.drain_timings()
 
     def _stats(self) -> dict[str, Any]:
         stats = super()._stats()
