@@ -67,6 +67,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._req_blocks: dict[str, list[int]] = {}
         self._req_num_hashed: dict[str, int] = {}
+        self.record_events = False  # keep stored / evicted hashes for drain_events
         self._stored: list[bytes] = []
         self._evicted: list[bytes] = []
         self.prefix_queries = 0  # prompt tokens looked up
@@ -178,12 +179,14 @@ class BlockManager:
             return False
         for h, block_id in self._cached.items():
             self.blocks[block_id].block_hash = None
-            self._evicted.append(h)
+            if self.record_events:
+                self._evicted.append(h)
         self._cached.clear()
         return True
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
-        """Hashes stored and evicted since the last call (for the global prefix index)."""
+        """Hashes stored and evicted since the last call (for the global prefix index; recorded
+        only while ``record_events`` is set)."""
         stored, evicted = self._stored, self._evicted
         self._stored, self._evicted = [], []
         return stored, evicted
@@ -202,7 +205,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
-                self._evicted.append(block.block_hash)
+                if self.record_events:
+                    self._evicted.append(block.block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         return block_id
@@ -225,7 +229,8 @@ class BlockManager:
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
                 self._cached[h] = block.block_id
-                self._stored.append(h)
+                if self.record_events:
+                    self._stored.append(h)
         self._req_num_hashed[request.request_id] = end
 
     def check_invariant(self, expect_idle: bool = False) -> None:

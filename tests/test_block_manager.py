@@ -191,6 +191,7 @@ def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue() -> None:
 
 def test_full_blocks_are_hashed_as_decoding_fills_them() -> None:
     bm = BlockManager(8, BS)
+    bm.record_events = True
     request = make_request("a", range(6))
     admit(bm, request)
     assert bm.drain_events()[0] == prefix_block_hashes(range(6), BS)  # one full block
@@ -215,6 +216,7 @@ def test_full_blocks_are_hashed_as_decoding_fills_them() -> None:
 
 def test_chunked_prefill_hashes_only_computed_blocks() -> None:
     bm = BlockManager(8, BS)
+    bm.record_events = True
     request = make_request("a", range(13))
     assert len(bm.allocate_slots(request, 6)) == 2
     assert len(bm.drain_events()[0]) == 1
@@ -230,6 +232,7 @@ def test_chunked_prefill_hashes_only_computed_blocks() -> None:
 
 def test_free_puts_the_tail_before_the_head_in_the_lru() -> None:
     bm = BlockManager(4, BS)
+    bm.record_events = True
     a = make_request("a", range(9))  # blocks: [full, full, partial]
     admit(bm, a)
     head, tail, partial = bm.block_table("a")
@@ -252,6 +255,7 @@ def test_free_puts_the_tail_before_the_head_in_the_lru() -> None:
 
 def test_reused_block_is_most_recently_used() -> None:
     bm = BlockManager(4, BS)
+    bm.record_events = True
     x, y = make_request("x", range(5)), make_request("y", range(50, 55))
     admit(bm, x)
     admit(bm, y)
@@ -270,6 +274,7 @@ def test_reused_block_is_most_recently_used() -> None:
 
 def test_eviction_reports_every_evicted_hash() -> None:
     bm = BlockManager(3, BS)
+    bm.record_events = True
     a = make_request("a", range(12))
     admit(bm, a)
     stored, evicted = bm.drain_events()
@@ -341,6 +346,7 @@ def test_num_blocks_must_be_positive() -> None:
 
 def test_reset_prefix_cache_only_when_idle() -> None:
     bm = BlockManager(8, BS)
+    bm.record_events = True
     a = make_request("a", range(9))
     admit(bm, a)
     bm.drain_events()
@@ -445,3 +451,13 @@ def test_reserve_that_does_not_fit_changes_nothing() -> None:
     assert bm.reserve(make_request("big", list(range(12))), 13) is None
     assert bm.counts() == {"free": 2, "cached": 0, "in_use": 0}
     bm.check_invariant(expect_idle=True)
+
+
+def test_events_are_recorded_only_when_asked() -> None:
+    """An engine nobody drains (the offline LLM) must not grow event lists forever."""
+    bm = BlockManager(8, BS)
+    admit(bm, make_request("a", range(2 * BS + 1)))
+    assert bm.drain_events() == ([], [])
+    bm.record_events = True
+    admit(bm, make_request("b", range(100, 100 + 2 * BS + 1)))
+    assert len(bm.drain_events()[0]) == 2

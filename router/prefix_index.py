@@ -1,0 +1,349 @@
+"""Global prefix index in Redis: which worker's prefix cache holds which KV block. Plain Python.
+
+Key layout (``ns`` is the model's name; the tenant's ``cache_salt`` is already folded into the
+chained block hashes of ``engine.block_manager.prefix_block_hashes``, so salts never collide)::
+
+    tandem:{ns}:b:{hex digest}   SET of worker ids whose prefix cache holds that block
+    tandem:{ns}:w:{worker}       liveness key, "1" with a TTL of heartbeat_ttl_s, set by heartbeat()
+
+A worker counts only while its liveness key exists: once it expires (or ``remove_worker``
+deletes it) the worker's set members are ignored at once and removed lazily by lookups.
+
+Life of a block hash::
+
+    worker process                                                         Redis
+    engine thread: BlockManager.drain_events() -> IndexPublisher.push()
+                   (applies the events to the local mirror, marks the hashes dirty; no I/O)
+    publisher thread, every interval_s:   dirty hashes -> publish()    ->  SADD / SREM
+                     every heartbeat_s:   heartbeat()  -> False?       ->  re-publish the mirror
+    router process:  lookup(prompt hashes) -> {worker: leading blocks held}  (one EVALSHA)
+
+``lookup`` walks the prompt's hashes in order, keeping the alive workers that hold every block so
+far: a worker's count is the length of its cached prefix. A worker holding block 3 but not block 0
+has no usable prefix and is absent from the result (absent means 0).
+
+The mirror (the set of hashes the worker holds) is the truth. If Redis loses its data (restart)
+the heartbeat finds its liveness key gone and the publisher re-publishes the mirror; after Redis
+was unreachable it does so too, and removes the hashes evicted meanwhile (kept as dirty hashes,
+bounded by ``max_pending``; past that, all of this worker's entries are purged by a SCAN first).
+
+The lookup script touches liveness keys it does not declare in KEYS: single-node Redis only.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+logger = logging.getLogger(__name__)
+
+# KEYS: the prompt's block keys in order. ARGV[1]: liveness key prefix. Returns [w1, n1, w2, n2..].
+_LOOKUP_LUA = """
+local alive_prefix = ARGV[1]
+local live, depth = {}, {}
+for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', alive_prefix .. w) == 1 then
+    live[#live + 1] = w
+    depth[w] = 1
+  else
+    redis.call('SREM', KEYS[1], w)
+  end
+end
+local order = live
+local i = 2
+while #live > 0 and i <= #KEYS do
+  local keep = {}
+  for _, w in ipairs(live) do
+    if redis.call('SISMEMBER', KEYS[i], w) == 1 then
+      keep[#keep + 1] = w
+      depth[w] = i
+    end
+  end
+  live = keep
+  i = i + 1
+end
+local out = {}
+for _, w in ipairs(order) do
+  out[#out + 1] = w
+  out[#out + 1] = depth[w]
+end
+return out
+"""
+
+_PIPELINE_CHUNK = 10_000  # commands per pipeline call in a full re-publish or a purge
+
+
+class IndexUnavailable(Exception):
+    """Redis could not be reached or refused a command; the index is a hint, callers go on
+    without it."""
+
+
+class PrefixIndex:
+    """Client for the index of one namespace. Thread-safe (redis-py's connection pool).
+
+    A refused connection is retried once at once (a pooled socket gone stale after a Redis
+    restart); a timeout is not retried, so a call fails within about ``socket_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        heartbeat_ttl_s: float = 10.0,
+        socket_timeout_s: float = 0.5,
+    ) -> None:
+        if not namespace:
+            raise ValueError("namespace must be non-empty (use the model's name)")
+        if heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {heartbeat_ttl_s}")
+        self.namespace = namespace
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._block_prefix = f"tandem:{namespace}:b:"
+        self._alive_prefix = f"tandem:{namespace}:w:"
+        self._r = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            decode_responses=True,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
+        self._lookup = self._r.register_script(_LOOKUP_LUA)
+
+    def block_key(self, block_hash: bytes) -> str:
+        return self._block_prefix + block_hash.hex()
+
+    def worker_key(self, worker: str) -> str:
+        return self._alive_prefix + worker
+
+    def publish(self, worker: str, stored: Iterable[bytes], evicted: Iterable[bytes]) -> None:
+        """SADD ``worker`` to every stored block's set and SREM it from every evicted one, in one
+        pipeline (stored first: a hash in both ends up absent)."""
+        pipe = self._r.pipeline(transaction=False)
+        for h in stored:
+            pipe.sadd(self.block_key(h), worker)
+        for h in evicted:
+            pipe.srem(self.block_key(h), worker)
+        if len(pipe) == 0:
+            return
+        try:
+            pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            raise IndexUnavailable(f"publish for {worker!r}: {e}") from e
+
+    def heartbeat(self, worker: str) -> bool:
+        """Set the liveness key with a fresh TTL. True if it was there already; False if it was
+        created (first beat, expired, or Redis lost its data): re-publish everything then."""
+        try:
+            old = self._r.set(
+                self.worker_key(worker), 1, px=max(1, int(self.heartbeat_ttl_s * 1000)), get=True
+            )
+        except (redis.RedisError, OSError) as e:
+            raise IndexUnavailable(f"heartbeat for {worker!r}: {e}") from e
+        return old is not None
+
+    def remove_worker(self, worker: str) -> None:
+        """Delete the liveness key: the worker stops counting at once (entries cleaned lazily)."""
+        try:
+            self._r.delete(self.worker_key(worker))
+        except (redis.RedisError, OSError) as e:
+            raise IndexUnavailable(f"remove_worker {worker!r}: {e}") from e
+
+    def purge_worker(self, worker: str) -> int:
+        """Remove ``worker`` from every block set of the namespace (a SCAN: O(keys), rare).
+        Returns how many entries were removed."""
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._block_prefix) + "*"
+        removed = 0
+        try:
+            keys: list[str] = []
+            for key in self._r.scan_iter(match=pattern, count=1000):
+                keys.append(key)
+                if len(keys) >= _PIPELINE_CHUNK:
+                    removed += self._srem_all(keys, worker)
+                    keys = []
+            return removed + self._srem_all(keys, worker)
+        except (redis.RedisError, OSError) as e:
+            raise IndexUnavailable(f"purge_worker {worker!r}: {e}") from e
+
+    def _srem_all(self, keys: list[str], worker: str) -> int:
+        if not keys:
+            return 0
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.srem(key, worker)
+        return sum(pipe.execute())
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """For every alive worker holding ``hashes[0]``: how many leading blocks of ``hashes`` it
+        holds. Workers with no prefix are absent. One round trip; ``{}`` for no hashes."""
+        if not hashes:
+            return {}
+        try:
+            flat = self._lookup(keys=[self.block_key(h) for h in hashes], args=[self._alive_prefix])
+        except (redis.RedisError, OSError) as e:
+            raise IndexUnavailable(f"lookup of {len(hashes)} blocks: {e}") from e
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def close(self) -> None:
+        self._r.close()
+
+
+class IndexPublisher:
+    """Publishes one worker's prefix-cache events from a daemon thread, started by the
+    constructor. ``push`` is the only call the engine thread makes: no I/O, never raises.
+
+    Counters (plain ints, written by the publisher thread only): ``published_events`` (SADD/SREM
+    commands acknowledged), ``failures`` (rounds that hit IndexUnavailable), ``republished``
+    (full re-publishes of the mirror; the first heartbeat makes one).
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        worker: str,
+        *,
+        interval_s: float = 0.05,
+        heartbeat_s: float | None = None,
+        max_pending: int = 100_000,
+        max_backoff_s: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.worker = worker
+        self.interval_s = interval_s
+        self.heartbeat_s = index.heartbeat_ttl_s / 3 if heartbeat_s is None else heartbeat_s
+        if not 0 < self.heartbeat_s < index.heartbeat_ttl_s:
+            raise ValueError(
+                f"heartbeat_s must be in (0, heartbeat_ttl_s={index.heartbeat_ttl_s}), "
+                f"got {self.heartbeat_s}: the liveness key would expire between beats"
+            )
+        self.max_pending = max_pending
+        self.max_backoff_s = max_backoff_s
+        self.published_events = 0
+        self.failures = 0
+        self.republished = 0
+        self._lock = threading.Lock()
+        self._mirror: set[bytes] = set()  # hashes this worker holds (the truth)
+        self._dirty: set[bytes] = set()  # hashes whose state Redis may not have yet
+        self._full = True  # next round re-publishes the whole mirror
+        self._purge = False  # dirty overflowed: stale entries may be in Redis, purge them first
+        self._down = False
+        self._next_beat = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"prefix-index-{worker}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def num_held(self) -> int:
+        return len(self._mirror)
+
+    def push(self, stored: Sequence[bytes], evicted: Sequence[bytes]) -> None:
+        """Apply a ``drain_events()`` batch to the mirror. Within one batch a hash's events
+        alternate (stored, evicted, stored, ...), so it is held iff held + #stored - #evicted > 0,
+        whatever the interleaving the two lists lost."""
+        if not stored and not evicted:
+            return
+        try:
+            delta = Counter(stored)
+            delta.subtract(evicted)
+            with self._lock:
+                for h, d in delta.items():
+                    if (h in self._mirror) + d > 0:
+                        self._mirror.add(h)
+                    else:
+                        self._mirror.discard(h)
+                    self._dirty.add(h)
+                self._check_overflow()
+        except Exception:  # never let the index hurt the engine
+            logger.exception("prefix index push failed for worker %s", self.worker)
+
+    def _check_overflow(self) -> None:
+        """Caller holds the lock. Too many pending hashes (Redis down for long): drop them; a
+        purge plus a full re-publish of the mirror replaces them."""
+        if len(self._dirty) > self.max_pending:
+            self._dirty.clear()
+            self._purge = self._full = True
+
+    def _run(self) -> None:
+        wait = self.interval_s
+        while not self._stop.wait(wait):
+            try:
+                self._round()
+            except Exception as e:
+                self.failures += 1
+                with self._lock:
+                    self._full = True  # whatever was in flight: the mirror is re-sent
+                if not isinstance(e, IndexUnavailable):
+                    logger.exception("prefix index round failed for worker %s", self.worker)
+                elif not self._down:
+                    self._down = True
+                    logger.warning(
+                        "prefix index unreachable for worker %s (%s); keeping a local mirror "
+                        "and retrying",
+                        self.worker,
+                        e,
+                    )
+                wait = min(max(wait * 2, self.interval_s), self.max_backoff_s)
+                continue
+            if self._down:
+                self._down = False
+                logger.info("prefix index reachable again for worker %s", self.worker)
+            wait = self.interval_s
+
+    def _round(self) -> None:
+        """One publish round: heartbeat when due (or before a full re-publish), then send."""
+        now = time.monotonic()
+        with self._lock:
+            full = self._full
+        if full or now >= self._next_beat:
+            if not self.index.heartbeat(self.worker):
+                full = True
+            self._next_beat = now + self.heartbeat_s
+        with self._lock:
+            purge, self._purge = self._purge, False
+        if purge:
+            try:
+                self.index.purge_worker(self.worker)
+            except IndexUnavailable:
+                with self._lock:
+                    self._purge = True
+                raise
+        with self._lock:
+            full = full or self._full
+            self._full = False
+            dirty, self._dirty = self._dirty, set()
+            held = list(self._mirror) if full else [h for h in dirty if h in self._mirror]
+            gone = [h for h in dirty if h not in self._mirror]
+        try:
+            for i in range(0, max(len(held), 1), _PIPELINE_CHUNK):
+                self.index.publish(
+                    self.worker, held[i : i + _PIPELINE_CHUNK], gone if i == 0 else ()
+                )
+        except Exception:
+            with self._lock:
+                self._dirty |= dirty
+                self._full = self._full or full
+                self._check_overflow()
+            raise
+        self.published_events += len(held) + len(gone)
+        if full:
+            self.republished += 1
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread, then delete the liveness key (best effort; never raises)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        try:
+            self.index.remove_worker(self.worker)
+        except Exception as e:
+            logger.debug("remove_worker %s on close failed: %s", self.worker, e)
