@@ -1,0 +1,97 @@
+"""What the HTTP gateway needs from the cluster behind it: one interface, so the gateway is
+tested against a small in-process backend and served by the real router over Ray workers.
+
+A request through it::
+
+    1. the gateway validates the body, renders the chat template, tokenizes, checks the context
+       length and builds ``SamplingParams`` (errors are 400s and cost nothing else)
+    2. ``Backend.open`` admits it (or raises ``Overloaded``: 429 with Retry-After), places it on
+       workers (``Generation.placement``: the response's x-tandem-prefill / x-tandem-decode
+       headers) and starts it
+    3. the gateway iterates ``Generation.outputs()`` (cumulative ``RequestOutput``s, the last one
+       ``finished``) into a response or SSE frames
+    4. ``Generation.aclose()`` (client gone, or an error) aborts it on every worker; calling it
+       after the request finished is a no-op
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class BackendError(Exception):
+    """A request failed inside the cluster (HTTP 500, or an in-band error once streaming)."""
+
+
+class InvalidRequest(BackendError):
+    """The cluster refused the request's content (HTTP 400)."""
+
+
+class Overloaded(BackendError):
+    """Admission refused: queues full (HTTP 429) or no worker can serve now (HTTP 503)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, status: int = 429):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which workers serve a request and why (a routing reason, for metrics)."""
+
+    prefill: str | None  # None: a colocated worker runs the whole request
+    decode: str  # the decode (or colocated) worker that produces the tokens
+    reason: str = ""
+    cached_blocks: int = 0  # the index's longest cached prefix on the chosen prefill worker
+
+
+class Generation(Protocol):
+    placement: Placement
+
+    def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs as tokens arrive; raises BackendError on a failure."""
+
+    async def aclose(self) -> None:
+        """Abort the request everywhere (idempotent; a no-op once it finished)."""
+
+
+class Backend(Protocol):
+    model_name: str  # the id clients send as "model" (and /v1/models lists)
+    max_model_len: int  # prompt + output tokens, at most
+    tokenizer: Any  # a transformers tokenizer (None: token-id prompts only)
+
+    async def open(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Generation:
+        """Admit and start one request. Raises Overloaded, InvalidRequest or BackendError."""
+
+    async def healthy(self) -> bool:
+        """True only while the workers answer (GET /health)."""
+
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        """One dict per worker for /metrics; keys (absent ones are skipped): name, role,
+        running, waiting, total_blocks, free_blocks, cached_blocks, in_use_blocks,
+        prefix_queries_tokens, prefix_hit_tokens, kv_bytes_sent, kv_bytes_received,
+        kv_transfer_seconds."""
+
+    def router_stats(self) -> RouterStats:
+        """Counters of the router (monotonic, for /metrics)."""
+
+
+@dataclass
+class RouterStats:
+    decisions: dict[str, int] = field(default_factory=dict)  # placements by reason
+    index_unavailable: int = 0  # lookups that fell back to load-only routing (Redis down)

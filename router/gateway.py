@@ -1,0 +1,559 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI in front of a ``router.backend.Backend``.
+
+One completion request through it::
+
+    1. auth middleware        Bearer key (hmac.compare_digest) on every route but /health: 401
+    2. admission              a free slot of ``max_concurrent`` or 429 + Retry-After at once
+    3. body                   Content-Length and the bytes actually read <= max_body_bytes: 413
+    4. protocol               parse, template + tokenize (one worker thread, off the event
+                              loop), SamplingParams, context check: 400s (router/protocol.py)
+    5. backend.open           placement known: Overloaded -> 429/503 + Retry-After,
+                              InvalidRequest -> 400, BackendError -> 500
+    6a. stream                SSE frames; an error after the first byte goes in-band, then
+                              [DONE]; the client going away cancels the stream
+    6b. no stream             outputs collected while a watcher waits for http.disconnect
+    7. close                  Generation.aclose() and the slot's release, always, shielded from
+                              cancellation, once the response ends or the client is gone
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+/v1/models/{model}, /health, /metrics. Every error is OpenAI JSON (``protocol.APIError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router import protocol
+from router.backend import Backend, BackendError, Generation, InvalidRequest, Overloaded
+from router.metrics import GatewayMetrics, RequestTimer
+from router.protocol import APIError
+
+logger = logging.getLogger("tandem.gateway")
+
+HEALTH_TIMEOUT_S = 5.0
+_BACKGROUND: set[asyncio.Task] = set()  # cleanups that outlive a cancelled request task
+
+
+def create_app(
+    backend: Backend,
+    *,
+    api_keys: Sequence[str] = (),
+    max_body_bytes: int = 8 << 20,
+    max_concurrent: int = 256,
+) -> FastAPI:
+    """The gateway app over ``backend``. ``api_keys`` empty: no auth. ``max_body_bytes``: larger
+    bodies get 413. ``max_concurrent``: completion requests in flight at once (from admission
+    to the end of the response); more get 429 with Retry-After: 1, never a queue."""
+    if max_concurrent < 1 or max_body_bytes < 1:
+        raise ValueError(
+            f"max_concurrent and max_body_bytes must be >= 1, got {max_concurrent} and "
+            f"{max_body_bytes}"
+        )
+    gateway = _Gateway(backend, max_body_bytes, max_concurrent)
+    app = FastAPI(title="tandem", version="0.1.0")
+    app.state.gateway = gateway
+    if api_keys:
+        app.add_middleware(_AuthMiddleware, keys=list(api_keys), metrics=gateway.metrics)
+    _install_error_handlers(app, gateway.metrics)
+    app.post("/v1/completions")(gateway.completions)
+    app.post("/v1/chat/completions")(gateway.chat_completions)
+    app.get("/v1/models")(gateway.models)
+    app.get("/v1/models/{model:path}")(gateway.model)
+    app.post("/tokenize")(gateway.tokenize)
+    app.post("/detokenize")(gateway.detokenize)
+    app.get("/health")(gateway.health)
+    app.get("/metrics")(gateway.scrape)
+    return app
+
+
+# ----------------------------------------------------------------------------------- plumbing
+
+
+class _AuthMiddleware:
+    """401 unless ``Authorization: Bearer <one of keys>``; /health is always open."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        self.metrics.reject("auth")
+        err = APIError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            type="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+            reason="auth",
+        )
+        await _error_response(err)(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        token = token.strip()
+        ok = False
+        for key in self.keys:  # every key, so timing says nothing about which one is close
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
+    async def api_error(request: Request, exc: APIError) -> Response:
+        if exc.reason is not None:
+            metrics.reject(exc.reason)
+        return _error_response(exc)
+
+    async def validation(request: Request, exc: RequestValidationError) -> Response:
+        return await api_error(request, protocol.validation_error(list(exc.errors())))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, reason=None))
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s", request.url.path)
+        return _error_response(_server_error("internal error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def _server_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error", reason=None)
+
+
+def _backend_error(exc: BaseException) -> APIError:
+    """The HTTP error of a backend failure."""
+    if isinstance(exc, Overloaded):
+        return APIError(
+            exc.status,
+            f"the cluster is overloaded: {exc}",
+            type="rate_limit_error" if exc.status == 429 else "service_unavailable_error",
+            code="overloaded",
+            headers={"Retry-After": protocol.retry_after(exc.retry_after_s)},
+            reason="overloaded",
+        )
+    if isinstance(exc, InvalidRequest):
+        return protocol.bad_request(str(exc))
+    if isinstance(exc, BackendError):
+        return _server_error(f"the request failed in the cluster: {exc}")
+    logger.error("unexpected backend error", exc_info=exc)
+    return _server_error("internal error")
+
+
+async def _shielded(coro: Awaitable[None]) -> None:
+    """Run ``coro`` to the end even if the caller is cancelled (it goes on as a task)."""
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    with anyio.CancelScope(shield=True):
+        await asyncio.shield(task)
+
+
+class _Slots:
+    """The gateway's concurrency bound: take a slot or be refused, never wait."""
+
+    def __init__(self, limit: int, metrics: GatewayMetrics) -> None:
+        self.limit = limit
+        self.in_use = 0
+        self._gauge = metrics.in_flight
+
+    def try_take(self) -> bool:
+        if self.in_use >= self.limit:
+            return False
+        self.in_use += 1
+        self._gauge.inc()
+        return True
+
+    def give_back(self) -> None:
+        self.in_use -= 1
+        self._gauge.dec()
+
+
+class _Call:
+    """One admitted completion request: owns a slot and, once opened, a Generation."""
+
+    def __init__(self, slots: _Slots) -> None:
+        self._slots = slots
+        self.generation: Generation | None = None
+        self._closed = False
+
+    async def close(self) -> None:
+        """Abort the generation (a no-op if it finished) and free the slot; idempotent. Runs to
+        the end even when the caller is being cancelled (the usual case: a client went away)."""
+        if not self._closed:
+            self._closed = True
+            await _shielded(self._release())
+
+    async def _release(self) -> None:
+        try:
+            if self.generation is not None:
+                await self.generation.aclose()
+        except Exception:
+            logger.warning("Generation.aclose failed", exc_info=True)
+        finally:
+            self._slots.give_back()
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that always end with ``on_close``: the stream finishing, failing, the
+    client disconnecting (seen on receive, or as OSError on send) or the task being cancelled."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(content, headers={**headers, "Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # ASGI 2.4 servers: the client is gone
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await _shielded(self._close())
+
+    async def _close(self) -> None:
+        try:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+        finally:
+            await self._on_close()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between /v1/completions and /v1/chat/completions."""
+
+    id_prefix: str
+    obj: str  # the streamed chunks' "object"
+    prompt_param: str
+
+
+_COMPLETION = _Kind("cmpl", "text_completion", "prompt")
+_CHAT = _Kind("chatcmpl", "chat.completion.chunk", "messages")
+
+
+# ------------------------------------------------------------------------------------ routes
+
+
+class _Gateway:
+    def __init__(self, backend: Backend, max_body_bytes: int, max_concurrent: int) -> None:
+        self.backend = backend
+        self.max_body_bytes = max_body_bytes
+        self.metrics = GatewayMetrics()
+        self.slots = _Slots(max_concurrent, self.metrics)
+        self.texts = protocol.TokenTexts(backend.tokenizer)
+        self.created = int(time.time())
+        # HF fast tokenizers are not safe to call from several threads at once: one thread.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, _COMPLETION)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, _CHAT)
+
+    async def _generate(self, request: Request, kind: _Kind) -> Response:
+        arrival = time.monotonic()
+        request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        if not self.slots.try_take():
+            raise APIError(
+                429,
+                f"the gateway is at its limit of {self.slots.limit} requests in flight",
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1", "x-request-id": request_id},
+                reason="concurrency_limit",
+            )
+        call = _Call(self.slots)
+        handed_off = False
+        try:
+            response = await self._start(request, kind, request_id, arrival, call)
+            handed_off = isinstance(response, _SSEResponse)  # it closes the call when it ends
+            return response
+        except APIError as exc:
+            exc.headers.setdefault("x-request-id", request_id)
+            raise
+        finally:
+            if not handed_off:
+                await call.close()
+
+    async def _start(
+        self, request: Request, kind: _Kind, request_id: str, arrival: float, call: _Call
+    ) -> Response:
+        body = await self._read_body(request)
+        if kind is _CHAT:
+            req = protocol.parse_body(protocol.ChatCompletionRequest, body)
+            self._check_model(req.model)
+            params = protocol.chat_sampling_params(req)
+            ids = await self._tokenize(
+                protocol.chat_prompt, req.messages, req.add_generation_prompt
+            )
+            text = None
+        else:
+            req = protocol.parse_body(protocol.CompletionRequest, body)
+            self._check_model(req.model)
+            params = protocol.completion_sampling_params(req)
+            text, ids = await self._tokenize(protocol.completion_prompt, req)
+        protocol.check_context(
+            len(ids), params.max_tokens, self.backend.max_model_len, kind.prompt_param
+        )
+        try:
+            call.generation = await self.backend.open(
+                request_id,
+                ids,
+                params,
+                prompt=text,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
+        except BackendError as exc:
+            raise _backend_error(exc) from None
+        placement = call.generation.placement
+        headers = {
+            "x-request-id": request_id,
+            "x-tandem-prefill": placement.prefill or "none",
+            "x-tandem-decode": placement.decode,
+        }
+        shape = protocol.Shape(
+            request_id,
+            int(time.time()),
+            self.backend.model_name,
+            params.logprobs,
+            self.texts,
+            stream_usage=req.include_usage,
+        )
+        timer = self.metrics.timer(arrival)
+        if req.stream:
+            frames = self._stream(call, kind, shape, params.n, req.include_usage, timer)
+            return _SSEResponse(frames, call.close, headers)
+        out = await self._collect(request, call.generation, timer)
+        if out is None:  # the client went away; nobody reads this
+            return Response(status_code=499, headers=headers)
+        build = protocol.chat_response if kind is _CHAT else protocol.completion_response
+        return JSONResponse(build(shape, out), headers=headers)
+
+    async def _read_body(self, request: Request) -> bytes:
+        too_large = APIError(
+            413,
+            f"the request body is larger than {self.max_body_bytes} bytes",
+            code="request_too_large",
+            reason="too_large",
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(400, "the client disconnected while sending", reason=None) from None
+        return b"".join(chunks)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.backend.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.backend.model_name}`.",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+                reason="model_not_found",
+            )
+
+    async def _tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args, self.backend.tokenizer)
+
+    async def _collect(
+        self, request: Request, generation: Generation, timer: RequestTimer
+    ) -> Any | None:
+        """The final output, or None when the client disconnected first."""
+        collect = asyncio.ensure_future(_final_output(generation, timer))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collect, gone):
+                task.cancel()
+            await asyncio.gather(collect, gone, return_exceptions=True)
+        if not collect.cancelled() and collect.exception() is None:
+            return collect.result()
+        if collect.cancelled():
+            return None
+        raise collect.exception()  # type: ignore[misc]
+
+    async def _stream(
+        self,
+        call: _Call,
+        kind: _Kind,
+        shape: protocol.Shape,
+        n: int,
+        include_usage: bool,
+        timer: RequestTimer,
+    ) -> AsyncIterator[bytes]:
+        chunk = protocol.chat_chunk if kind is _CHAT else protocol.completion_chunk
+        try:
+            if kind is _CHAT:
+                for index in range(n):
+                    yield protocol.sse(protocol.chat_role_chunk(shape, index))
+            cursor = protocol.OutputCursor(shape.texts)
+            last = None
+            try:
+                async for out in call.generation.outputs():  # type: ignore[union-attr]
+                    timer.observe(out)
+                    _check_not_aborted(out)
+                    for delta in cursor.step(out):
+                        yield protocol.sse(chunk(shape, delta))
+                    last = out
+                _check_finished(last)
+            except Exception as exc:  # the status line is sent: the error goes in-band
+                err = exc if isinstance(exc, APIError) else _backend_error(exc)
+                yield protocol.sse(err.body())
+                yield protocol.SSE_DONE
+                return
+            timer.finish(last)
+            if include_usage:
+                yield protocol.sse(protocol.usage_chunk(shape, kind.obj, last))
+            yield protocol.SSE_DONE
+        finally:
+            await call.close()
+
+    # -- small routes ------------------------------------------------------------------------
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        name = self.backend.model_name
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.backend.max_model_len,
+        }
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        req = protocol.parse_body(protocol.TokenizeRequest, await self._read_body(request))
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise protocol.bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        if req.messages is not None:
+            ids = await self._tokenize(
+                protocol.chat_prompt, req.messages, req.add_generation_prompt
+            )
+        else:
+            treq = protocol.CompletionRequest(prompt=req.prompt)
+            ids = (await self._tokenize(protocol.completion_prompt, treq))[1]
+        return {"count": len(ids), "max_model_len": self.backend.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        req = protocol.parse_body(protocol.DetokenizeRequest, await self._read_body(request))
+        self._check_model(req.model)
+        tokenizer = self.backend.tokenizer
+        if tokenizer is None:
+            raise protocol.bad_request("this model has no tokenizer", param="tokens")
+        if req.tokens:
+            protocol.check_token_ids(req.tokens, tokenizer, "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    async def health(self) -> Response:
+        try:
+            ok = await asyncio.wait_for(self.backend.healthy(), HEALTH_TIMEOUT_S)
+        except Exception:
+            logger.warning("health check failed", exc_info=True)
+            ok = False
+        if ok:
+            return JSONResponse({"status": "ok"})
+        err = APIError(
+            503, "the cluster is not healthy", type="service_unavailable_error", reason=None
+        )
+        return _error_response(err)
+
+    async def scrape(self) -> Response:
+        return Response(await self.metrics.render(self.backend), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _final_output(generation: Generation, timer: RequestTimer) -> Any:
+    last = None
+    try:
+        async for out in generation.outputs():
+            timer.observe(out)
+            _check_not_aborted(out)
+            last = out
+        _check_finished(last)
+    except BackendError as exc:
+        raise _backend_error(exc) from None
+    timer.finish(last)
+    return last
+
+
+def _check_not_aborted(out: Any) -> None:
+    if any(o.finish_reason == "abort" for o in out.outputs):
+        raise _server_error("the request was aborted in the cluster")
+
+
+def _check_finished(last: Any) -> None:
+    if last is None or not last.finished:
+        raise _server_error("the cluster ended the request before it finished")

@@ -1,0 +1,229 @@
+"""Prometheus metrics of one gateway: vLLM's names with a ``tandem:`` prefix.
+
+Two sources, one scrape::
+
+    GatewayMetrics.registry     the gateway's own series, updated as requests run:
+                                latency histograms (TTFT, inter-token, end to end), token and
+                                request counters, rejections by reason, requests in flight
+    scrape-time snapshot        read from the backend when /metrics is asked: the router's
+                                counters (``router_stats()``) and per-worker gauges and counters
+                                (``await worker_stats()``), rendered from a collector built for
+                                that one scrape (the backend owns those counts)
+
+Each app has its own ``CollectorRegistry``, so many apps (tests) never clash on names.
+Latencies are measured at the gateway: TTFT from the request's arrival (body read, template,
+tokenization and routing included) to the first generated token; inter-token latency is each
+gap between outputs divided over the tokens it brought (per sequence, the longest across ``n``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.outputs import RequestOutput
+
+logger = logging.getLogger("tandem.gateway")
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+WORKER_STATS_TIMEOUT_S = 5.0
+"""A scrape renders without worker series rather than hang on a stuck backend."""
+
+
+class GatewayMetrics:
+    """The gateway's series in a registry of its own; ``render`` adds the backend's."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Arrival at the gateway to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Time between generated tokens of a sequence.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Arrival at the gateway to the last token, for requests that finished.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            "tandem:request_success_total",
+            "Finished sequences (one per choice) by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens_total", "Prompt tokens of started requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens_total", "Generated tokens, all choices.", registry=r
+        )
+        self.rejected = Counter(
+            "tandem:request_rejected_total",
+            "Requests refused before generating (invalid, auth, too_large, model_not_found, "
+            "overloaded, concurrency_limit).",
+            ["reason"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tandem:gateway_requests_in_flight",
+            "Completion requests admitted by the gateway and not yet answered.",
+            registry=r,
+        )
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
+
+    def timer(self, arrival: float) -> RequestTimer:
+        return RequestTimer(self, arrival)
+
+    async def render(self, backend: Any) -> bytes:
+        """Prometheus text of the gateway's series plus a snapshot of the backend's."""
+        try:
+            workers = await asyncio.wait_for(backend.worker_stats(), WORKER_STATS_TIMEOUT_S)
+        except Exception:
+            logger.warning("worker_stats failed; scraping without worker series", exc_info=True)
+            workers = []
+        try:
+            router = backend.router_stats()
+        except Exception:
+            logger.warning("router_stats failed; scraping without router series", exc_info=True)
+            router = None
+        snapshot = CollectorRegistry(auto_describe=False)
+        snapshot.register(BackendCollector(workers, router))
+        return generate_latest(self.registry) + generate_latest(snapshot)
+
+
+class RequestTimer:
+    """Feeds one request's cumulative outputs into the latency and token series."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float) -> None:
+        self._m = metrics
+        self._arrival = arrival
+        self._last: float | None = None  # time of the last output that brought tokens
+        self._seen: dict[int, int] = {}  # tokens counted per choice
+        self._started = False
+        self.finished = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if not self._started:
+            self._started = True
+            self._m.prompt_tokens.inc(len(out.prompt_token_ids))
+        new = {}
+        for o in out.outputs:
+            count = len(o.token_ids) - self._seen.get(o.index, 0)
+            if count > 0:
+                new[o.index] = count
+                self._seen[o.index] = len(o.token_ids)
+        if not new:
+            return
+        self._m.generation_tokens.inc(sum(new.values()))
+        if self._last is None:
+            self._m.ttft.observe(now - self._arrival)
+        else:
+            steps = max(new.values())
+            for _ in range(steps):
+                self._m.itl.observe((now - self._last) / steps)
+        self._last = now
+
+    def finish(self, out: RequestOutput) -> None:
+        """A request that ended with every choice ``stop`` or ``length``."""
+        if self.finished:
+            return
+        self.finished = True
+        self._m.e2e.observe(time.monotonic() - self._arrival)
+        for o in out.outputs:
+            self._m.success.labels(finished_reason=o.finish_reason).inc()
+
+
+class BackendCollector:
+    """One scrape's view of the backend: router counters and per-worker series."""
+
+    def __init__(self, workers: list[dict[str, Any]], router: Any) -> None:
+        self._workers = workers
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._router_metrics()
+        yield from self._worker_metrics()
+
+    def _router_metrics(self) -> Iterator[Metric]:
+        decisions = CounterMetricFamily(
+            "tandem:routing_decisions", "Placements by routing reason.", labels=["reason"]
+        )
+        unavailable = CounterMetricFamily(
+            "tandem:prefix_index_unavailable",
+            "Prefix-index lookups that fell back to load-only routing.",
+        )
+        if self._router is not None:
+            for reason, count in sorted(self._router.decisions.items()):
+                decisions.add_metric([reason], count)
+            unavailable.add_metric([], self._router.index_unavailable)
+        yield decisions
+        yield unavailable
+
+    def _worker_metrics(self) -> Iterator[Metric]:
+        w = ["worker"]
+        running = GaugeMetricFamily("tandem:num_requests_running", "Requests running.", labels=w)
+        waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests waiting.", labels=w)
+        usage = GaugeMetricFamily(
+            "tandem:kv_cache_usage_perc", "KV blocks in use / total (0 to 1).", labels=w
+        )
+        queries = CounterMetricFamily(
+            "tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=w
+        )
+        hits = CounterMetricFamily(
+            "tandem:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=w
+        )
+        kv_bytes = CounterMetricFamily(
+            "tandem:kv_transfer_bytes",
+            "KV bytes moved between workers.",
+            labels=["worker", "direction"],
+        )
+        kv_seconds = CounterMetricFamily(
+            "tandem:kv_transfer_seconds", "Time spent moving KV.", labels=w
+        )
+        for i, s in enumerate(self._workers):
+            name = [str(s.get("name", f"worker-{i}"))]
+            _add(running, name, s.get("running"))
+            _add(waiting, name, s.get("waiting"))
+            total, in_use = s.get("total_blocks"), s.get("in_use_blocks")
+            if total and in_use is not None:
+                usage.add_metric(name, in_use / total)
+            _add(queries, name, s.get("prefix_queries_tokens"))
+            _add(hits, name, s.get("prefix_hit_tokens"))
+            _add(kv_bytes, [*name, "sent"], s.get("kv_bytes_sent"))
+            _add(kv_bytes, [*name, "received"], s.get("kv_bytes_received"))
+            _add(kv_seconds, name, s.get("kv_transfer_seconds"))
+        yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds)
+
+
+def _add(family: Metric, labels: list[str], value: Any) -> None:
+    if value is not None:
+        family.add_metric(labels, float(value))

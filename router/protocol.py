@@ -1,0 +1,667 @@
+"""The OpenAI wire format of the gateway: request bodies in, response bodies and SSE frames out.
+
+Pure functions and pydantic models, no FastAPI: the gateway (``router/gateway.py``) reads the
+body, calls these, and owns everything asynchronous. A request through this module::
+
+    body bytes --parse_body--> CompletionRequest | ChatCompletionRequest (400 on any bad field)
+               --completion_prompt / chat_prompt--> (prompt text, prompt token ids)
+               --sampling_params--> SamplingParams (its ValueError -> 400 naming the param)
+               --check_context--> 400 with vLLM's wording when prompt + max_tokens > context
+    outputs    --completion_response / chat_response--> one JSON body, or
+               --OutputCursor.step--> Deltas --completion_chunk / chat_chunk--> SSE frames
+
+Every failure is an :class:`APIError` carrying the HTTP status and the OpenAI error fields.
+
+Where the OpenAI API leaves room, this module decides:
+
+* ``prompt`` is one prompt: a string, a list of token ids, or a list holding one of those; a list
+  of several prompts is a 400 (send one request per prompt; the gateway streams each on its own).
+* ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, ``tools`` and
+  ``response_format`` other than text are 400s (unsupported, never silently ignored); unknown
+  fields are ignored, as the OpenAI API does for fields it has retired.
+* ``top_logprobs`` lists the N most likely alternatives (descending), whether or not the sampled
+  token is among them; completions' ``text_offset`` counts from the start of the completion.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, encode_prompt
+
+MAX_N = 128
+"""Largest ``n`` the gateway forwards (each sample is a sequence on a worker)."""
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""Accepted message roles and what the chat template sees (OpenAI's ``developer`` is ``system``)."""
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error: HTTP ``status`` plus the ``error`` object's fields.
+
+    ``reason`` labels ``tandem:request_rejected_total`` (None: not a rejection, e.g. a 500).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        reason: str | None = "invalid",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        self.reason = reason
+
+    def body(self) -> dict[str, Any]:
+        """``{"object": "error", "error": {message, type, param, code}}`` (vLLM's and OpenAI's)."""
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"object": "error", "error": {**error, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After value: whole seconds, rounded up, at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    """Strict JSON types (``"16"`` is not a number), unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _GenerationBody(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI, then vLLM extras)."""
+
+    model: str | None = None  # None: the served model
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_GenerationBody):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model: type[_Body], body: bytes) -> Any:
+    """Validate a JSON body into ``model``; malformed JSON or any bad field is a 400."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 from pydantic's (or FastAPI's) error list; ``param`` is the top-level field."""
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return bad_request(f"the body is not valid JSON: {detail}", code="invalid_json")
+    loc = [p for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    if not loc:
+        return bad_request(f"the body must be a JSON object: {first.get('msg', '')}")
+    param = str(loc[0])
+    same = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
+    details = "; ".join(f"{_loc_str(e['loc'])}: {e['msg']}" for e in same[:3])
+    return bad_request(f"invalid value for '{param}': {details}", param=param)
+
+
+def _loc_str(loc: tuple[Any, ...]) -> str:
+    """``messages.0.content`` without pydantic's union member tags (``str``, ``list[int]``)."""
+    parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
+    return ".".join(parts)
+
+
+def _is_type_tag(part: Any) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "float", "bool", "none") or part[:1].isupper()
+    )
+
+
+# ------------------------------------------------------------------------------------ prompts
+
+
+def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | None, list[int]]:
+    """The one prompt of a completion request as (text or None, token ids)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request(
+                f"prompt: one prompt per request is supported, got {len(prompt)}; send one "
+                "request per prompt",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise bad_request("prompt: this model has no tokenizer; send token ids", param="prompt")
+        ids = encode_prompt(tokenizer, prompt) if prompt else []
+        text: str | None = prompt
+    else:
+        ids, text = list(prompt), None
+    check_token_ids(ids, tokenizer, "prompt")
+    return text, ids
+
+
+def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
+    if not ids:
+        raise bad_request(f"{param} is empty: it must contain at least one token", param=param)
+    vocab = len(tokenizer) if tokenizer is not None else None
+    bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise bad_request(f"{param}: token ids must be in {limit}, got {bad[:5]}", param=param)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: known roles, content as one string (text parts
+    joined with newlines, as vLLM does)."""
+    if not messages:
+        raise bad_request("messages must hold at least one message", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            raise bad_request(
+                f"messages.{i}.role: {m.role!r} is not supported; use one of {sorted(CHAT_ROLES)}",
+                param="messages",
+            )
+        out.append({"role": role, "content": _content_text(m.content, i)})
+    return out
+
+
+def _content_text(content: str | list[ContentPart] | None, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"messages.{i}.content.{j}: only text parts ({{'type': 'text', 'text': ...}}) "
+                f"are supported, got type {part.type!r}",
+                param="messages",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_prompt(
+    messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
+) -> list[int]:
+    """Token ids of the rendered conversation (the engine's own template call)."""
+    if tokenizer is None:
+        raise bad_request("messages: this model has no tokenizer or chat template", "messages")
+    rendered = chat_messages(messages)
+    try:
+        ids = apply_chat_template(tokenizer, rendered, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # the template is Jinja over user content: its errors are 400s
+        raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
+    check_token_ids(ids, tokenizer, "messages")
+    return ids
+
+
+# ----------------------------------------------------------------------------- sampling params
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    return _sampling_params(req, req.max_tokens, req.logprobs, {})
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    if req.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    names = {"logprobs": "top_logprobs"}
+    max_tokens = req.max_tokens
+    if req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+        names["max_tokens"] = "max_completion_tokens"
+    return _sampling_params(req, max_tokens, logprobs, names)
+
+
+def _sampling_params(
+    req: _GenerationBody, max_tokens: int | None, logprobs: int | None, names: dict[str, str]
+) -> SamplingParams:
+    """SamplingParams from the body; its ValueError (which starts with the field's name) becomes
+    a 400 naming the API parameter (``names`` maps engine names to API names)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}", param="n")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise bad_request("cache_salt must be a non-empty string", param="cache_salt")
+    given = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            n=req.n,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+    except ValueError as exc:
+        message = str(exc)
+        name = message.split(" ", 1)[0]
+        param = names.get(name, name) if name in SamplingParams.__dataclass_fields__ else None
+        if param is not None and param != name:
+            message = param + message[len(name) :]
+        raise bad_request(message, param=param) from None
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str):
+    """vLLM's context-length check and wording (prompt + max_tokens must fit the context)."""
+    if max_tokens is None:
+        if prompt_len >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {prompt_len} tokens in the messages. Please reduce the length of "
+                "the messages.",
+                param=param,
+                code="context_length_exceeded",
+            )
+    elif prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+# ---------------------------------------------------------------------------------- responses
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event frame."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI usage: completion tokens summed over the choices, cached prompt tokens included."""
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+class TokenTexts:
+    """Token id -> (text, UTF-8 bytes) for logprobs, cached. Byte-level BPE tokens give their
+    exact bytes (a character split over tokens decodes to U+FFFD, its bytes do not)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        if self._tokenizer is None:
+            text = f"token_id:{token_id}"
+            return text, list(text.encode())
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        if self._byte_level:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in _BYTE_DECODER for c in piece):
+                return text, [_BYTE_DECODER[c] for c in piece]
+        return text, list(text.encode("utf-8", errors="replace"))
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+_BYTE_DECODER = _bytes_to_unicode()
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely alternatives of one position (``entry`` holds top-N + sampled)."""
+    return [(t, _finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def _finite(logprob: float | None) -> float:
+    """JSON has no -inf: floor at -9999 as vLLM does (also for a missing or NaN value)."""
+    if logprob is None or math.isnan(logprob):
+        return -9999.0
+    return max(logprob, -9999.0)
+
+
+def completion_logprobs(
+    texts: TokenTexts,
+    token_ids: list[int],
+    logprobs: list[dict[int, float]],
+    n_top: int,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """Legacy completions logprobs; ``offset`` is the text offset of the first token."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        text = texts.get(tid)[0]
+        tokens.append(text)
+        token_logprobs.append(_finite(entry.get(tid)))
+        top.append({texts.get(t)[0]: lp for t, lp in _top(entry, n_top)})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]], n_top: int
+) -> dict[str, Any]:
+    content = []
+    for tid, entry in zip(token_ids, logprobs, strict=False):
+        text, raw = texts.get(tid)
+        alternatives = []
+        for t, lp in _top(entry, n_top):
+            alt_text, alt_raw = texts.get(t)
+            alternatives.append({"token": alt_text, "logprob": lp, "bytes": alt_raw})
+        lp = _finite(entry.get(tid))
+        content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": alternatives})
+    return {"content": content}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What every body of one response shares."""
+
+    request_id: str
+    created: int
+    model: str
+    logprobs: int | None  # top alternatives per token; None: no logprobs
+    texts: TokenTexts
+    stream_usage: bool = False  # include_usage: every chunk carries "usage" (null but the last)
+
+
+def completion_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
+    choices = []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        lp = None
+        if shape.logprobs is not None and o.logprobs is not None:
+            lp = completion_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
+        choices.append(
+            {
+                "index": o.index,
+                "text": o.text,
+                "logprobs": lp,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+        )
+    return _body(shape, "text_completion", choices, usage=usage(out))
+
+
+def chat_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
+    choices = []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        lp = None
+        if shape.logprobs is not None and o.logprobs is not None:
+            lp = chat_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
+        choices.append(
+            {
+                "index": o.index,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": lp,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+        )
+    return _body(shape, "chat.completion", choices, usage=usage(out))
+
+
+def _body(shape: Shape, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    body = {"id": shape.request_id, "object": obj, "created": shape.created, "model": shape.model}
+    return {**body, "choices": choices, **extra}
+
+
+# ---------------------------------------------------------------------------------- streaming
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last frame (token ids and logprobs align)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text_offset: int  # completion text offset of the first token in ``token_ids``
+
+
+@dataclass
+class _Sent:
+    text: int = 0
+    tokens: int = 0
+    offset: int = 0
+    finished: bool = False
+
+
+@dataclass
+class OutputCursor:
+    """Turns cumulative outputs into per-choice deltas. Deltas come from the cumulative fields
+    (not ``delta_text``), so outputs a backend coalesced or skipped lose nothing, and the
+    concatenated frames equal the final text."""
+
+    texts: TokenTexts
+    sent: dict[int, _Sent] = field(default_factory=dict)
+
+    def step(self, out: RequestOutput) -> list[Delta]:
+        deltas = []
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            delta = self._advance(o, self.sent.setdefault(o.index, _Sent()))
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _advance(self, o: CompletionOutput, sent: _Sent) -> Delta | None:
+        text = o.text[sent.text :]
+        ids = o.token_ids[sent.tokens :]
+        lps = None if o.logprobs is None else o.logprobs[sent.tokens :]
+        newly_finished = o.finished and not sent.finished
+        if not text and not ids and not newly_finished:
+            return None
+        offset = sent.offset
+        sent.offset += sum(len(self.texts.get(t)[0]) for t in ids) if lps is not None else 0
+        sent.text, sent.tokens = max(sent.text, len(o.text)), max(sent.tokens, len(o.token_ids))
+        sent.finished = o.finished
+        reason = o.finish_reason if newly_finished else None
+        stop = o.stop_reason if newly_finished else None
+        return Delta(o.index, text, ids, lps, reason, stop, offset)
+
+
+def completion_chunk(shape: Shape, d: Delta) -> dict[str, Any]:
+    lp = None
+    if shape.logprobs is not None and d.logprobs is not None:
+        lp = completion_logprobs(
+            shape.texts, d.token_ids, d.logprobs, shape.logprobs, d.text_offset
+        )
+    choice = {
+        "index": d.index,
+        "text": d.text,
+        "logprobs": lp,
+        "finish_reason": d.finish_reason,
+        "stop_reason": d.stop_reason,
+    }
+    return _chunk(shape, "text_completion", choice)
+
+
+def chat_role_chunk(shape: Shape, index: int) -> dict[str, Any]:
+    """The first frame of each choice: the assistant role and empty content."""
+    choice = {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    return _chunk(shape, "chat.completion.chunk", choice)
+
+
+def chat_chunk(shape: Shape, d: Delta) -> dict[str, Any]:
+    lp = None
+    if shape.logprobs is not None and d.logprobs is not None:
+        lp = chat_logprobs(shape.texts, d.token_ids, d.logprobs, shape.logprobs)
+    choice = {
+        "index": d.index,
+        "delta": {"content": d.text},
+        "logprobs": lp,
+        "finish_reason": d.finish_reason,
+        "stop_reason": d.stop_reason,
+    }
+    return _chunk(shape, "chat.completion.chunk", choice)
+
+
+def _chunk(shape: Shape, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    extra = {"usage": None} if shape.stream_usage else {}
+    return _body(shape, obj, [choice], **extra)
+
+
+def usage_chunk(shape: Shape, obj: str, out: RequestOutput) -> dict[str, Any]:
+    """The last frame with ``stream_options.include_usage``: no choices, the usage."""
+    return _body(shape, obj, [], usage=usage(out))

@@ -1,0 +1,821 @@
+"""The OpenAI gateway (router/gateway.py) against an in-process fake backend.
+
+The fake "generates" by cycling through the token ids of a fixed sentence (real SmolLM2
+tokenizer, so prompts, chat templates and texts are the real ones), stops at max_tokens
+("length"), fakes logprobs, records what it was asked and every aclose, and can be told to
+refuse, fail mid-stream or go slowly. Clients: the official ``openai`` client and raw httpx,
+both over ASGI transports; client disconnects are driven by a hand-written ASGI receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import openai
+import openai._base_client
+import pytest
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from router.backend import BackendError, Overloaded, Placement, RouterStats
+from router.gateway import create_app
+
+pytestmark = pytest.mark.anyio  # async tests run on anyio's pytest plugin, asyncio backend
+
+# The openai client's own HTTP library: httpx2 from openai 2.x on, httpx before.
+_hx = getattr(openai._base_client, "httpx2", None) or openai._base_client.httpx
+
+MODEL = "smollm2"
+KEY = "sk-test"
+SENTENCE = " the quick brown fox jumps over the lazy dog and runs far away"
+SAMPLED_LOGPROB = -0.25
+
+
+@pytest.fixture()
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+class FakeGeneration:
+    def __init__(self, backend: FakeBackend, request_id: str, ids: list[int], p: SamplingParams):
+        self.backend, self.request_id, self.ids, self.params = backend, request_id, ids, p
+        self.placement = Placement(prefill="prefill-0", decode="decode-1", reason="prefix_hit")
+
+    async def outputs(self):
+        b, p = self.backend, self.params
+        limit = p.max_tokens or (b.max_model_len - len(self.ids))
+        cycle = b.cycle
+        seqs = [
+            CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None)
+            for i in range(p.n)
+        ]
+        for step in range(limit):
+            await asyncio.sleep(b.delay)
+            if b.fail_after is not None and step == b.fail_after:
+                raise BackendError("decode worker died")
+            for seq in seqs:
+                token = cycle[(seq.index + step) % len(cycle)]
+                seq.token_ids.append(token)
+                seq.text = b.tokenizer.decode(seq.token_ids)
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._logprobs(token, p.logprobs))
+                if step == limit - 1:
+                    seq.finish_reason = b.finish_reason
+            snapshot = [
+                replace(s, token_ids=list(s.token_ids), logprobs=s.logprobs and list(s.logprobs))
+                for s in seqs
+            ]
+            cached = min(b.cached_tokens, len(self.ids))
+            done = step == limit - 1
+            yield RequestOutput(self.request_id, None, self.ids, cached, snapshot, finished=done)
+
+    def _logprobs(self, token: int, n: int) -> dict[int, float]:
+        """The sampled token is the most likely; the next n-1 are fixed alternatives."""
+        entry = {token: SAMPLED_LOGPROB}
+        for j, alt in enumerate(self.backend.alternatives):
+            if len(entry) >= max(n, 1):
+                break
+            entry.setdefault(alt, -1.0 - j)
+        return entry
+
+    async def aclose(self) -> None:
+        await asyncio.sleep(0.001)  # an abort is a message to the workers: it takes a while
+        self.backend.closed.append(self.request_id)
+
+
+class FakeBackend:
+    model_name = MODEL
+    max_model_len = 256
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cycle = encode_prompt(tokenizer, SENTENCE)
+        self.alternatives = encode_prompt(tokenizer, " cat mouse horse")
+        self.opened: list[dict[str, Any]] = []
+        self.closed: list[str] = []
+        self.delay = 0.0
+        self.fail_open: Exception | None = None
+        self.fail_after: int | None = None
+        self.finish_reason = "length"
+        self.cached_tokens = 3
+        self.is_healthy = True
+
+    async def open(
+        self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, cache_salt=None
+    ):
+        if self.fail_open is not None:
+            raise self.fail_open
+        self.opened.append(
+            dict(
+                id=request_id,
+                ids=prompt_token_ids,
+                params=params,
+                prompt=prompt,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        )
+        return FakeGeneration(self, request_id, prompt_token_ids, params)
+
+    def expected_text(self, n_tokens: int, index: int = 0) -> str:
+        c = self.cycle
+        return self.tokenizer.decode([c[(index + k) % len(c)] for k in range(n_tokens)])
+
+    async def healthy(self) -> bool:
+        if isinstance(self.is_healthy, Exception):
+            raise self.is_healthy
+        return self.is_healthy
+
+    async def worker_stats(self):
+        return [
+            dict(
+                name="prefill-0",
+                role="prefill",
+                running=1,
+                waiting=2,
+                total_blocks=100,
+                in_use_blocks=25,
+                prefix_queries_tokens=640,
+                prefix_hit_tokens=320,
+                kv_bytes_sent=4096,
+                kv_transfer_seconds=0.5,
+            ),
+            dict(
+                name="decode-1",
+                role="decode",
+                running=3,
+                waiting=0,
+                total_blocks=200,
+                in_use_blocks=50,
+                kv_bytes_received=4096,
+            ),
+        ]
+
+    def router_stats(self) -> RouterStats:
+        return RouterStats(decisions={"prefix_hit": 3, "least_loaded": 1}, index_unavailable=2)
+
+
+@pytest.fixture()
+def backend(tokenizer):
+    return FakeBackend(tokenizer)
+
+
+@pytest.fixture()
+def app(backend):
+    return create_app(backend)
+
+
+@contextlib.asynccontextmanager
+async def http(app, key: str | None = None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=headers) as c:
+        yield c
+
+
+def oai(app, key: str = KEY) -> openai.AsyncOpenAI:
+    client = _hx.AsyncClient(transport=_hx.ASGITransport(app=app))
+    return openai.AsyncOpenAI(
+        base_url="http://t/v1", api_key=key, http_client=client, max_retries=0
+    )
+
+
+def sse_events(body: str) -> list[Any]:
+    frames = [f for f in body.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames), frames
+    return [f[6:] if f[6:] == "[DONE]" else json.loads(f[6:]) for f in frames]
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+async def test_completion_shape_usage_headers_and_params(app, backend, tokenizer) -> None:
+    prompt = "The capital of France is"
+    raw = await oai(app).completions.with_raw_response.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        stop=["xyz", "\n\n"],
+        seed=7,
+        temperature=0.5,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        user="u1",
+    )
+    assert raw.headers["x-tandem-prefill"] == "prefill-0"
+    assert raw.headers["x-tandem-decode"] == "decode-1"
+    out = raw.parse()
+    assert raw.headers["x-request-id"] == out.id and out.id.startswith("cmpl-")
+    assert out.object == "text_completion" and out.model == MODEL and out.created > 0
+    assert len(out.choices) == 1
+    assert out.choices[0].text == backend.expected_text(5)
+    assert out.choices[0].finish_reason == "length" and out.choices[0].logprobs is None
+    ids = encode_prompt(tokenizer, prompt)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == 5 and out.usage.total_tokens == len(ids) + 5
+    assert out.usage.prompt_tokens_details.cached_tokens == 3
+    (opened,) = backend.opened
+    assert opened["id"] == out.id and opened["ids"] == ids and opened["prompt"] == prompt
+    p = opened["params"]
+    assert (p.stop, p.seed, p.temperature, p.top_p, p.max_tokens) == (
+        ["xyz", "\n\n"],
+        7,
+        0.5,
+        0.9,
+        5,
+    )
+    assert (p.presence_penalty, p.frequency_penalty, p.n, p.logprobs) == (0.5, -0.5, 1, None)
+
+
+async def test_completion_stream_equals_unstreamed_with_n2_and_usage(app, backend) -> None:
+    client = oai(app)
+    args = dict(model=MODEL, prompt=[[5, 6, 7]], max_tokens=6, n=2)
+    whole = await client.completions.create(**args)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.choices[1].text == backend.expected_text(6, index=1) != whole.choices[0].text
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens == 3
+    assert backend.opened[0]["ids"] == [5, 6, 7] and backend.opened[0]["prompt"] is None
+    stream = await client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens_details.cached_tokens == 3
+    assert all(c.usage is None for c in body)
+    for i in (0, 1):
+        mine = [c.choices[0] for c in body if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == whole.choices[i].text
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
+
+
+async def test_streamed_completion_has_placement_headers_and_done(app) -> None:
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert (
+        r.headers["x-tandem-prefill"] == "prefill-0" and r.headers["x-tandem-decode"] == "decode-1"
+    )
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events[0]["id"] == r.headers["x-request-id"]
+    assert "usage" not in events[0]
+
+
+async def test_completion_logprobs(app, backend, tokenizer) -> None:
+    client = oai(app)
+    out = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2)
+    lp = out.choices[0].logprobs
+    expected = [tokenizer.decode([t]) for t in backend.cycle[:4]]
+    assert lp.tokens == expected and lp.token_logprobs == [SAMPLED_LOGPROB] * 4
+    assert all(len(top) == 2 and max(top.values()) == SAMPLED_LOGPROB for top in lp.top_logprobs)
+    assert lp.top_logprobs[0] == {expected[0]: SAMPLED_LOGPROB, " cat": -1.0}
+    offsets = [sum(len(t) for t in expected[:k]) for k in range(4)]
+    assert lp.text_offset == offsets
+    assert backend.opened[0]["params"].logprobs == 2
+    stream = await client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=4, logprobs=2, stream=True
+    )
+    pieces = [c.choices[0].logprobs async for c in stream]
+    assert sum((p.tokens for p in pieces), []) == lp.tokens
+    assert sum((p.text_offset for p in pieces), []) == offsets
+
+
+# ---------------------------------------------------------------------------------------- chat
+
+
+async def test_chat_stream_equals_unstreamed(app, backend, tokenizer) -> None:
+    client = oai(app)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Name a"}, {"type": "text", "text": "colour."}],
+        },
+    ]
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=3, max_completion_tokens=7
+    )
+    whole = raw.parse()
+    assert whole.id.startswith("chatcmpl-") and whole.object == "chat.completion"
+    assert raw.headers["x-tandem-decode"] == "decode-1" and raw.headers["x-request-id"] == whole.id
+    msg = whole.choices[0].message
+    assert msg.role == "assistant" and msg.content == backend.expected_text(7)
+    rendered = [messages[0], {"role": "user", "content": "Name a\ncolour."}]
+    assert backend.opened[0]["ids"] == apply_chat_template(tokenizer, rendered)
+    assert backend.opened[0]["params"].max_tokens == 7  # max_completion_tokens wins
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=7, n=2, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    assert [c.choices[0].index for c in chunks[:2]] == [0, 1]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert mine[0].delta.content == "" and all(c.delta.role is None for c in mine[1:])
+        assert "".join(c.delta.content for c in mine) == backend.expected_text(7, index=i)
+        assert mine[-1].finish_reason == "length"
+        assert all(c.finish_reason is None for c in mine[:-1])
+
+
+async def test_chat_without_generation_prompt(app, backend, tokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    async with http(app) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "add_generation_prompt": False, "max_tokens": 2},
+        )
+    assert r.status_code == 200, r.text
+    ids = apply_chat_template(tokenizer, messages, add_generation_prompt=False)
+    assert backend.opened[0]["ids"] == ids
+    assert backend.opened[0]["params"].max_tokens == 2
+
+
+async def test_chat_logprobs(app, backend, tokenizer) -> None:
+    client = oai(app)
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    out = await client.chat.completions.create(**args, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and backend.opened[0]["params"].logprobs == 3
+    for entry, tid in zip(content, backend.cycle, strict=False):
+        assert entry.token == tokenizer.decode([tid]) and entry.logprob == SAMPLED_LOGPROB
+        assert bytes(entry.bytes).decode() == entry.token
+        assert [t.logprob for t in entry.top_logprobs] == [SAMPLED_LOGPROB, -1.0, -2.0]
+        assert entry.top_logprobs[0].token == entry.token
+    assert content[0].top_logprobs[1].token == " cat"
+    plain = await client.chat.completions.create(**args, logprobs=True)
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    stream = await client.chat.completions.create(
+        **args, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [
+        e async for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+async def test_logprobs_bytes_of_a_split_character(app, backend, tokenizer) -> None:
+    backend.cycle = encode_prompt(tokenizer, " 日本")  # bytes spread over several tokens
+    out = await oai(app).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=len(backend.cycle),
+        logprobs=True,
+    )
+    content = out.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content).decode() == " 日本"
+    assert out.choices[0].message.content == " 日本"
+
+
+async def test_vllm_extras_reach_the_backend(app, backend) -> None:
+    extra = dict(
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        min_tokens=2,
+        ignore_eos=True,
+        stop_token_ids=[2, 7],
+        priority=-3,
+        cache_salt="tenant-a",
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    )
+    await oai(app).completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=extra)
+    opened = backend.opened[0]
+    p = opened["params"]
+    assert (opened["priority"], opened["cache_salt"]) == (-3, "tenant-a")
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.min_tokens) == (5, 0.1, 1.2, 2)
+    assert (p.ignore_eos, p.stop_token_ids) == (True, [2, 7])
+    assert (p.skip_special_tokens, p.include_stop_str_in_output) == (False, True)
+
+
+# -------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "16"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [1, 10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+            "top_logprobs",
+        ),
+    ],
+)
+async def test_invalid_parameters_are_400_naming_the_param(app, backend, path, body, param):
+    async with http(app) as c:
+        r = await c.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert err["message"] and r.json()["object"] == "error"
+    assert r.headers["x-request-id"]
+    assert backend.opened == []
+
+
+async def test_invalid_parameter_through_the_openai_client(app) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        await oai(app).completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.message
+
+
+async def test_context_overflow_uses_vllm_wording(app, backend) -> None:
+    prompt = list(range(100, 300))  # 200 tokens of a 256-token context
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 100})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (
+            "This model's maximum context length is 256 tokens. However, you requested 300 "
+            "tokens (200 in the messages, 100 in the completion). Please reduce the length of "
+            "the messages or completion."
+        )
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 56})
+        assert r.status_code == 200  # exactly fits
+        r = await c.post("/v1/completions", json={"prompt": list(range(256)), "max_tokens": None})
+        assert r.status_code == 400 and "you requested 256 tokens" in r.json()["error"]["message"]
+        words = [{"role": "user", "content": "word " * 300}]
+        r = await c.post("/v1/chat/completions", json={"messages": words})
+        assert r.status_code == 400 and "maximum context length is 256" in r.text
+
+
+async def test_api_keys(backend) -> None:
+    app = create_app(backend, api_keys=["other", KEY])
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = await c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        r = await c.get("/metrics", headers={"Authorization": f"Basic {KEY}"})
+        assert r.status_code == 401
+        assert (await c.get("/health")).status_code == 200  # no key needed
+    async with http(app, KEY) as c:
+        assert (await c.post("/v1/completions", json={"prompt": "hi"})).status_code == 200
+        text = (await c.get("/metrics")).text
+    assert 'tandem:request_rejected_total{reason="auth"} 3.0' in text
+    with pytest.raises(openai.AuthenticationError):
+        await oai(app, key="wrong").models.list()
+    assert (await oai(app).models.list()).data[0].id == MODEL
+
+
+async def test_unknown_model_is_404(app, backend) -> None:
+    with pytest.raises(openai.NotFoundError) as nf:
+        await oai(app).completions.create(model="gpt-9", prompt="hi")
+    assert nf.value.body["code"] == "model_not_found" and nf.value.body["param"] == "model"
+    async with http(app) as c:
+        assert (await c.get("/v1/models/gpt-9")).status_code == 404
+        assert (await c.get("/v1/nothing")).json()["error"]["type"] == "not_found_error"
+    assert backend.opened == []
+
+
+@pytest.mark.parametrize("status, retry, header", [(429, 2.2, "3"), (503, 0.1, "1")])
+async def test_overloaded_sets_status_and_retry_after(app, backend, status, retry, header):
+    backend.fail_open = Overloaded("queues full", retry_after_s=retry, status=status)
+    async with http(app) as c:
+        r = await c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+    assert r.status_code == status and r.headers["retry-after"] == header
+    assert r.json()["error"]["code"] == "overloaded"
+    if status == 429:
+        with pytest.raises(openai.RateLimitError):
+            await oai(app).completions.create(model=MODEL, prompt="hi")
+
+
+async def test_backend_error_is_500_and_closes(app, backend) -> None:
+    backend.fail_open = BackendError("no workers")
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        backend.fail_open, backend.fail_after = None, 2
+        r = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 500 and "decode worker died" in r.text
+        backend.fail_after, backend.finish_reason = None, "abort"
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "aborted" in r.text
+    assert backend.closed == [o["id"] for o in backend.opened]
+
+
+async def test_body_limits(backend) -> None:
+    app = create_app(backend, max_body_bytes=1000)
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        async def chunked():  # no Content-Length: the bytes read are counted
+            for _ in range(20):
+                yield b"x" * 100
+
+        r = await c.post("/v1/completions", content=chunked())
+        assert r.status_code == 413
+        r = await c.post("/v1/completions", json={"prompt": "x" * 100})
+        assert r.status_code == 200
+        r = await c.post(
+            "/v1/completions",
+            content=b'{"prompt": "hi",',
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = await c.post("/v1/completions", content=b"[1, 2]")
+        assert r.status_code == 400
+        assert (
+            'tandem:request_rejected_total{reason="too_large"} 2.0'
+            in (await c.get("/metrics")).text
+        )
+    assert len(backend.opened) == 1
+
+
+async def test_error_mid_stream_goes_in_band(app, backend) -> None:
+    backend.fail_after = 2
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert [e["choices"][0]["text"] for e in events[:2]] == [backend.expected_text(1), " quick"]
+    assert (
+        events[2]["error"]["type"] == "server_error"
+        and "decode worker died" in events[2]["error"]["message"]
+    )
+    assert events[3:] == ["[DONE]"]
+    assert backend.closed == [backend.opened[0]["id"]]
+    with pytest.raises(openai.APIError, match="decode worker died"):
+        stream = await oai(app).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True
+        )
+        async for _ in stream:
+            pass
+
+
+# --------------------------------------------------------------------------------- concurrency
+
+
+async def test_concurrency_bound_refuses_at_once_and_admitted_ones_finish(backend) -> None:
+    app = create_app(backend, max_concurrent=2)
+    backend.delay = 0.02
+    body = {"prompt": "hi", "max_tokens": 10}
+    async with http(app) as c:
+        slow = [
+            asyncio.create_task(c.post("/v1/completions", json=body)),
+            asyncio.create_task(c.post("/v1/completions", json={**body, "stream": True})),
+        ]
+        while len(backend.opened) < 2:
+            await asyncio.sleep(0.005)
+        r = await asyncio.wait_for(c.post("/v1/completions", json=body), 1)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "too_many_requests"
+        done = await asyncio.gather(*slow)
+        assert [d.status_code for d in done] == [200, 200]
+        assert done[0].json()["choices"][0]["finish_reason"] == "length"
+        assert sse_events(done[1].text)[-1] == "[DONE]"
+        backend.delay = 0
+        assert (await c.post("/v1/completions", json=body)).status_code == 200
+    assert app.state.gateway.slots.in_use == 0
+    assert len(backend.opened) == 3
+
+
+# ---------------------------------------------------------------------------------- disconnect
+
+
+async def drive(
+    app,
+    path: str,
+    body: dict,
+    *,
+    disconnect_after_body_frames: int | None = None,
+    disconnect: asyncio.Event | None = None,
+) -> list[dict]:
+    """Run one request through the ASGI app with a receive that reports http.disconnect when
+    ``disconnect`` is set or after that many non-empty body frames were sent."""
+    raw = json.dumps(body).encode()
+    gone = disconnect or asyncio.Event()
+    sent: list[dict] = []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("t", 80),
+        "client": ("127.0.0.1", 9),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+    }
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        frames = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
+        if disconnect_after_body_frames is not None and len(frames) >= disconnect_after_body_frames:
+            gone.set()
+
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return sent
+
+
+async def test_streaming_client_disconnect_closes_the_generation(app, backend) -> None:
+    backend.delay = 0.05  # 100 tokens: 5 s if nobody stopped it
+    body = {"prompt": "hi", "max_tokens": 100, "stream": True}
+    sent = await asyncio.wait_for(
+        drive(app, "/v1/completions", body, disconnect_after_body_frames=2), 1.0
+    )
+    assert sent[0]["status"] == 200
+    await asyncio.sleep(0.01)
+    assert backend.closed == [backend.opened[0]["id"]]
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_streaming_client_task_cancelled_closes_the_generation(app, backend) -> None:
+    backend.delay = 0.05
+    async with http(app) as c:
+        task = asyncio.create_task(
+            c.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 100,
+                    "stream": True,
+                },
+            )
+        )
+        while not backend.opened:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.06)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await asyncio.sleep(0.01)
+    assert backend.closed == [backend.opened[0]["id"]]
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_non_streaming_client_disconnect_closes_the_generation(app, backend) -> None:
+    backend.delay = 0.05
+    gone = asyncio.Event()
+
+    async def leave_once_started():
+        while not backend.opened:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.06)
+        gone.set()
+
+    leaver = asyncio.create_task(leave_once_started())
+    body = {"prompt": "hi", "max_tokens": 100}
+    await asyncio.wait_for(drive(app, "/v1/completions", body, disconnect=gone), 1.0)
+    await leaver
+    await asyncio.sleep(0.01)
+    assert backend.closed == [backend.opened[0]["id"]]
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_non_streaming_client_task_cancelled_closes_the_generation(app, backend) -> None:
+    backend.delay = 0.05
+    async with http(app) as c:
+        task = asyncio.create_task(
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 100})
+        )
+        while not backend.opened:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await asyncio.sleep(0.01)
+    assert backend.closed == [backend.opened[0]["id"]]
+    assert app.state.gateway.slots.in_use == 0
+
+
+# -------------------------------------------------------------------------- the small routes
+
+
+async def test_models_tokenize_detokenize(app, tokenizer) -> None:
+    async with http(app) as c:
+        models = (await c.get("/v1/models")).json()
+        assert models["object"] == "list"
+        (card,) = models["data"]
+        assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 256
+        assert (await c.get(f"/v1/models/{MODEL}")).json()["id"] == MODEL
+        text = "Hello, world! 日本語"
+        tok = (await c.post("/tokenize", json={"model": MODEL, "prompt": text})).json()
+        assert tok["tokens"] == encode_prompt(tokenizer, text)
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+        back = (await c.post("/detokenize", json={"tokens": tok["tokens"]})).json()
+        assert back == {"prompt": text}
+        messages = [{"role": "user", "content": "hi"}]
+        chat = (await c.post("/tokenize", json={"messages": messages})).json()
+        assert chat["tokens"] == apply_chat_template(tokenizer, messages)
+        bare = (
+            await c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})
+        ).json()
+        assert chat["count"] > bare["count"]
+        r = await c.post("/tokenize", json={"prompt": "a", "messages": messages})
+        assert r.status_code == 400
+        r = await c.post("/detokenize", json={"tokens": [-1]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert [m.id for m in (await oai(app).models.list()).data] == [MODEL]
+
+
+async def test_health(app, backend) -> None:
+    async with http(app) as c:
+        assert (await c.get("/health")).status_code == 200
+        backend.is_healthy = False
+        assert (await c.get("/health")).status_code == 503
+        backend.is_healthy = RuntimeError("ray is gone")
+        assert (await c.get("/health")).status_code == 503
+
+
+def metric_value(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {series} in\n{text}")
+
+
+async def test_metrics(app) -> None:
+    client = oai(app)
+    await client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=5, n=2)
+    async with http(app) as c:
+        await c.post("/v1/completions", json={"prompt": "hi", "temperature": -1})
+        r = await c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    t = r.text
+    assert metric_value(t, 'tandem:request_success_total{finished_reason="length"}') == 2
+    assert metric_value(t, "tandem:prompt_tokens_total") == 4
+    assert metric_value(t, "tandem:generation_tokens_total") == 10
+    assert metric_value(t, "tandem:time_to_first_token_seconds_count") == 1
+    assert metric_value(t, "tandem:inter_token_latency_seconds_count") == 4
+    assert metric_value(t, "tandem:e2e_request_latency_seconds_count") == 1
+    assert metric_value(t, 'tandem:request_rejected_total{reason="invalid"}') == 1
+    assert metric_value(t, "tandem:gateway_requests_in_flight") == 0
+    assert metric_value(t, 'tandem:routing_decisions_total{reason="prefix_hit"}') == 3
+    assert metric_value(t, "tandem:prefix_index_unavailable_total") == 2
+    assert metric_value(t, 'tandem:num_requests_running{worker="decode-1"}') == 3
+    assert metric_value(t, 'tandem:num_requests_waiting{worker="prefill-0"}') == 2
+    assert metric_value(t, 'tandem:kv_cache_usage_perc{worker="prefill-0"}') == 0.25
+    assert metric_value(t, 'tandem:prefix_cache_queries_total{worker="prefill-0"}') == 640
+    assert metric_value(t, 'tandem:prefix_cache_hits_total{worker="prefill-0"}') == 320
+    sent = 'tandem:kv_transfer_bytes_total{direction="sent",worker="prefill-0"}'
+    assert metric_value(t, sent) == 4096
+    received = 'tandem:kv_transfer_bytes_total{direction="received",worker="decode-1"}'
+    assert metric_value(t, received) == 4096
+    assert metric_value(t, 'tandem:kv_transfer_seconds_total{worker="prefill-0"}') == 0.5
+    assert 'prefix_cache_queries_total{worker="decode-1"}' not in t  # absent keys are skipped
