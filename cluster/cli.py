@@ -15,7 +15,9 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if not hasattr(args, "handler"):
         # `tandem` or `tandem model` alone: show the relevant help.
         getattr(args, "help_parser", parser).print_help(sys.stderr)
@@ -36,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_model(subparsers)
     _add_generate(subparsers)
+    _add_serve(subparsers)
+    _add_gateway(subparsers)
+    _add_stop(subparsers)
     return parser
 
 
@@ -116,6 +121,55 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+# ----------------------------------------------------------------------------- tandem serve
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from cluster.serve import add_serve_args
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="start Redis, Ray workers and the OpenAI gateway on this machine",
+        description="Serve a model over the OpenAI API: local Ray, prefill/decode (or colocated) "
+        "workers, a Redis prefix index and the gateway; Ctrl-C stops everything.",
+    )
+    add_serve_args(serve)
+    serve.set_defaults(handler=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cluster import serve
+
+    if args.detach:
+        return serve.run_detached(args, args.argv[1:])
+    return serve.run_serve(args)
+
+
+def _add_stop(subparsers: argparse._SubParsersAction) -> None:
+    stop = subparsers.add_parser("stop", help="stop a `tandem serve --detach`")
+    stop.add_argument("--port", type=int, default=8000)
+    stop.add_argument("--timeout", type=float, default=60.0)
+    stop.set_defaults(handler=lambda args: __import__("cluster.serve").serve.run_stop(args))
+
+
+def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
+    from cluster.serve import add_gateway_args
+
+    gw = subparsers.add_parser(
+        "gateway",
+        help="another OpenAI gateway over the workers a `tandem serve` started",
+        description="Attach to a running tandem cluster (its Ray address and Redis URL) and "
+        "serve the OpenAI API from this process too; gateways share the prefix index.",
+    )
+    gw.add_argument("--ray-address", default="auto", help="the Ray cluster `tandem serve` printed")
+    gw.add_argument("--redis-url", default=None, help="the prefix index the workers publish to")
+    gw.add_argument("--namespace", default="tandem")
+    gw.add_argument("--cluster-id", default=None, help="which cluster (when several run)")
+    gw.add_argument("--model", default="smollm2", help="the model id clients send")
+    add_gateway_args(gw)
+    gw.set_defaults(handler=lambda args: __import__("cluster.serve").serve.run_gateway(args))
 
 
 if __name__ == "__main__":

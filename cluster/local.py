@@ -60,6 +60,7 @@ class WorkerRef:
     endpoint: str = ""
     outstanding: int = 0  # requests this driver has in flight on it
     pid: int = 0
+    index_id: str = ""  # its name in the global prefix index ("" when it publishes nothing)
 
 
 @dataclass
@@ -76,6 +77,8 @@ class ClusterConfig:
     transfer_timeout_s: float = 60.0
     reserve_timeout_s: float = 30.0
     ray_address: str | None = None
+    namespace: str = "tandem"  # Ray namespace of the named worker actors (gateways attach by it)
+    index_url: str | None = None  # Redis of the global prefix index (None: workers publish nothing)
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for every worker
     prefill_engine: dict[str, Any] = field(default_factory=dict)  # overrides for prefill
     decode_engine: dict[str, Any] = field(default_factory=dict)  # overrides for decode
@@ -105,31 +108,107 @@ class LocalCluster:
         self.tokenizer = load_tokenizer(self.model_dir)
         self._token = secrets.token_hex(16)  # KV channels refuse peers without it
         self._ids = itertools.count()
+        # Actor names are "<cluster id>/<role>-<i>": unique per cluster, so clusters sharing a
+        # Ray namespace or a prefix index never mix; a gateway attaches by the id.
+        self.cluster_id = secrets.token_hex(3)
         env = {"NCCL_NVLS_ENABLE": "0"}
         env.update(
             {k: v for k, v in os.environ.items() if k.startswith(("TANDEM_", "TRITON_", "NCCL_"))}
         )
         workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
         self._owns_ray = not ray.is_initialized()
+        self._owns_workers = True
         if self._owns_ray:
             ray.init(
-                address=cfg.ray_address,
+                # "local": a new Ray of our own, never a cluster another process left running
+                address=cfg.ray_address or "local",
                 num_cpus=None if cfg.ray_address else max(os.cpu_count() or 1, workers),
                 include_dashboard=False,
                 runtime_env={"env_vars": env},
                 logging_level=logging.WARNING,
+                namespace=cfg.namespace,
             )
         resources = ray.cluster_resources()
         self.prefill = [self._start("prefill", i, resources) for i in range(cfg.num_prefill)]
         self.decode = [self._start("decode", i, resources) for i in range(cfg.num_decode)]
         self.colocated = [self._start("colocated", i, resources) for i in range(cfg.num_colocated)]
         t0 = time.perf_counter()
+        self._describe_workers()
+        logger.info("%d workers ready in %.1f s", len(self.workers), time.perf_counter() - t0)
+
+    @classmethod
+    def attach(
+        cls, ray_address: str = "auto", namespace: str = "tandem", cluster_id: str | None = None
+    ) -> LocalCluster:
+        """Join workers another process started (a second gateway over the same workers): finds
+        the named actors of ``cluster_id`` (the only cluster in ``namespace`` when None). The
+        attached cluster routes requests; it never starts, kills or shuts down workers."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=ray_address,
+                namespace=namespace,
+                logging_level=logging.WARNING,
+                include_dashboard=False,
+            )
+        names = [n for n in ray.util.list_named_actors() if "/" in n]
+        ids = sorted({n.split("/", 1)[0] for n in names})
+        if cluster_id is None:
+            if len(ids) != 1:
+                raise ClusterError(
+                    f"namespace {namespace!r} holds {len(ids)} tandem clusters ({ids}): pick one"
+                )
+            cluster_id = ids[0]
+        self = cls.__new__(cls)
+        self.cluster_id = cluster_id
+        self._owns_ray = self._owns_workers = False
+        self._token = ""
+        self._ids = itertools.count()
+        pools: dict[str, list[WorkerRef]] = {"prefill": [], "decode": [], "colocated": []}
+        for name in sorted(n for n in names if n.startswith(f"{cluster_id}/")):
+            role = name.split("/", 1)[1].rsplit("-", 1)[0]
+            if role in pools:
+                pools[role].append(WorkerRef(name.split("/", 1)[1], role, ray.get_actor(name)))
+        self.prefill, self.decode, self.colocated = (
+            pools["prefill"],
+            pools["decode"],
+            pools["colocated"],
+        )
+        if not self.workers:
+            raise ClusterError(f"no workers of cluster {cluster_id!r} in namespace {namespace!r}")
+        infos = self._describe_workers()
+        self.model_dir = infos[0]["model_dir"]
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.config = ClusterConfig(
+            model=self.model_dir,
+            num_prefill=len(self.prefill),
+            num_decode=len(self.decode),
+            num_colocated=len(self.colocated),
+            device=infos[0]["device"],
+            namespace=namespace,
+        )
+        # In-flight counts of other gateways are not visible here; the router's load view
+        # comes from the workers' own stats.
+        return self
+
+    def _describe_workers(self) -> list[dict[str, Any]]:
+        import ray
+
         infos = ray.get([w.handle.ready.remote() for w in self.workers])
         for w, info in zip(self.workers, infos, strict=True):
             w.pid = info["pid"]
+            w.index_id = info.get("index_id", "")
         for w in self.decode:
             w.endpoint = ray.get(w.handle.endpoint.remote())
-        logger.info("%d workers ready in %.1f s", len(self.workers), time.perf_counter() - t0)
+        self.block_size = infos[0]["block_size"]
+        self.max_model_len = min(info["max_model_len"] for info in infos)
+        return infos
+
+    @property
+    def index_namespace(self) -> str:
+        """Where this cluster's workers publish their blocks in the prefix index."""
+        return f"{self.config.namespace}:{os.path.basename(self.model_dir.rstrip('/'))}"
 
     @property
     def workers(self) -> list[WorkerRef]:
@@ -160,7 +239,17 @@ class LocalCluster:
         else:
             cls = ColocatedWorker
         name = f"{role}-{index}"
-        options: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1000, "name": None}
+        if cfg.index_url and role != "decode":  # decode workers compute no prompt blocks
+            kwargs["index"] = {
+                "url": cfg.index_url,
+                "namespace": self.index_namespace,
+                "worker": f"{self.cluster_id}/{name}",
+            }
+        options: dict[str, Any] = {
+            "num_cpus": 1,
+            "max_concurrency": 1000,
+            "name": f"{self.cluster_id}/{name}",
+        }
         if cfg.device == "cuda":
             options["num_gpus"] = 1
         if role in ("prefill", "decode") and resources.get(role):
@@ -190,7 +279,7 @@ class LocalCluster:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (the last has ``finished``). Closing the iterator
         early aborts the request everywhere. ``prefill`` / ``decode`` pin the first attempt to
-        the named workers (a retry may go elsewhere)."""
+        the named workers (a retry may go elsewhere); a colocated request is pinned by either."""
         params = params or SamplingParams()
         rid = request_id or f"req-{next(self._ids)}"
         ids = self._encode(prompt)
@@ -199,7 +288,7 @@ class LocalCluster:
         if mode == "disagg" and self.prefill:
             gen = self._stream_disagg(rid, ids, params, kwargs, prefill, decode)
         elif mode == "colocated" and self.colocated:
-            gen = self._stream_colocated(rid, ids, params, kwargs)
+            gen = self._stream_colocated(rid, ids, params, kwargs, decode or prefill)
         else:
             raise RequestError(f"mode {mode!r} has no workers in this cluster")
         async for out in gen:
@@ -357,8 +446,10 @@ class LocalCluster:
         if not res["ok"]:
             _quietly(d.handle.fail_transfer, irid, res["error"])
 
-    async def _stream_colocated(self, rid, ids, params, kwargs) -> AsyncIterator[RequestOutput]:
-        c = self._least_loaded(self.colocated, set())[0]
+    async def _stream_colocated(
+        self, rid, ids, params, kwargs, pin=None
+    ) -> AsyncIterator[RequestOutput]:
+        c = self._least_loaded(self.colocated, set(), pin)[0]
         c.outstanding += 1
         finished = False
         try:
@@ -411,6 +502,9 @@ class LocalCluster:
     def shutdown(self) -> None:
         import ray
 
+        if not self._owns_workers:  # attached: the workers belong to another process
+            self.prefill, self.decode, self.colocated = [], [], []
+            return
         for w in self.workers:
             _quietly(w.handle.shutdown)
         for w in self.workers:

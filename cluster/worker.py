@@ -58,7 +58,11 @@ class EngineWorker:
 
     role = "engine"
 
-    def __init__(self, engine_config: dict[str, Any], name: str = "") -> None:
+    def __init__(
+        self, engine_config: dict[str, Any], name: str = "", index: dict[str, Any] | None = None
+    ) -> None:
+        """``index``: ``{"url", "namespace", "worker"}`` of the global prefix index (Redis); when
+        given, the blocks this worker caches and evicts are published there as ``worker``."""
         threads = os.environ.get("TANDEM_TORCH_THREADS")
         if threads:
             import torch
@@ -70,6 +74,14 @@ class EngineWorker:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = False
         self.steps = 0
+        self._publisher = None
+        if index is not None:
+            from router.prefix_index import IndexPublisher, PrefixIndex
+
+            self._publisher = IndexPublisher(
+                PrefixIndex(index["url"], index["namespace"]), index["worker"]
+            )
+            self.engine.block_manager.record_events = True
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
         self._thread.start()
 
@@ -98,6 +110,7 @@ class EngineWorker:
                     outputs = self.engine.step()
                     self.steps += 1
                     self._on_outputs(outputs)
+                    self._publish_blocks()
             except Exception:  # noqa: BLE001 - a bug must not kill the thread silently
                 logger.error("engine thread of %s:\n%s", self.name, traceback.format_exc())
                 self._fail_everything(traceback.format_exc(limit=3))
@@ -116,6 +129,15 @@ class EngineWorker:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _publish_blocks(self) -> None:
+        """Hand the step's block-stored / block-evicted hashes to the index publisher (its own
+        thread talks to Redis; this never blocks or raises)."""
+        if self._publisher is None:
+            return
+        stored, evicted = self.engine.block_manager.drain_events()
+        if stored or evicted:
+            self._publisher.push(stored, evicted)
 
     def _on_tick(self) -> None:
         """Hook run once per loop iteration in the engine thread (deadlines)."""
@@ -181,7 +203,17 @@ class EngineWorker:
     # -- operator / test surface -----------------------------------------------------------------
 
     async def ready(self) -> dict[str, Any]:
-        return {"name": self.name, "role": self.role, "pid": os.getpid()}
+        cfg = self.engine.cfg
+        return {
+            "name": self.name,
+            "role": self.role,
+            "pid": os.getpid(),
+            "model_dir": cfg.model_dir,
+            "device": cfg.device,
+            "block_size": cfg.block_size,
+            "max_model_len": self.engine.max_model_len,
+            "index_id": self._publisher.worker if self._publisher is not None else "",
+        }
 
     async def stats(self) -> dict[str, Any]:
         return await self.call(self._stats)
@@ -202,6 +234,7 @@ class EngineWorker:
             "remote_pending": self.engine.num_remote_pending(),
             "open_streams": len(self._streams),
             "steps": self.steps,
+            "prefix_queries_tokens": bm.prefix_queries,
             "prefix_hit_tokens": bm.prefix_hits,
         }
 
@@ -230,6 +263,8 @@ class EngineWorker:
     def shutdown(self) -> None:
         self._closed = True
         self.post(lambda: None)
+        if self._publisher is not None:
+            self._publisher.close()  # its entries stop counting at once
 
 
 def _aborted(request_id: str) -> RequestOutput:

@@ -151,10 +151,11 @@ class PrefillWorker(EngineWorker):
         *,
         token: str = "",
         max_channels: int = 8,
+        index: dict[str, Any] | None = None,
     ) -> None:
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._gates: dict[str, threading.Event] = {}
-        super().__init__(engine_config, name)
+        super().__init__(engine_config, name, index)
         self.connector = KVConnector(
             self.kv_spec(), self._on_channel_failure, token=token, max_channels=max_channels
         )

@@ -1,0 +1,350 @@
+"""The global router over a Ray cluster: the ``Backend`` the gateway serves.
+
+For each request::
+
+    1. hash the prompt's full blocks (chained sha256, the engine's own function, with the
+       request's cache_salt) and ask the prefix index, in one round trip, how many leading
+       blocks every prefill (or colocated) worker holds; Redis down: no hits, counted, and the
+       policy routes by load alone (no client sees an error)
+    2. the placement policy picks the prefill and the decode worker from that and the load view
+       (this router's in-flight requests and queued prefill tokens, plus each worker's free
+       blocks, running and waiting requests, polled every ``stats_interval_s``)
+    3. the cluster runs it pinned to those workers (a failed transfer is retried once elsewhere)
+    4. ``open`` returns once the first output is there, so errors before the first token are
+       plain HTTP errors; the queued prefill tokens are released then
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from cluster.local import CapacityError, ClusterError, LocalCluster, RequestError
+from engine.block_manager import prefix_block_hashes
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from router.backend import (
+    BackendError,
+    InvalidRequest,
+    Overloaded,
+    Placement,
+    RouterStats,
+)
+from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterBackend:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        *,
+        index=None,  # router.prefix_index.PrefixIndex | None
+        policy: PlacementPolicy | str = "cache_aware",
+        model_name: str = "",
+        stats_interval_s: float = 0.25,
+        stats_timeout_s: float = 2.0,
+    ) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.model_name = model_name or cluster.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.max_model_len = cluster.max_model_len
+        self.tokenizer = cluster.tokenizer
+        self.block_size = cluster.block_size
+        self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
+        self._stats = RouterStats(decisions=collections.Counter())
+        self._queued: collections.Counter[str] = collections.Counter()
+        self._polled: dict[str, dict[str, Any]] = {}
+        self._polled_at = 0.0
+        self._poller: asyncio.Task | None = None
+        self._names = {w.index_id: w.name for w in cluster.workers if w.index_id}
+        # Blocks this router just sent somewhere, until the index has had time to hear of them
+        # from the worker: concurrent requests of a new prefix then follow the first one.
+        self._recent: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
+        self.recent_ttl_s = 5.0
+        self.recent_max_blocks = 100_000
+
+    # -- the Backend interface -------------------------------------------------------------------
+
+    async def open(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ):
+        self._ensure_poller()
+        if params.n > 1 and self.cluster.prefill:
+            # A decode worker takes single sequences: the n samples run as n requests (seeds
+            # offset as the engine does for its own children); the first one's prompt blocks
+            # are then a prefix hit for the others.
+            def child(i: int):
+                return self.open(
+                    f"{request_id}.{i}",
+                    prompt_token_ids,
+                    params.for_child(i),
+                    prompt=prompt,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+
+            first = await child(0)  # its prompt blocks are cached once it has a token
+            rest = await asyncio.gather(
+                *(child(i) for i in range(1, params.n)), return_exceptions=True
+            )
+            children = [first, *(c for c in rest if not isinstance(c, BaseException))]
+            failed = [c for c in rest if isinstance(c, BaseException)]
+            if failed:
+                for c in children:
+                    await c.aclose()
+                raise failed[0]
+            return _Fanout(request_id, children)
+        req = await self._route_request(prompt_token_ids, cache_salt)
+        cluster = self.cluster
+        if cluster.prefill:
+            p, reason = self.policy.choose_prefill(req, self._views(cluster.prefill))
+            d, _ = self.policy.choose_decode(req, self._views(cluster.decode))
+        else:
+            p, (d, reason) = None, self.policy.choose_prefill(req, self._views(cluster.colocated))
+        self._stats.decisions[reason] += 1
+        charged = p or d
+        self._remember(req.hashes, charged)
+        charge = len(prompt_token_ids) - req.cached_tokens(charged)
+        self._queued[charged] += charge
+        placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0))
+        gen = cluster.stream(
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            prefill=p,
+            decode=d,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        generation = _Generation(gen, placement, lambda: self._release(charged, charge))
+        await generation.start()
+        return generation
+
+    async def healthy(self) -> bool:
+        try:
+            await self._poll()
+        except Exception:  # noqa: BLE001 - any worker not answering
+            return False
+        return True
+
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        if time.monotonic() - self._polled_at > self.stats_interval_s:
+            with contextlib.suppress(Exception):  # /metrics shows what answered last
+                await self._poll()
+        return list(self._polled.values())
+
+    def router_stats(self) -> RouterStats:
+        return RouterStats(dict(self._stats.decisions), self._stats.index_unavailable)
+
+    async def aclose(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    async def _route_request(self, ids: list[int], cache_salt: str | None) -> RouteRequest:
+        req = RouteRequest(len(ids), self.block_size, index_available=self.index is not None)
+        if self.index is None:
+            return req
+        req.hashes = prefix_block_hashes(ids, self.block_size, cache_salt)
+        if not req.hashes:
+            return req
+        from router.prefix_index import IndexUnavailable
+
+        try:
+            held = await asyncio.to_thread(self.index.lookup, req.hashes)
+        except IndexUnavailable as exc:
+            self._stats.index_unavailable += 1
+            logger.debug("prefix index unavailable, routing by load: %s", exc)
+            req.index_available = False
+            return req
+        req.cached_blocks = {self._names[k]: n for k, n in held.items() if k in self._names}
+        for worker, n in self._recently_sent(req.hashes).items():
+            req.cached_blocks[worker] = max(n, req.cached_blocks.get(worker, 0))
+        return req
+
+    def _remember(self, hashes: list[bytes], worker: str) -> None:
+        expiry = time.monotonic() + self.recent_ttl_s
+        for h in hashes:
+            self._recent[h] = (worker, expiry)
+            self._recent.move_to_end(h)
+        while len(self._recent) > self.recent_max_blocks:
+            self._recent.popitem(last=False)
+
+    def _recently_sent(self, hashes: list[bytes]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` this router sent to one worker in the last
+        ``recent_ttl_s`` (a prefix in flight: computed there soon, not yet in the index)."""
+        now = time.monotonic()
+        worker, n = None, 0
+        for h in hashes:
+            entry = self._recent.get(h)
+            if entry is None or entry[1] < now or (worker is not None and entry[0] != worker):
+                break
+            worker, n = entry[0], n + 1
+        return {worker: n} if worker is not None else {}
+
+    def _views(self, pool) -> list[WorkerView]:
+        views = []
+        for w in pool:
+            s = self._polled.get(w.name, {})
+            views.append(
+                WorkerView(
+                    w.name,
+                    w.role,
+                    outstanding=w.outstanding,
+                    queued_prefill_tokens=self._queued[w.name],
+                    free_blocks=s.get("free_blocks", 0) + s.get("cached_blocks", 0) if s else None,
+                    running=s.get("running", 0),
+                    waiting=s.get("waiting", 0),
+                )
+            )
+        return views
+
+    def _release(self, worker: str, tokens: int) -> None:
+        self._queued[worker] -= tokens
+        if self._queued[worker] <= 0:
+            del self._queued[worker]
+
+    async def _poll(self) -> None:
+        workers = self.cluster.workers
+        stats = await asyncio.wait_for(
+            asyncio.gather(*(w.handle.stats.remote() for w in workers)), self.stats_timeout_s
+        )
+        self._polled = {s["name"]: s for s in stats}
+        self._polled_at = time.monotonic()
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self._poll()
+            except Exception as exc:  # noqa: BLE001 - a slow or dead worker: keep the last view
+                logger.debug("stats poll failed: %s", exc)
+            await asyncio.sleep(self.stats_interval_s)
+
+
+class _Generation:
+    """One request's outputs; the first is fetched by ``start`` (errors before any token raise
+    there); ``release`` runs once, at the first output or at the end."""
+
+    def __init__(self, gen: AsyncIterator[RequestOutput], placement: Placement, release) -> None:
+        self.placement = placement
+        self._gen = gen
+        self._release = release
+        self._first: RequestOutput | None = None
+        self._closed = False
+
+    def _settle(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    async def start(self) -> None:
+        try:
+            self._first = await self._next()
+        except BaseException:
+            await self.aclose()
+            raise
+        finally:
+            self._settle()
+
+    async def _next(self) -> RequestOutput:
+        try:
+            return await self._gen.__anext__()
+        except StopAsyncIteration:
+            raise BackendError("the request's stream ended without finishing") from None
+        except RequestError as exc:
+            raise InvalidRequest(str(exc)) from None
+        except CapacityError as exc:
+            raise Overloaded(str(exc), retry_after_s=1.0, status=503) from None
+        except ClusterError as exc:
+            raise BackendError(str(exc)) from None
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        out = self._first
+        while out is not None:
+            yield out
+            if out.finished:
+                return
+            out = await self._next()
+
+    async def aclose(self) -> None:
+        self._settle()
+        if not self._closed:
+            self._closed = True
+            await self._gen.aclose()
+
+
+class _Fanout:
+    """``n`` single-sample generations presented as one request with ``n`` outputs (index i is
+    child i); an output is emitted whenever a child progresses, the last when all finished."""
+
+    def __init__(self, request_id: str, children: list[_Generation]) -> None:
+        self.request_id = request_id
+        self.children = children
+        self.placement = children[0].placement
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        latest: list[RequestOutput | None] = [None] * len(self.children)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, child: _Generation) -> None:
+            try:
+                async for out in child.outputs():
+                    await queue.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the reader
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(self.children)]
+        try:
+            while not all(o is not None and o.finished for o in latest):
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                latest[i] = item
+                yield self._merge(latest, i)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _merge(self, latest: list[RequestOutput | None], changed: int) -> RequestOutput:
+        base = latest[changed]
+        outputs = []
+        for i, out in enumerate(latest):
+            if out is None:
+                outputs.append(CompletionOutput(i))
+                continue
+            seq = replace(out.outputs[0], index=i)
+            if i != changed:  # only the child that moved has a delta in this output
+                seq = replace(seq, delta_text="", delta_token_ids=[])
+            outputs.append(seq)
+        return replace(
+            base,
+            request_id=self.request_id,
+            outputs=outputs,
+            finished=all(o is not None and o.finished for o in latest),
+            num_cached_tokens=min(o.num_cached_tokens for o in latest if o is not None),
+        )
+
+    async def aclose(self) -> None:
+        for child in self.children:
+            await child.aclose()

@@ -1,0 +1,367 @@
+"""`tandem serve` end to end: the official openai client against a real server process.
+
+One server for the module: SmolLM2 fp32 on CPU, 2 prefill + 1 decode workers (TCP KV
+transport), a Redis this test starts (so it can kill and restart it), an API key, and a small
+`--max-concurrent` so a burst overflows it. A second process, `tandem gateway`, attaches to the
+same workers and shares the prefix index. The tests that stop Redis run last (file order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-1"
+MAX_CONCURRENT = 3
+MODEL = "smollm2"
+WORDS = [
+    "river",
+    "stone",
+    "mill",
+    "bread",
+    "orange",
+    "violet",
+    "copper",
+    "garden",
+    "lantern",
+    "harbor",
+    "meadow",
+    "signal",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A `python -m cluster.cli ...` child; its output is kept and scanned for a line."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        tail = "\n".join(self.lines[-40:])
+        raise AssertionError(f"no line matching {pattern!r} (exit {self.proc.poll()}):\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def redis():
+    from router.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def env():
+    return {**os.environ, "TANDEM_TORCH_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, redis, env):
+    port = free_port()
+    proc = Proc(
+        [
+            "serve",
+            "--model",
+            str(smollm2_dir),
+            "--served-model-name",
+            MODEL,
+            "--device",
+            "cpu",
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--redis-url",
+            redis.url,
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--max-concurrent",
+            str(MAX_CONCURRENT),
+            "--engine",
+            "kv_cache_memory_gb=0.5",
+        ],
+        env,
+    )
+    try:
+        ray_line = proc.wait_for(r"^ray: (\S+) \(cluster (\w+)\)", 300)
+        proc.wait_for(r"^serving http://", 60)
+        yield {"url": f"http://127.0.0.1:{port}", "ray": ray_line[1], "proc": proc}
+    finally:
+        proc.stop()
+        assert proc.proc.returncode == 0, "\n".join(proc.lines[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def long_prefix(seed: int, words: int = 1300) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+# ---------------------------------------------------------------------------------- the API
+
+
+def test_completion_streamed_equals_unstreamed(client) -> None:
+    prompt = "The capital of France is"
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0
+    )
+    assert raw.headers["x-tandem-prefill"] in ("prefill-0", "prefill-1")
+    assert raw.headers["x-tandem-decode"] == "decode-0"
+    whole = raw.parse()
+    assert whole.choices[0].finish_reason in ("length", "stop")
+    assert whole.usage.completion_tokens == 12 or whole.choices[0].finish_reason == "stop"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_streamed_equals_unstreamed_with_logprobs(client) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = whole.choices[0].message.content
+    assert "Paris" in content
+    lp = whole.choices[0].logprobs.content
+    assert len(lp) == whole.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
+    assert all(t.logprob >= t.top_logprobs[1].logprob for t in lp)  # greedy: the top token
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == content
+
+
+def test_stop_n_and_completion_logprobs(client) -> None:
+    out = client.completions.create(
+        model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=20, temperature=0, stop=[","]
+    )
+    assert out.choices[0].finish_reason == "stop" and "," not in out.choices[0].text
+    two = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        n=2,
+        logprobs=1,
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in two.choices)
+
+
+def test_errors_are_openai_json(server, client) -> None:
+    url = server["url"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is"):
+        client.completions.create(model=MODEL, prompt="hi " * 9000, max_tokens=10)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="hi")
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/health").status_code == 200  # no key needed
+
+
+def test_burst_over_the_bound_gets_429_and_the_rest_complete(server) -> None:
+    async def one(c: openai.AsyncOpenAI):
+        try:
+            out = await c.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=24)
+            return out.choices[0].finish_reason
+        except openai.RateLimitError as exc:
+            assert int(exc.response.headers["retry-after"]) >= 1
+            return 429
+
+    async def burst():
+        c = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(c) for _ in range(3 * MAX_CONCURRENT)))
+
+    results = asyncio.run(burst())
+    assert results.count(429) >= MAX_CONCURRENT, results
+    assert all(r in ("length", "stop", 429) for r in results), results
+
+
+def test_client_disconnect_frees_blocks_on_both_workers(server) -> None:
+    url = server["url"]
+    body = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 2000, "stream": True}
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
+        pieces = 0
+        for line in r.iter_lines():
+            pieces += line.startswith("data: ")
+            if pieces >= 3:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        running = metric(url, "tandem:num_requests_running")
+        used = metric(url, "tandem:kv_cache_usage_perc")
+        if running == 0 and used == 0:
+            break
+        time.sleep(0.2)
+    assert running == 0 and used == 0, f"running={running} kv usage={used}"
+
+
+# ------------------------------------------------------------------- routing and the index
+
+
+def _chat(client_, prefix: str, question: str):
+    raw = client_.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": prefix}, {"role": "user", "content": question}],
+        max_tokens=4,
+        temperature=0,
+    )
+    out = raw.parse()
+    return raw.headers["x-tandem-prefill"], out.usage
+
+
+def wait_for_hit(client_, prefix: str, worker: str, timeout: float = 20.0):
+    """Ask until a request lands on ``worker`` with a prefix hit (the index is asynchronous:
+    blocks are published within a few tens of ms of the step that computed them)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got, usage = _chat(client_, prefix, f"Question {random.random()}?")
+        if got == worker and usage.prompt_tokens_details.cached_tokens >= 1000:
+            return usage
+        assert time.monotonic() < deadline, f"no hit on {worker}: went to {got}, {usage}"
+        time.sleep(0.2)
+
+
+def test_shared_prefix_goes_to_the_worker_that_holds_it(client) -> None:
+    prefix = long_prefix(1)
+    first, usage = _chat(client, prefix, "What is the first word?")
+    assert usage.prompt_tokens > 1000
+    wait_for_hit(client, prefix, first)
+    for i in range(4):  # the other worker is idle, but the hit is worth more
+        got, usage = _chat(client, prefix, f"Question {i}: how many words?")
+        assert got == first and usage.prompt_tokens_details.cached_tokens >= 1000
+
+
+def test_a_second_gateway_finds_prefixes_cached_through_the_first(
+    server, client, redis, env
+) -> None:
+    port = free_port()
+    gw = Proc(
+        [
+            "gateway",
+            "--ray-address",
+            server["ray"],
+            "--redis-url",
+            redis.url,
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--model",
+            MODEL,
+        ],
+        env,
+    )
+    try:
+        gw.wait_for(r"^serving http://", 120)
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        prefix = long_prefix(2)
+        first, _ = _chat(client, prefix, "Through gateway one.")
+        wait_for_hit(other, prefix, first)
+    finally:
+        gw.stop()
+
+
+def test_redis_down_routes_by_load_then_the_index_rebuilds(server, client, redis) -> None:
+    url = server["url"]
+    prefix = long_prefix(3)
+    first, _ = _chat(client, prefix, "Before the outage.")
+    wait_for_hit(client, prefix, first)
+    misses = metric(url, "tandem:prefix_index_unavailable_total")
+    redis.stop()
+    try:
+        for i in range(3):
+            got, usage = _chat(client, prefix, f"During the outage {i}.")
+            assert usage.completion_tokens > 0
+        assert metric(url, "tandem:prefix_index_unavailable_total") >= misses + 3
+    finally:
+        redis.restart()  # empty: the workers notice and re-publish what they hold
+    wait_for_hit(client, prefix, first, timeout=30)
