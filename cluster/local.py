@@ -487,6 +487,11 @@ class LocalCluster:
             )
         )
 
+    def forget(self, name: str) -> None:
+        """Stop routing to a worker (its actor died); nothing is sent to it."""
+        for pool in (self.prefill, self.decode, self.colocated):
+            pool[:] = [w for w in pool if w.name != name]
+
     def kill(self, name: str) -> None:
         """Kill one worker's actor (fault tests, drain later)."""
         import ray

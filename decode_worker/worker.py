@@ -45,6 +45,8 @@ class DecodeWorker(EngineWorker):
         self.transfer_timeout_s = transfer_timeout_s
         self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
         self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
+        self._reserved_at: dict[str, float] = {}
+        self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
         super().__init__(engine_config, name)  # starts the engine thread: set its state first
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
             import ray
@@ -77,6 +79,7 @@ class DecodeWorker(EngineWorker):
                 return {"ok": False, "full": True}
             self.receiver.expect(request_id, table, len(prompt))
             self._deadlines[request_id] = time.monotonic() + self.transfer_timeout_s
+            self._reserved_at[request_id] = time.monotonic()
             return {"ok": True, "endpoint": self.receiver.endpoint}
 
         try:
@@ -100,6 +103,9 @@ class DecodeWorker(EngineWorker):
     def _handle_transfer_event(self, event: TransferEvent) -> None:
         rid = event.transfer_id
         self._deadlines.pop(rid, None)
+        reserved_at = self._reserved_at.pop(rid, None)
+        if event.kind == "complete" and reserved_at is not None:
+            self.kv_transfer_seconds += time.monotonic() - reserved_at
         cancelled = self._cancel_reasons.pop(rid, None)
         if event.kind == "complete" and cancelled is None:
             trace(rid, "decode.admit")
@@ -151,6 +157,7 @@ class DecodeWorker(EngineWorker):
     def _stats(self) -> dict[str, Any]:
         stats = super()._stats()
         stats["kv_bytes_received"] = self.receiver.bytes_received
+        stats["kv_transfer_seconds"] = self.kv_transfer_seconds
         stats["transfers_pending"] = len(self.receiver.pending())
         return stats
 

@@ -110,8 +110,10 @@ class ClusterBackend:
                     await c.aclose()
                 raise failed[0]
             return _Fanout(request_id, children)
-        req = await self._route_request(prompt_token_ids, cache_salt)
         cluster = self.cluster
+        if not (cluster.prefill and cluster.decode) and not cluster.colocated:
+            raise Overloaded("no live workers can take requests now", status=503)
+        req = await self._route_request(prompt_token_ids, cache_salt)
         if cluster.prefill:
             p, reason = self.policy.choose_prefill(req, self._views(cluster.prefill))
             d, _ = self.policy.choose_decode(req, self._views(cluster.decode))
@@ -222,12 +224,31 @@ class ClusterBackend:
             del self._queued[worker]
 
     async def _poll(self) -> None:
-        workers = self.cluster.workers
-        stats = await asyncio.wait_for(
-            asyncio.gather(*(w.handle.stats.remote() for w in workers)), self.stats_timeout_s
+        """Every worker's stats; raises if one did not answer. A worker whose actor is dead is
+        dropped from the cluster and from the prefix index at once (its liveness key goes, so
+        its entries stop counting for every router, not only after the heartbeat TTL)."""
+        from ray.exceptions import RayActorError
+
+        workers = list(self.cluster.workers)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True),
+            self.stats_timeout_s,
         )
-        self._polled = {s["name"]: s for s in stats}
+        self._polled = {r["name"]: r for r in results if isinstance(r, dict)}
         self._polled_at = time.monotonic()
+        for w, r in zip(workers, results, strict=True):
+            if isinstance(r, RayActorError):
+                await self._forget(w, r)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def _forget(self, worker, exc: BaseException) -> None:
+        logger.warning("worker %s is dead, no longer routed to: %s", worker.name, exc)
+        self.cluster.forget(worker.name)
+        if self.index is not None and worker.index_id:
+            with contextlib.suppress(Exception):  # Redis down: the TTL still ends it
+                await asyncio.to_thread(self.index.remove_worker, worker.index_id)
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():

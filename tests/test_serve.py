@@ -282,6 +282,10 @@ def test_client_disconnect_frees_blocks_on_both_workers(server) -> None:
             break
         time.sleep(0.2)
     assert running == 0 and used == 0, f"running={running} kv usage={used}"
+    # earlier requests moved KV from the prefill workers to the decode worker, and it was timed
+    sent = metric(url, "tandem:kv_transfer_bytes_total", direction="sent")
+    assert sent > 0 and metric(url, "tandem:kv_transfer_bytes_total", direction="received") > 0
+    assert metric(url, "tandem:kv_transfer_seconds_total") > 0
 
 
 # ------------------------------------------------------------------- routing and the index
