@@ -139,7 +139,7 @@ def server(smollm2_dir, redis, env):
     )
     try:
         ray_line = proc.wait_for(r"^ray: (\S+) \(cluster (\w+)\)", 300)
-        proc.wait_for(r"^serving http://", 60)
+        proc.wait_for(r"^serving http://", 300)
         yield {"url": f"http://127.0.0.1:{port}", "ray": ray_line[1], "proc": proc}
     finally:
         proc.stop()
@@ -194,6 +194,25 @@ def test_completion_streamed_equals_unstreamed(client) -> None:
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_greedy_text_equals_transformers_also_on_a_prefix_hit(client, smollm2_dir) -> None:
+    """Through the gateway, router and a prefill -> decode pair: transformers' greedy tokens
+    (fp32), for a short prompt and for a long one sent twice (the second a prefix hit)."""
+    import torch
+    import transformers
+    from hf_oracle import hf_greedy_ids
+
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    long = tok(long_prefix(9, 400) + " The last word is")["input_ids"]
+    for ids, cached in ((tok("The capital of France is")["input_ids"], 0), (long, 0), (long, 1)):
+        expect = tok.decode(hf_greedy_ids(hf.eval(), ids, 10), skip_special_tokens=True)
+        out = client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].text == expect
+        assert (out.usage.prompt_tokens_details.cached_tokens > 0) == bool(cached)
 
 
 def test_chat_streamed_equals_unstreamed_with_logprobs(client) -> None:
