@@ -63,7 +63,6 @@ class ClusterBackend:
         self._stats = RouterStats(decisions=collections.Counter())
         self._queued: collections.Counter[str] = collections.Counter()
         self._polled: dict[str, dict[str, Any]] = {}
-        self._polled_at = 0.0
         self._poller: asyncio.Task | None = None
         self._names = {w.index_id: w.name for w in cluster.workers if w.index_id}
         # Blocks this router just sent somewhere, until the index has had time to hear of them
@@ -146,9 +145,9 @@ class ClusterBackend:
         return True
 
     async def worker_stats(self) -> list[dict[str, Any]]:
-        if time.monotonic() - self._polled_at > self.stats_interval_s:
-            with contextlib.suppress(Exception):  # /metrics shows what answered last
-                await self._poll()
+        """Fresh for each scrape (the routing poll's view may be a poll interval old)."""
+        with contextlib.suppress(Exception):  # /metrics shows what answered
+            await self._poll()
         return list(self._polled.values())
 
     def router_stats(self) -> RouterStats:
@@ -235,7 +234,6 @@ class ClusterBackend:
             self.stats_timeout_s,
         )
         self._polled = {r["name"]: r for r in results if isinstance(r, dict)}
-        self._polled_at = time.monotonic()
         for w, r in zip(workers, results, strict=True):
             if isinstance(r, RayActorError):
                 await self._forget(w, r)
