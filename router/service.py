@@ -84,7 +84,11 @@ class ClusterBackend:
         cache_salt: str | None = None,
     ):
         self._ensure_poller()
-        if params.n > 1 and self.cluster.prefill:
+        cluster = self.cluster
+        disagg = bool(cluster.prefill and cluster.decode)
+        if not disagg and not cluster.colocated:
+            raise Overloaded("no live workers can take requests now", status=503)
+        if params.n > 1 and disagg:
             # A decode worker takes single sequences: the n samples run as n requests (seeds
             # offset as the engine does for its own children); the first one's prompt blocks
             # are then a prefix hit for the others.
@@ -109,11 +113,8 @@ class ClusterBackend:
                     await c.aclose()
                 raise failed[0]
             return _Fanout(request_id, children)
-        cluster = self.cluster
-        if not (cluster.prefill and cluster.decode) and not cluster.colocated:
-            raise Overloaded("no live workers can take requests now", status=503)
         req = await self._route_request(prompt_token_ids, cache_salt)
-        if cluster.prefill:
+        if disagg:
             p, reason = self.policy.choose_prefill(req, self._views(cluster.prefill))
             d, _ = self.policy.choose_decode(req, self._views(cluster.decode))
         else:
@@ -128,6 +129,7 @@ class ClusterBackend:
             prompt_token_ids,
             params,
             request_id=request_id,
+            mode="disagg" if disagg else "colocated",
             prefill=p,
             decode=d,
             priority=priority,
