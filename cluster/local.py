@@ -153,7 +153,7 @@ class LocalCluster:
                 include_dashboard=False,
             )
         names = [n for n in ray.util.list_named_actors() if "/" in n]
-        ids = sorted({n.split("/", 1)[0] for n in names})
+        ids = sorted({n.partition("/")[0] for n in names})
         if cluster_id is None:
             if len(ids) != 1:
                 raise ClusterError(
@@ -166,10 +166,11 @@ class LocalCluster:
         self._token = ""
         self._ids = itertools.count()
         pools: dict[str, list[WorkerRef]] = {"prefill": [], "decode": [], "colocated": []}
-        for name in sorted(n for n in names if n.startswith(f"{cluster_id}/")):
-            role = name.split("/", 1)[1].rsplit("-", 1)[0]
-            if role in pools:
-                pools[role].append(WorkerRef(name.split("/", 1)[1], role, ray.get_actor(name)))
+        for actor in sorted(names):
+            owner, _, name = actor.partition("/")
+            role = name.rsplit("-", 1)[0]
+            if owner == cluster_id and role in pools:
+                pools[role].append(WorkerRef(name, role, ray.get_actor(actor)))
         self.prefill, self.decode, self.colocated = (
             pools["prefill"],
             pools["decode"],
@@ -239,17 +240,14 @@ class LocalCluster:
         else:
             cls = ColocatedWorker
         name = f"{role}-{index}"
+        actor_name = f"{self.cluster_id}/{name}"  # also its name in the prefix index
         if cfg.index_url and role != "decode":  # decode workers compute no prompt blocks
             kwargs["index"] = {
                 "url": cfg.index_url,
                 "namespace": self.index_namespace,
-                "worker": f"{self.cluster_id}/{name}",
+                "worker": actor_name,
             }
-        options: dict[str, Any] = {
-            "num_cpus": 1,
-            "max_concurrency": 1000,
-            "name": f"{self.cluster_id}/{name}",
-        }
+        options: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1000, "name": actor_name}
         if cfg.device == "cuda":
             options["num_gpus"] = 1
         if role in ("prefill", "decode") and resources.get(role):
@@ -496,13 +494,11 @@ class LocalCluster:
         """Kill one worker's actor (fault tests, drain later)."""
         import ray
 
-        for pool in (self.prefill, self.decode, self.colocated):
-            for w in list(pool):
-                if w.name == name:
-                    ray.kill(w.handle, no_restart=True)
-                    pool.remove(w)
-                    return
-        raise ValueError(f"no worker named {name!r}")
+        worker = next((w for w in self.workers if w.name == name), None)
+        if worker is None:
+            raise ValueError(f"no worker named {name!r}")
+        ray.kill(worker.handle, no_restart=True)
+        self.forget(name)
 
     def shutdown(self) -> None:
         import ray
