@@ -97,6 +97,33 @@ def sharegpt_lengths(tokenizer, n: int, seed: int = 0) -> list[tuple[int, int]]:
     return lengths
 
 
+def sharegpt_prompts(
+    tokenizer, n: int, max_prompt: int = 1024, max_total: int = 2048, seed: int = 0
+) -> list[tuple[str, int, int]]:
+    """(prompt text, prompt tokens, answer tokens) of ``n`` shuffled ShareGPT first turns,
+    filtered as vLLM's ``sample_sharegpt`` filters them: both sides >= 4 tokens, prompt <=
+    ``max_prompt`` and prompt + answer <= ``max_total`` (longer prompts are skipped, not cut).
+    Fewer than ``n`` come back when the file runs out."""
+    rng = random.Random(seed)
+    pairs = first_turns(limit=max(8000, 4 * n))
+    rng.shuffle(pairs)
+    out: list[tuple[str, int, int]] = []
+    for human, gpt in pairs:
+        p, o = len(tokenizer(human)["input_ids"]), len(tokenizer(gpt)["input_ids"])
+        if p < 4 or o < 4 or p > max_prompt or p + o > max_total:
+            continue
+        out.append((human, p, o))
+        if len(out) == n:
+            break
+    return out
+
+
+def read_lengths(path: str | Path) -> list[tuple[int, int]]:
+    """The (prompt, output) pairs of a lengths file that ``main`` wrote."""
+    data = json.loads(Path(path).read_text())
+    return [(int(p), int(o)) for p, o in data["lengths"]]
+
+
 def main() -> None:
     """Write ShareGPT (prompt, output) token lengths for the GPU benchmark, which runs where the
     dataset and tokenizer are not installed: ``python benchmarks/workloads.py TOKENIZER_DIR``."""
