@@ -141,7 +141,7 @@ def main() -> None:
     os.environ.setdefault("TANDEM_TORCH_THREADS", "1")
 
     from cluster.local import LocalCluster
-    from router.prefix_index import PrefixIndex
+    from engine.prefix_index import PrefixIndex
     from router.redis_server import RedisServer
     from router.service import ClusterBackend
 
@@ -161,7 +161,9 @@ def main() -> None:
                 lens = [len(p) for p in prompts]
                 report["prompt_tokens"] = {"min": min(lens), "max": max(lens), "total": sum(lens)}
                 index = PrefixIndex(redis.url, cluster.index_namespace)
-                backend = ClusterBackend(cluster, index=index, policy=policy)
+                backend = ClusterBackend(
+                    cluster.members, tokenizer=cluster.tokenizer, index=index, policy=policy
+                )
                 result = asyncio.run(run_policy(backend, prompts, args.clients, args.max_tokens))
                 result["decisions"] = backend.router_stats().decisions
                 report["policies"][policy] = result

@@ -1,28 +1,19 @@
-"""Start workers on Ray and generate through them: the entry point the gateway builds on.
+"""Start a cluster on Ray, or join one: the launcher's handle on the controller and workers.
 
 ``LocalCluster(num_prefill=N, num_decode=M, num_colocated=K)`` starts (or joins) a Ray cluster,
-places one actor per worker (one GPU each on CUDA; custom resources ``prefill`` / ``decode``
-are requested when the cluster defines them) and routes each request:
+starts the controller (cluster/controller.py: a named, detached actor that starts and owns the
+workers and their membership table) and asks it for the workers: one actor per worker, one GPU
+each on CUDA; custom resources ``prefill`` / ``decode`` are requested when the cluster defines
+them. ``stream`` / ``generate`` run requests through the router's dispatcher (router/dispatch.py:
+reserve -> prefill -> stream -> retry) with least-loaded placement, for tests and scripts; the
+gateway uses the full router (router/service.py) over the same membership.
 
-* ``mode="disagg"``: reserve on the least-loaded decode worker and, at the same time, start
-  the prompt on the least-loaded prefill worker (its KV waits at the channel until the
-  reservation is confirmed; a full decode worker answers at once, the speculative prefill is
-  dropped and the next decode worker is tried), then read the decode worker's stream. A
-  transfer that fails before the first token is retried once on another pair (the same pair
-  when there is no other), then ends in an error. A dead prefill worker is noticed through its
-  call; a dead decode worker through its stream.
-* ``mode="colocated"``: one colocated worker does it all (the baseline).
-* ``mode="auto"``: disaggregated when there are prefill and decode workers, else colocated.
-
-Errors: ``RequestError`` (invalid request, nothing was started), ``CapacityError`` (no
-worker had room within ``reserve_timeout_s``), ``ClusterError`` (a failure after retrying).
+``LocalCluster.attach(...)`` joins a running cluster through its controller.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
 import os
 import secrets
@@ -31,36 +22,26 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cluster.worker import StreamError
+from cluster.controller import Controller, WorkerSpec
 from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt, load_tokenizer
+from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
+from router.membership import MembershipView, WorkerRef
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "CapacityError",
+    "ClusterConfig",
+    "ClusterError",
+    "LocalCluster",
+    "RequestError",
+    "WorkerRef",
+]
 
-class ClusterError(RuntimeError):
-    """A request failed inside the cluster (after its retry)."""
-
-
-class RequestError(ValueError):
-    """The request is invalid; nothing was started."""
-
-
-class CapacityError(ClusterError):
-    """No worker could take the request in time (the gateway answers 503 + Retry-After)."""
-
-
-@dataclass
-class WorkerRef:
-    name: str
-    role: str
-    handle: Any  # ray.actor.ActorHandle
-    endpoint: str = ""
-    outstanding: int = 0  # requests this driver has in flight on it
-    pid: int = 0
-    index_id: str = ""  # its name in the global prefix index ("" when it publishes nothing)
+CONTROLLER = "controller"
 
 
 @dataclass
@@ -77,7 +58,7 @@ class ClusterConfig:
     transfer_timeout_s: float = 60.0
     reserve_timeout_s: float = 30.0
     ray_address: str | None = None
-    namespace: str = "tandem"  # Ray namespace of the named worker actors (gateways attach by it)
+    namespace: str = "tandem"  # Ray namespace of the named actors (gateways attach by it)
     index_url: str | None = None  # Redis of the global prefix index (None: workers publish nothing)
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for every worker
     prefill_engine: dict[str, Any] = field(default_factory=dict)  # overrides for prefill
@@ -106,10 +87,8 @@ class LocalCluster:
         self.config = cfg = config or ClusterConfig(**kwargs)
         self.model_dir = str(resolve_model(cfg.model))
         self.tokenizer = load_tokenizer(self.model_dir)
-        self._token = secrets.token_hex(16)  # KV channels refuse peers without it
-        self._ids = itertools.count()
-        # Actor names are "<cluster id>/<role>-<i>": unique per cluster, so clusters sharing a
-        # Ray namespace or a prefix index never mix; a gateway attaches by the id.
+        # Actor names are "<cluster id>/<name>": unique per cluster, so clusters sharing a Ray
+        # namespace or a prefix index never mix; a gateway attaches by the id.
         self.cluster_id = secrets.token_hex(3)
         env = {"NCCL_NVLS_ENABLE": "0"}
         env.update(
@@ -126,23 +105,49 @@ class LocalCluster:
                 include_dashboard=False,
                 runtime_env={"env_vars": env},
                 logging_level=logging.WARNING,
+                log_to_driver=os.environ.get("TANDEM_WORKER_LOGS", "1") != "0",
                 namespace=cfg.namespace,
             )
         resources = ray.cluster_resources()
-        self.prefill = [self._start("prefill", i, resources) for i in range(cfg.num_prefill)]
-        self.decode = [self._start("decode", i, resources) for i in range(cfg.num_decode)]
-        self.colocated = [self._start("colocated", i, resources) for i in range(cfg.num_colocated)]
+        spec = WorkerSpec(
+            model_dir=self.model_dir,
+            device=cfg.device,
+            transport=cfg.transport,
+            host=cfg.host,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            token=secrets.token_hex(16),
+            cluster_id=self.cluster_id,
+            index_url=cfg.index_url,
+            index_namespace=f"{cfg.namespace}:{os.path.basename(self.model_dir.rstrip('/'))}",
+            engine=cfg.engine,
+            prefill_engine=cfg.prefill_engine,
+            decode_engine=cfg.decode_engine,
+            use_role_resources=bool(resources.get("prefill") and resources.get("decode")),
+        )
+        self.controller = (
+            ray.remote(Controller)
+            .options(
+                name=f"{self.cluster_id}/{CONTROLLER}",
+                lifetime="detached",
+                num_cpus=0,
+                max_concurrency=1000,
+            )
+            .remote(spec)
+        )
         t0 = time.perf_counter()
-        self._describe_workers()
+        table = ray.get(
+            self.controller.start.remote(cfg.num_prefill, cfg.num_decode, cfg.num_colocated)
+        )
+        self._join(table)
         logger.info("%d workers ready in %.1f s", len(self.workers), time.perf_counter() - t0)
 
     @classmethod
     def attach(
         cls, ray_address: str = "auto", namespace: str = "tandem", cluster_id: str | None = None
     ) -> LocalCluster:
-        """Join workers another process started (a second gateway over the same workers): finds
-        the named actors of ``cluster_id`` (the only cluster in ``namespace`` when None). The
-        attached cluster routes requests; it never starts, kills or shuts down workers."""
+        """Join a cluster another process started (a second gateway over the same workers)
+        through its controller (``cluster_id``: the only cluster in ``namespace`` when None).
+        The attached cluster routes requests; it never starts, kills or shuts down workers."""
         import ray
 
         if not ray.is_initialized():
@@ -152,110 +157,82 @@ class LocalCluster:
                 logging_level=logging.WARNING,
                 include_dashboard=False,
             )
-        names = [n for n in ray.util.list_named_actors() if "/" in n]
-        ids = sorted({n.partition("/")[0] for n in names})
+        ids = sorted(
+            n.partition("/")[0]
+            for n in ray.util.list_named_actors()
+            if n.endswith(f"/{CONTROLLER}")
+        )
         if cluster_id is None:
             if len(ids) != 1:
                 raise ClusterError(
                     f"namespace {namespace!r} holds {len(ids)} tandem clusters ({ids}): pick one"
                 )
             cluster_id = ids[0]
+        if cluster_id not in ids:
+            raise ClusterError(f"no cluster {cluster_id!r} in namespace {namespace!r}")
         self = cls.__new__(cls)
         self.cluster_id = cluster_id
         self._owns_ray = self._owns_workers = False
-        self._token = ""
-        self._ids = itertools.count()
-        pools: dict[str, list[WorkerRef]] = {"prefill": [], "decode": [], "colocated": []}
-        for actor in sorted(names):
-            owner, _, name = actor.partition("/")
-            role = name.rsplit("-", 1)[0]
-            if owner == cluster_id and role in pools:
-                pools[role].append(WorkerRef(name, role, ray.get_actor(actor)))
-        self.prefill, self.decode, self.colocated = (
-            pools["prefill"],
-            pools["decode"],
-            pools["colocated"],
-        )
-        if not self.workers:
-            raise ClusterError(f"no workers of cluster {cluster_id!r} in namespace {namespace!r}")
-        infos = self._describe_workers()
-        self.model_dir = infos[0]["model_dir"]
+        self.controller = ray.get_actor(f"{cluster_id}/{CONTROLLER}")
+        table = ray.get(self.controller.members.remote())
+        self.model_dir = table.model_dir
         self.tokenizer = load_tokenizer(self.model_dir)
+        self._join(table)
+        roles = [w.role for w in self.workers]
         self.config = ClusterConfig(
             model=self.model_dir,
-            num_prefill=len(self.prefill),
-            num_decode=len(self.decode),
-            num_colocated=len(self.colocated),
-            device=infos[0]["device"],
+            num_prefill=roles.count("prefill"),
+            num_decode=roles.count("decode"),
+            num_colocated=roles.count("colocated"),
             namespace=namespace,
+            index_url=table.index_url,
         )
-        # In-flight counts of other gateways are not visible here; the router's load view
-        # comes from the workers' own stats.
         return self
 
-    def _describe_workers(self) -> list[dict[str, Any]]:
-        import ray
-
-        infos = ray.get([w.handle.ready.remote() for w in self.workers])
-        for w, info in zip(self.workers, infos, strict=True):
-            w.pid = info["pid"]
-            w.index_id = info.get("index_id", "")
-        for w in self.decode:
-            w.endpoint = ray.get(w.handle.endpoint.remote())
-        self.block_size = infos[0]["block_size"]
-        self.max_model_len = min(info["max_model_len"] for info in infos)
-        return infos
+    def _join(self, table) -> None:
+        if not any(True for _ in table.workers):
+            raise ClusterError(f"cluster {self.cluster_id!r} has no workers")
+        self.members = MembershipView(table, self.controller)
+        self.block_size = table.block_size
+        self.max_model_len = table.max_model_len
+        self.index_url = table.index_url
+        self.index_namespace = table.index_namespace
+        self._dispatcher: Dispatcher | None = None
+        self._dispatcher_loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def index_namespace(self) -> str:
-        """Where this cluster's workers publish their blocks in the prefix index."""
-        return f"{self.config.namespace}:{os.path.basename(self.model_dir.rstrip('/'))}"
+    def prefill(self) -> list[WorkerRef]:
+        return self.members.prefill
+
+    @property
+    def decode(self) -> list[WorkerRef]:
+        return self.members.decode
+
+    @property
+    def colocated(self) -> list[WorkerRef]:
+        return self.members.colocated
 
     @property
     def workers(self) -> list[WorkerRef]:
-        return self.prefill + self.decode + self.colocated
+        return self.members.workers
 
-    def _start(self, role: str, index: int, resources: dict[str, float]) -> WorkerRef:
+    def refresh(self) -> None:
+        """Take the controller's newest membership table now."""
         import ray
 
-        from cluster.colocated import ColocatedWorker
-        from decode_worker.worker import DecodeWorker
-        from prefill_worker.worker import PrefillWorker
+        self.members.apply(ray.get(self.controller.members.remote()))
 
-        cfg = self.config
-        engine = {"model_dir": self.model_dir, "device": cfg.device, **cfg.engine}
-        kwargs: dict[str, Any] = {}
-        if role == "prefill":
-            # A prefill worker never decodes: no decode CUDA graphs to capture.
-            cls, engine = PrefillWorker, {"enforce_eager": True, **engine, **cfg.prefill_engine}
-            kwargs = {"token": self._token}
-        elif role == "decode":
-            cls, engine = DecodeWorker, {**engine, **cfg.decode_engine}
-            kwargs = {
-                "transport": cfg.transport,
-                "token": self._token,
-                "host": cfg.host,
-                "transfer_timeout_s": cfg.transfer_timeout_s,
-            }
-        else:
-            cls = ColocatedWorker
-        name = f"{role}-{index}"
-        actor_name = f"{self.cluster_id}/{name}"  # also its name in the prefix index
-        if cfg.index_url and role != "decode":  # decode workers compute no prompt blocks
-            kwargs["index"] = {
-                "url": cfg.index_url,
-                "namespace": self.index_namespace,
-                "worker": actor_name,
-            }
-        options: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1000, "name": actor_name}
-        if cfg.device == "cuda":
-            options["num_gpus"] = 1
-        if role in ("prefill", "decode") and resources.get(role):
-            options["resources"] = {role: 1}
-        handle = ray.remote(cls).options(**options).remote(engine, name, **kwargs)
-        return WorkerRef(name, role, handle)
+    # -- requests (tests and scripts; the gateway uses router/service.py) -------------------------
 
-    # -- requests --------------------------------------------------------------------------------
+    def dispatcher(self) -> Dispatcher:
+        """This process's dispatcher (made on first use, inside the running event loop)."""
+        loop = asyncio.get_running_loop()
+        if self._dispatcher is None or self._dispatcher_loop is not loop:
+            self._dispatcher_loop = loop
+            self._dispatcher = Dispatcher(
+                self.members, self.tokenizer, reserve_timeout_s=self.config.reserve_timeout_s
+            )
+        return self._dispatcher
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -275,24 +252,50 @@ class LocalCluster:
         decode: str | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come (the last has ``finished``). Closing the iterator
-        early aborts the request everywhere. ``prefill`` / ``decode`` pin the first attempt to
-        the named workers (a retry may go elsewhere); a colocated request is pinned by either."""
+        """Outputs of one request as they come (cumulative; the last has ``finished``).
+        Closing the iterator early aborts the request everywhere. ``prefill`` / ``decode`` pin
+        the first attempt to the named workers (a retry may go elsewhere); a colocated request
+        is pinned by either."""
         params = params or SamplingParams()
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id or f"req-{secrets.token_hex(4)}"
         ids = self._encode(prompt)
         if mode == "auto":
             mode = "disagg" if self.prefill else "colocated"
-        if mode == "disagg" and self.prefill:
-            gen = self._stream_disagg(rid, ids, params, kwargs, prefill, decode)
+        if mode == "disagg" and self.prefill and self.decode:
+            choose = self._chooser(prefill, decode)
         elif mode == "colocated" and self.colocated:
-            gen = self._stream_colocated(rid, ids, params, kwargs, decode or prefill)
+            choose = self._chooser(None, decode or prefill, colocated=True)
         else:
             raise RequestError(f"mode {mode!r} has no workers in this cluster")
-        async for out in gen:
+        async for out in self.dispatcher().run(rid, ids, params, choose, **kwargs):
             if isinstance(prompt, str):
                 out = replace(out, prompt=prompt)
             yield out
+
+    def _chooser(self, pin_p: str | None, pin_d: str | None, colocated: bool = False):
+        """Least-loaded placement; pins hold for the first attempt only."""
+        first = [True]
+
+        def pick(pool: list[WorkerRef], avoid: set[str], pin: str | None) -> WorkerRef:
+            if pin is not None and first[0]:
+                pinned = [w for w in pool if w.name == pin]
+                if not pinned:
+                    raise RequestError(f"no worker named {pin!r} in this cluster")
+                return pinned[0]
+            preferred = [w for w in pool if w.name not in avoid] or pool
+            if not preferred:
+                raise ClusterError("no live workers")
+            return min(preferred, key=lambda w: w.outstanding)
+
+        def choose(avoid: set[str]):
+            try:
+                if colocated:
+                    return None, pick(self.colocated, avoid, pin_d)
+                return pick(self.prefill, avoid, pin_p), pick(self.decode, avoid, pin_d)
+            finally:
+                first[0] = False
+
+        return choose
 
     def generate(
         self,
@@ -306,165 +309,25 @@ class LocalCluster:
             params = [params or SamplingParams()] * len(prompts)
 
         async def one(prompt, p) -> RequestOutput:
-            outputs = [out async for out in self.stream(prompt, p, mode=mode)]
-            return outputs[-1]
+            last = None
+            async for out in self.stream(prompt, p, mode=mode):
+                last = out
+            return last
 
         async def run() -> list[RequestOutput]:
-            return list(
-                await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params, strict=True)))
-            )
+            try:
+                return list(
+                    await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params, strict=True)))
+                )
+            finally:
+                await self._close_dispatcher()
 
         return asyncio.run(run())
 
-    def _least_loaded(
-        self, pool: list[WorkerRef], avoid: set[str], pin: str | None = None
-    ) -> list[WorkerRef]:
-        if pin is not None:
-            pinned = [w for w in pool if w.name == pin]
-            if not pinned:
-                raise RequestError(f"no worker named {pin!r} in this cluster")
-            return pinned
-        preferred = [w for w in pool if w.name not in avoid] or pool
-        return sorted(preferred, key=lambda w: w.outstanding)
-
-    async def _reserve(self, rid, ids, params, kwargs, avoid: set[str], pin=None) -> WorkerRef:
-        deadline = time.monotonic() + self.config.reserve_timeout_s
-        delay = 0.005
-        while True:
-            for d in self._least_loaded(self.decode, avoid, pin):
-                try:
-                    res = await d.handle.reserve.remote(rid, ids, params, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - a dead decode worker: try the next
-                    logger.warning("reserve on %s failed: %s", d.name, exc)
-                    continue
-                if res["ok"]:
-                    return d
-                if "error" in res:
-                    raise RequestError(res["error"])
-            if time.monotonic() > deadline:
-                raise CapacityError(
-                    f"no decode worker had room for a {len(ids)}-token prompt within "
-                    f"{self.config.reserve_timeout_s:.0f} s"
-                )
-            await asyncio.sleep(delay)  # full everywhere: back off (the router queues instead)
-            delay = min(delay * 2, 0.2)
-
-    async def _start_pair(self, irid, ids, params, kwargs, avoid, pin_p, pin_d):
-        """Reserve on a decode worker and start the prompt on a prefill worker. The first choice
-        runs both at once (the prefill computes while the decode worker reserves; its KV waits
-        at the channel until ``release``); if that decode worker is full the speculative prefill
-        is dropped and the others are asked in turn (under a new id: the dropped one may still
-        be finishing). Returns (decode, prefill, request id used, prefill ref)."""
-        # Counted as soon as chosen, so concurrent requests spread over the workers.
-        d = self._least_loaded(self.decode, avoid, pin_d)[0]
-        p = self._least_loaded(self.prefill, avoid, pin_p)[0]
-        d.outstanding += 1
-        p.outstanding += 1
-        try:
-            pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
-            try:
-                res = await d.handle.reserve.remote(irid, ids, params, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
-                res = {"ok": False, "full": True, "why": str(exc)}
-            if res["ok"]:
-                _quietly(p.handle.release, irid)
-                return d, p, irid, pref
-            _quietly(p.handle.abort, irid)
-            if "error" in res:
-                raise RequestError(res["error"])
-            avoid = avoid | {d.name}
-            d.outstanding -= 1
-            d = None  # counted again once another one has room
-            irid = f"{irid}~r"
-            d = await self._reserve(irid, ids, params, kwargs, avoid, pin_d)
-            d.outstanding += 1
-            return d, p, irid, p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
-        except BaseException:
-            if d is not None:
-                d.outstanding -= 1
-            p.outstanding -= 1
-            raise
-
-    async def _stream_disagg(
-        self, rid, ids, params, kwargs, pin_prefill=None, pin_decode=None
-    ) -> AsyncIterator[RequestOutput]:
-        import ray
-
-        avoid: set[str] = set()
-        error = "unknown"
-        for attempt in range(2):
-            irid = rid if attempt == 0 else f"{rid}~retry"
-            first = attempt == 0
-            d, p, irid, pref = await self._start_pair(
-                irid,
-                ids,
-                params,
-                kwargs,
-                avoid,
-                pin_prefill if first else None,
-                pin_decode if first else None,
-            )
-            watch = asyncio.ensure_future(self._watch_prefill(pref, d, irid))
-            produced = finished = False
-            try:
-                async for ref in d.handle.stream.options(num_returns="streaming").remote(irid):
-                    item = await ref
-                    if isinstance(item, StreamError):
-                        if item.retryable and not produced:
-                            error = item.message
-                            break
-                        raise ClusterError(item.message)
-                    produced = True
-                    finished = item.finished
-                    yield replace(item, request_id=rid)
-                    if finished:
-                        return
-                else:
-                    error = "decode stream ended early"
-            except ray.exceptions.RayActorError as exc:
-                if produced:
-                    raise ClusterError(f"decode worker {d.name} died mid-request: {exc}") from None
-                error = f"decode worker {d.name} died: {exc}"
-            finally:
-                d.outstanding -= 1
-                p.outstanding -= 1
-                if not finished:
-                    _quietly(p.handle.abort, irid)
-                    _quietly(d.handle.abort, irid)
-                    watch.cancel()
-            logger.warning("request %s attempt %d failed: %s", rid, attempt + 1, error)
-            avoid |= {d.name, p.name}
-        raise ClusterError(f"request {rid} failed on two prefill/decode pairs: {error}")
-
-    async def _watch_prefill(self, pref, d: WorkerRef, irid: str) -> None:
-        try:
-            res = await pref
-        except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
-            res = {"ok": False, "error": f"prefill worker failed: {exc}"}
-        if not res["ok"]:
-            _quietly(d.handle.fail_transfer, irid, res["error"])
-
-    async def _stream_colocated(
-        self, rid, ids, params, kwargs, pin=None
-    ) -> AsyncIterator[RequestOutput]:
-        c = self._least_loaded(self.colocated, set(), pin)[0]
-        c.outstanding += 1
-        finished = False
-        try:
-            try:
-                await c.handle.generate.remote(rid, ids, params, **kwargs)
-            except ValueError as exc:
-                raise RequestError(str(exc).splitlines()[-1]) from None
-            async for ref in c.handle.stream.options(num_returns="streaming").remote(rid):
-                item = await ref
-                if isinstance(item, StreamError):
-                    raise ClusterError(item.message)
-                finished = item.finished
-                yield item
-        finally:
-            c.outstanding -= 1
-            if not finished:
-                _quietly(c.handle.abort, rid)
+    async def _close_dispatcher(self) -> None:
+        if self._dispatcher is not None:
+            await self._dispatcher.aclose()
+            self._dispatcher = None
 
     # -- operations ------------------------------------------------------------------------------
 
@@ -486,45 +349,37 @@ class LocalCluster:
         )
 
     def forget(self, name: str) -> None:
-        """Stop routing to a worker (its actor died); nothing is sent to it."""
-        for pool in (self.prefill, self.decode, self.colocated):
-            pool[:] = [w for w in pool if w.name != name]
+        """Stop routing to a worker (its actor died)."""
+        self.members.forget(name, "forgotten by the caller")
 
     def kill(self, name: str) -> None:
-        """Kill one worker's actor (fault tests, drain later)."""
+        """Kill one worker's actor through the controller (fault tests, drain later)."""
         import ray
 
-        worker = next((w for w in self.workers if w.name == name), None)
-        if worker is None:
+        if self.members.get(name) is None:
             raise ValueError(f"no worker named {name!r}")
-        ray.kill(worker.handle, no_restart=True)
-        self.forget(name)
+        ray.get(self.controller.kill.remote(name))
+        self.refresh()
 
     def shutdown(self) -> None:
         import ray
 
-        if not self._owns_workers:  # attached: the workers belong to another process
-            self.prefill, self.decode, self.colocated = [], [], []
-            return
-        for w in self.workers:
-            _quietly(w.handle.shutdown)
-        for w in self.workers:
-            ray.kill(w.handle, no_restart=True)
-        self.prefill, self.decode, self.colocated = [], [], []
+        if self._owns_workers:
+            try:
+                ray.get(self.controller.shutdown.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - best effort: the actors go with Ray anyway
+                logger.warning("controller shutdown failed: %s", exc)
+            ray.kill(self.controller, no_restart=True)
+        self._owns_workers = False
         if self._owns_ray:
             ray.shutdown()
+            self._owns_ray = False
 
     def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _quietly(method, *args) -> None:
-    """Fire-and-forget a Ray actor call (its failure is not the caller's concern)."""
-    with contextlib.suppress(Exception):
-        method.remote(*args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

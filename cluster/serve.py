@@ -125,7 +125,12 @@ async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
             yield
 
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off"
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="off",
+        use_colors=sys.stderr.isatty(),  # no ANSI codes in a log file (--detach)
     )
     server = Server(config)
     loop = asyncio.get_running_loop()
@@ -158,7 +163,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.local import LocalCluster
-    from router.prefix_index import PrefixIndex
+    from engine.prefix_index import PrefixIndex
     from router.redis_server import RedisServer
     from router.service import ClusterBackend
 
@@ -196,7 +201,8 @@ def run_serve(args: argparse.Namespace) -> int:
         index = PrefixIndex(redis_url, cluster.index_namespace)
         stack.callback(index.close)
         backend = ClusterBackend(
-            cluster,
+            cluster.members,
+            tokenizer=cluster.tokenizer,
             index=index,
             policy=args.policy,
             model_name=args.served_model_name or args.model,
@@ -216,15 +222,21 @@ def run_gateway(args: argparse.Namespace) -> int:
     # joining it must ask for it too, before ray is imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     from cluster.local import LocalCluster
-    from router.prefix_index import PrefixIndex
+    from engine.prefix_index import PrefixIndex
     from router.service import ClusterBackend
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     cluster = LocalCluster.attach(args.ray_address, args.namespace, args.cluster_id)
-    index = PrefixIndex(args.redis_url, cluster.index_namespace) if args.redis_url else None
+    # The cluster's prefix index comes from its controller (no secret on a command line);
+    # --redis-url overrides it.
+    redis_url = args.redis_url or cluster.index_url
+    index = PrefixIndex(redis_url, cluster.index_namespace) if redis_url else None
+    if index is None:
+        logger.warning("this cluster has no prefix index: routing by load alone")
     try:
         backend = ClusterBackend(
-            cluster,
+            cluster.members,
+            tokenizer=cluster.tokenizer,
             index=index,
             policy=args.policy,
             model_name=args.served_model_name or args.model,
@@ -264,9 +276,11 @@ def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"tandem: a server already runs on port {args.port} (pid {pid_path.read_text()})")
         return 1
     child = [sys.executable, "-m", "cluster.cli", "serve", *(a for a in argv if a != "--detach")]
+    env = {**os.environ, "RAY_COLOR_PREFIX": "0", "NO_COLOR": "1"}  # a plain-text log
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             child,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -2,9 +2,9 @@
 
 For small deployments, and the baseline of every disaggregation figure. A request's life::
 
-    1. generate(request_id, prompt, params)   validate and queue in the engine (errors raise)
+    1. generate(request_id, prompt, params, client)   validate and queue (ValueError on bad input)
     2. the engine thread steps: chunked prefill, then one token per step, batched with others
-    3. stream(request_id)                      outputs as they are produced, last one finished
+    3. each step's deltas go out on ``outputs(client)`` (engine/runtime.py), one batch per step
     4. completion or abort(request_id)         frees its blocks (prompt blocks stay as cache)
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.worker import EngineWorker
+from engine.runtime import EngineWorker
 from engine.sampling_params import SamplingParams
 
 
@@ -20,12 +20,18 @@ class ColocatedWorker(EngineWorker):
     role = "colocated"
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, **kwargs: Any
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        client: str = "",
+        **kwargs: Any,
     ) -> None:
-        """Queue a request; read its outputs with ``stream(request_id)``."""
-        self._open_stream(request_id)
-        try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt, params, **kwargs))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        """Queue a request (raises ValueError on bad input); its deltas go to
+        ``outputs(client)``."""
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params, **kwargs)
+            self._register(request_id, client)
+
+        await self.call(add)

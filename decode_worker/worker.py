@@ -2,18 +2,18 @@
 
 A request's life here (prefill_worker/worker.py has the other half)::
 
-    1. reserve(request_id, prompt, params)     validate (errors come back as values), then hold
-       blocks for the prompt plus the first decode step, or answer ``{"ok": False, "full"}`` at
-       once so the caller can pick another decode worker; the KV receiver now expects the
-       transfer and the caller learns this worker's KV endpoint
+    1. reserve(request_id, prompt, params, client)   validate (``Rejected`` on bad input), then
+       hold blocks for the prompt plus the first decode step (``Reserved(endpoint)``), or answer
+       ``Full`` at once so the caller can pick another decode worker; the KV receiver now
+       expects the transfer; the request's deltas will go to ``client``'s stream
     2. the prefill worker streams the prompt's KV layer by layer; the receiver writes each
        layer into the reserved blocks as it arrives (its own thread; over NCCL its own stream)
     3. ``done`` after every layer: the request is admitted into the running batch with the
        first token the prefill worker sampled (that token is its first stream output)
-    4. decode steps, batched with every other running request; stream(request_id) yields the
-       outputs (a Ray streaming generator, no polling)
+    4. decode steps, batched with every other running request; each step's deltas go out on
+       the client's ``outputs`` stream (engine/runtime.py), one batch per step
     5. completion or abort frees the blocks. A transfer that fails (prefill abort, broken
-       channel, timeout) frees them too and ends the stream with a retryable StreamError
+       channel, timeout) frees them too and ends the request with a retryable error delta
        before any token, so the caller can run the request on another pair
 """
 
@@ -23,10 +23,12 @@ import math
 import time
 from typing import Any
 
-from cluster.kv_transport import TransferEvent, make_receiver
-from cluster.worker import EngineWorker, StreamError, _aborted, trace
+from engine.kv_transfer import TransferEvent, TransferOutcome, make_receiver
+from engine.kv_transfer.streamer import token_from_dict
+from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
+from engine.runtime import EngineWorker
 from engine.sampling_params import SamplingParams
-from prefill_worker.worker import token_from_dict
+from engine.tracing import trace
 
 
 class DecodeWorker(EngineWorker):
@@ -65,30 +67,35 @@ class DecodeWorker(EngineWorker):
     async def endpoint(self) -> str:
         return self.receiver.endpoint
 
-    async def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams, **kwargs: Any
-    ) -> dict[str, Any]:
-        """``{"ok": True, "endpoint"}``, ``{"ok": False, "full": True}`` (no room now) or
-        ``{"ok": False, "error"}`` (invalid request: retrying elsewhere will not help)."""
-        self._open_stream(request_id)
+    async def ready(self) -> dict[str, Any]:
+        return {**await super().ready(), "endpoint": self.receiver.endpoint}
 
-        def reserve() -> dict[str, Any]:
+    async def reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        client: str = "",
+        **kwargs: Any,
+    ) -> ReserveResult:
+        """``Reserved(endpoint)``, ``Full`` (no room now) or ``Rejected`` (invalid request:
+        retrying elsewhere will not help). Outputs go to ``outputs(client)``."""
+
+        def reserve() -> ReserveResult:
             trace(request_id, "decode.reserve")
-            table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
+            try:
+                table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
+            except ValueError as exc:
+                return Rejected(str(exc))
             if table is None:
-                return {"ok": False, "full": True}
+                return Full()
+            self._register(request_id, client)
             self.receiver.expect(request_id, table, len(prompt))
             self._deadlines[request_id] = time.monotonic() + self.transfer_timeout_s
             self._reserved_at[request_id] = time.monotonic()
-            return {"ok": True, "endpoint": self.receiver.endpoint}
+            return Reserved(self.receiver.endpoint)
 
-        try:
-            result = await self.call(reserve)
-        except ValueError as exc:
-            result = {"ok": False, "error": str(exc)}
-        if not result["ok"]:
-            self._streams.pop(request_id, None)
-        return result
+        return await self.call(reserve)
 
     async def fail_transfer(self, request_id: str, reason: str) -> None:
         """The caller saw the prefill side fail: drop the transfer, end the stream retryably."""
@@ -104,25 +111,26 @@ class DecodeWorker(EngineWorker):
         rid = event.transfer_id
         self._deadlines.pop(rid, None)
         reserved_at = self._reserved_at.pop(rid, None)
-        if event.kind == "complete" and reserved_at is not None:
+        complete = event.kind is TransferOutcome.COMPLETE
+        if complete and reserved_at is not None:
             self.kv_transfer_seconds += time.monotonic() - reserved_at
         cancelled = self._cancel_reasons.pop(rid, None)
-        if event.kind == "complete" and cancelled is None:
+        if complete and cancelled is None:
             trace(rid, "decode.admit")
             try:
                 first = token_from_dict(event.token)
             except (KeyError, TypeError, ValueError) as exc:  # a malformed peer: this one fails
-                event = TransferEvent("failed", rid, reason=f"bad first token: {exc}")
+                event = TransferEvent(TransferOutcome.FAILED, rid, reason=f"bad first token: {exc}")
             else:
                 cached = event.token.get("num_cached_tokens", 0)
-                self._push(rid, self.engine.admit_remote(rid, first, num_cached_tokens=cached))
+                self._emit(self.engine.admit_remote(rid, first, num_cached_tokens=cached))
                 return
         self.engine.abort_request(rid)  # frees the blocks: the receiver no longer writes them
-        reason = event.reason if event.kind == "failed" else cancelled
+        reason = event.reason if event.kind is TransferOutcome.FAILED else cancelled
         if reason:
-            self._push(rid, StreamError(rid, f"KV transfer failed: {reason}", retryable=True))
+            self._fail(rid, f"KV transfer failed: {reason}", retryable=True)
         else:
-            self._push(rid, _aborted(rid))  # cancelled by the caller's abort
+            self._emit([aborted(rid)])  # cancelled by the caller's abort
 
     def _cancel(self, request_id: str, reason: str | None) -> None:
         """Stop a transfer still arriving. Exactly one receiver event follows (``released``, or

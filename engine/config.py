@@ -153,6 +153,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
     sm_carveout: int = 0  # CUDA: SMs cuBLAS matmuls leave free (for the KV stream's NCCL kernels)
+    # Build text and check stop strings in the engine (offline). Workers turn it off: the router
+    # detokenizes their token-id streams in its own process, off the engine thread (as vLLM's
+    # front end does), and aborts a request whose text hit a stop string.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

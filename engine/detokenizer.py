@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from engine.sampling_params import SamplingParams
+
 PROMPT_CONTEXT_TOKENS = 5
 """How many trailing prompt tokens seed the decode window."""
 
@@ -151,6 +153,47 @@ class IncrementalDetokenizer:
         self._text = self._text[:keep]
         self._matched_stop = stop_str
         return stop_str
+
+
+class SequenceText:
+    """The text of one generated sequence as its tokens arrive, by the sampling parameters:
+    incremental detokenization, stop strings (checked from ``min_tokens`` on), and the rule that
+    a stop *token* (eos, ``stop_token_ids``) ends the sequence without being part of its text
+    unless ``include_stop_str_in_output``. One implementation for the engine (offline) and the
+    router (workers that stream token ids only)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+    ) -> None:
+        self.params = params
+        self.num_tokens = 0
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def add(
+        self, token_id: int, *, stop_token: bool = False, stop_reason: int | str | None = None
+    ) -> str | None:
+        """Add one generated token; ``stop_token``: it ended the sequence at the token level
+        (``stop_reason`` is the stop id, None for eos). Returns the stop string the text now
+        ends with (the sequence ends at this token), else None."""
+        self.num_tokens += 1
+        if stop_token and not (self.params.include_stop_str_in_output and stop_reason is not None):
+            return None  # eos / stop token: ends the text, is not part of it (as in vLLM)
+        check = self.num_tokens >= self.params.min_tokens
+        return self.detokenizer.update([token_id], check_stop=check)
+
+    def next_text(self, finished: bool) -> str:
+        """The text that may be shown now and was not before."""
+        return self.detokenizer.get_next_output_text(finished, delta=True)
 
 
 def find_stop(text: str, stops: Sequence[str], new_from: int) -> tuple[int, str] | None:

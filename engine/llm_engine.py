@@ -23,11 +23,11 @@ from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import SequenceText
+from engine.messages import Delta
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
-from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
@@ -53,8 +53,9 @@ class _Sequence:
 
     request: Request
     output: CompletionOutput
-    detokenizer: IncrementalDetokenizer | None
+    text: SequenceText | None  # None: the engine does not detokenize
     num_emitted: int = 0  # token ids already handed out in a delta
+    finish_emitted: bool = False
 
 
 @dataclass
@@ -98,6 +99,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._remote: dict[str, Request] = {}  # reserved for a remote prefill, KV not yet here
         self.step_observer: StepObserver | None = None
+        # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
+        # last one (workers: per-request bytes on the wire stay O(tokens)).
+        self.output_kind = "cumulative"
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -121,7 +125,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=group.arrival_time,
             )
-            seq = _Sequence(child, CompletionOutput(index=i), self._detokenizer(child))
+            seq = _Sequence(child, CompletionOutput(index=i), self._sequence_text(child))
             if params.logprobs is not None:
                 seq.output.logprobs = []
             group.seqs.append(seq)
@@ -175,7 +179,7 @@ class LLMEngine:
         table = self.block_manager.reserve(request, request.num_tokens + 1)
         if table is None:
             return None
-        seq = _Sequence(request, CompletionOutput(index=0), self._detokenizer(request))
+        seq = _Sequence(request, CompletionOutput(index=0), self._sequence_text(request))
         if params.logprobs is not None:
             seq.output.logprobs = []
         group.seqs.append(seq)
@@ -186,7 +190,7 @@ class LLMEngine:
 
     def admit_remote(
         self, request_id: str, first: SampledToken, num_cached_tokens: int = 0
-    ) -> RequestOutput:
+    ) -> RequestOutput | list[Delta]:
         """The prompt's KV is in the reserved blocks and ``first`` is the token the prefill
         worker sampled (``num_cached_tokens`` of the prompt came from its prefix cache): the
         request runs from the next step. Returns its first output."""
@@ -205,7 +209,7 @@ class LLMEngine:
         self._on_token(seq, first)
         if status is not None:
             self._finish_seq(seq, request)
-        return self._make_output(group)
+        return self._emit(group)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -238,8 +242,9 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward pass; return an output for every request that progressed."""
+    def step(self) -> list[RequestOutput] | list[Delta]:
+        """Run one scheduled forward pass. ``output_kind`` "cumulative": a RequestOutput for
+        every request that progressed; "delta": a Delta for every sequence that did."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
@@ -261,6 +266,8 @@ class LLMEngine:
             group, seq = self._seq_owner[request.request_id]
             self._finish_seq(seq, request)
             touched[group.request_id] = group
+        if self.output_kind == "delta":
+            return [d for g in touched.values() for d in self._make_deltas(g)]
         return [self._make_output(g) for g in touched.values()]
 
     def _on_token(self, seq: _Sequence, token: SampledToken) -> None:
@@ -270,14 +277,10 @@ class LLMEngine:
             entry = dict(token.top_logprobs or [])
             entry[token.token_id] = token.logprob
             out.logprobs.append(entry)
-        if seq.detokenizer is None:
+        if seq.text is None:
             return
-        if request.status == RequestStatus.FINISHED_STOPPED and not (
-            request.params.include_stop_str_in_output and request.stop_reason is not None
-        ):
-            return  # eos / stop token: ends the text, is not part of it (as in vLLM)
-        check = request.num_output_tokens >= request.params.min_tokens
-        stop = seq.detokenizer.update([token.token_id], check_stop=check)
+        stop_token = request.status == RequestStatus.FINISHED_STOPPED
+        stop = seq.text.add(token.token_id, stop_token=stop_token, stop_reason=request.stop_reason)
         if stop is not None and not request.is_finished:
             request.stop_reason = stop
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -295,8 +298,8 @@ class LLMEngine:
             out = seq.output
             out.delta_token_ids = out.token_ids[seq.num_emitted :]
             seq.num_emitted = len(out.token_ids)
-            if seq.detokenizer is not None:
-                out.delta_text = seq.detokenizer.get_next_output_text(out.finished, delta=True)
+            if seq.text is not None:
+                out.delta_text = seq.text.next_text(out.finished)
                 out.text += out.delta_text
             snapshots.append(
                 replace(
@@ -318,6 +321,41 @@ class LLMEngine:
         if finished:
             self._retire(group)
         return output
+
+    def _emit(self, group: _Group) -> RequestOutput | list[Delta]:
+        return self._make_deltas(group) if self.output_kind == "delta" else self._make_output(group)
+
+    def _make_deltas(self, group: _Group) -> list[Delta]:
+        """What each sequence of ``group`` added since its last delta (nothing is copied but
+        the new tokens: per-request work and bytes stay O(tokens))."""
+        deltas = []
+        cached = max(group.seqs[0].request.num_cached_tokens, 0)
+        for seq in group.seqs:
+            out = seq.output
+            new = out.token_ids[seq.num_emitted :]
+            finish = out.finish_reason if not seq.finish_emitted else None
+            if not new and finish is None:
+                continue
+            logprobs = out.logprobs[seq.num_emitted :] if out.logprobs is not None else None
+            text = seq.text.next_text(out.finished) if seq.text is not None else ""
+            first = seq.num_emitted == 0
+            seq.num_emitted = len(out.token_ids)
+            seq.finish_emitted = out.finished
+            deltas.append(
+                Delta(
+                    group.request_id,
+                    new,
+                    logprobs,
+                    text,
+                    out.index,
+                    finish,
+                    out.stop_reason if finish is not None else None,
+                    cached if first else 0,
+                )
+            )
+        if all(s.output.finished for s in group.seqs):
+            self._retire(group)
+        return deltas
 
     def _retire(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
@@ -353,15 +391,7 @@ class LLMEngine:
                 "messages or completion."
             )
 
-    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
+    def _sequence_text(self, request: Request) -> SequenceText | None:
+        if self.tokenizer is None or not self.cfg.detokenize:
             return None
-        p = request.params
-        return IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            skip_special_tokens=p.skip_special_tokens,
-            spaces_between_special_tokens=p.spaces_between_special_tokens,
-            stop=p.stop,
-            include_stop_str_in_output=p.include_stop_str_in_output,
-        )
+        return SequenceText(self.tokenizer, request.prompt_token_ids, request.params)

@@ -19,7 +19,8 @@ from engine.cpu_layout import use_cpu_linears
 from engine.cuda_graphs import DecodeGraphs
 from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
-from engine.sampler import SampledToken, Sampler, SamplingRow, make_generator
+from engine.outputs import SampledToken
+from engine.sampler import Sampler, SamplingRow, make_generator
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import init_dummy_weights, iterate_weights
 

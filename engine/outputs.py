@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class SampledToken:
+    """One sampled token as the sampler hands it out (and a prefill worker to a decode one;
+    the sampler fills the logprob fields after making it)."""
+
+    token_id: int
+    logprob: float | None  # log-prob of the sampled token; None unless params.logprobs set
+    top_logprobs: list[tuple[int, float]] | None  # top-N (token, logprob), best first
+
+
+@dataclass
 class CompletionOutput:
     """One of the ``n`` sequences of a request. ``text``, ``token_ids`` and ``logprobs`` are
     cumulative; ``delta_text`` / ``delta_token_ids`` are what this step added (for streaming)."""

@@ -1,16 +1,24 @@
-"""What every worker role shares: one engine, one thread that owns it, async streams out.
+"""What every worker role shares: one engine, one thread that owns it, batched delta streams.
 
 The engine is plain single-threaded code, so exactly one thread touches it: the *engine
 thread*. Everything else (Ray method calls on the actor's event loop, KV receiver threads,
 KV sender threads) hands it work through one queue, the inbox, and gets results back as
-asyncio futures or stream items on the actor's event loop. When the engine has nothing to
-compute the thread blocks on the inbox, so an idle worker burns no CPU and a new request
-wakes it at once; no loop polls.
+asyncio futures on the actor's event loop. When the engine has nothing to compute the thread
+blocks on the inbox, so an idle worker burns no CPU and a new request wakes it at once.
 
-Stream items a caller reads from ``stream(request_id)`` (a Ray streaming generator) are
-``RequestOutput`` (cumulative + delta fields, ``finished`` on the last) or ``StreamError``,
-which ends the stream (``retryable`` when the request never produced a token and may be
-retried elsewhere).
+Outputs leave as one message per engine step per *client* (a router process), never one per
+token and never cumulative::
+
+    engine thread, each step           actor event loop                   router
+    ────────────────────────           ─────────────────                  ──────
+    deltas of the step's requests ──► _Channel(client).put(deltas) ──► outputs(client) yields
+    grouped by their client            (one call per client per step)     StreamBatch(deltas)
+
+A channel holds what its reader has not taken yet, merged per sequence: a router that falls
+behind gets fewer, larger batches (``coalesced`` counts the merged steps), never an unbounded
+queue of messages, and what is held is bounded by the tokens its running requests produce.
+When a router's reader goes away and none comes back within ``orphan_grace_s``, that router's
+requests are aborted (their blocks are freed).
 """
 
 from __future__ import annotations
@@ -23,40 +31,50 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.messages import Delta, StreamBatch, aborted
+from engine.tracing import trace
 
 logger = logging.getLogger(__name__)
-_TRACE = bool(os.environ.get("TANDEM_TRACE"))
+
+__all__ = ["EngineWorker", "trace"]
 
 
-def trace(request_id: str, event: str) -> None:
-    """With TANDEM_TRACE=1: log a wall-clock timestamp for a request's milestone (every process
-    on one host shares the clock, so a request's path can be laid out across workers)."""
-    if _TRACE:
-        logger.warning("TRACE %s %s %.6f", request_id, event, time.time())
+class _Channel:
+    """The deltas one client has not read yet (lives on the actor's event loop)."""
 
+    def __init__(self) -> None:
+        self.pending: dict[tuple[str, int], Delta] = {}
+        self.ready = asyncio.Event()
+        self.steps = 0  # puts since the last take
+        self.readers = 0
+        self.coalesced = 0  # steps merged into an earlier batch, in total
 
-@dataclass(frozen=True)
-class StreamError:
-    """Ends a stream: the request failed. ``retryable``: no token was produced, so the caller
-    may run it again on other workers."""
+    def put(self, deltas: list[Delta]) -> None:
+        for d in deltas:
+            key = (d.request_id, d.index)
+            prev = self.pending.get(key)
+            self.pending[key] = d if prev is None else prev.merge(d)
+        self.steps += 1
+        self.ready.set()
 
-    request_id: str
-    message: str
-    retryable: bool = False
-    finished: bool = True
+    def take(self) -> tuple[list[Delta], int]:
+        deltas, merged = list(self.pending.values()), max(self.steps - 1, 0)
+        self.pending, self.steps = {}, 0
+        self.coalesced += merged
+        self.ready.clear()
+        return deltas, merged
 
 
 class EngineWorker:
-    """Base of PrefillWorker, DecodeWorker and ColocatedWorker (plain classes: ``ray.remote``
-    wraps them in cluster/local.py, tests may also use them in-process)."""
+    """Base of PrefillWorker, DecodeWorker and ColocatedWorker (plain classes: the controller
+    wraps them in ``ray.remote``; tests may also use them in-process)."""
 
     role = "engine"
+    orphan_grace_s = 5.0  # a client's requests outlive its reader this long (it may come back)
 
     def __init__(
         self, engine_config: dict[str, Any], name: str = "", index: dict[str, Any] | None = None
@@ -69,14 +87,18 @@ class EngineWorker:
 
             torch.set_num_threads(int(threads))
         self.name = name or self.role
-        self.engine = LLMEngine(EngineConfig(**engine_config))
+        # Workers stream token ids; the router detokenizes (and checks stop strings).
+        self.engine = LLMEngine(EngineConfig(**{**engine_config, "detokenize": False}))
+        self.engine.output_kind = "delta"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._owner: dict[str, str] = {}  # request id -> client (engine thread only)
+        self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
         self._closed = False
         self.steps = 0
         self._publisher = None
         if index is not None:
-            from router.prefix_index import IndexPublisher, PrefixIndex
+            from engine.prefix_index import IndexPublisher, PrefixIndex
 
             self._publisher = IndexPublisher(
                 PrefixIndex(index["url"], index["namespace"]), index["worker"]
@@ -87,7 +109,7 @@ class EngineWorker:
 
     def kv_spec(self):
         """This worker's per-layer KV shape and dtype, as pair channels compare them."""
-        from cluster.kv_transport import KVSpec
+        from engine.kv_transfer import KVSpec
 
         mc = self.engine.model_config
         return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
@@ -107,9 +129,9 @@ class EngineWorker:
                 self._drain_inbox(block=not self._has_work())
                 self._on_tick()
                 if self._has_work():
-                    outputs = self.engine.step()
+                    deltas = self.engine.step()
                     self.steps += 1
-                    self._on_outputs(outputs)
+                    self._emit(deltas)
                     self._publish_blocks()
             except Exception:  # noqa: BLE001 - a bug must not kill the thread silently
                 logger.error("engine thread of %s:\n%s", self.name, traceback.format_exc())
@@ -142,15 +164,56 @@ class EngineWorker:
     def _on_tick(self) -> None:
         """Hook run once per loop iteration in the engine thread (deadlines)."""
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._push(out.request_id, out)
+    def _register(self, request_id: str, client: str) -> None:
+        """Engine thread: the request's deltas go to ``client``'s channel ("": nowhere)."""
+        if client:
+            self._owner[request_id] = client
+
+    def _emit(self, deltas: list[Delta]) -> None:
+        """Engine thread: hand a step's deltas to the event loop, grouped by client, in one
+        call (the channels and their readers live there)."""
+        if not deltas or self._loop is None:
+            return
+        by_client: dict[str, list[Delta]] = {}
+        for d in deltas:
+            client = self._owner.get(d.request_id)
+            if client is None:
+                continue  # not streamed (a prefill worker's one-token requests)
+            by_client.setdefault(client, []).append(d)
+            if d.finished and self._all_finished(d):
+                del self._owner[d.request_id]
+        if by_client:
+            self._send_to_loop(self._deliver, by_client)
+
+    def _send_to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed (in-process use after asyncio.run)
+            logger.debug("%s: event loop closed, output dropped", self.name)
+
+    def _all_finished(self, delta: Delta) -> bool:
+        return delta.error is not None or not self.engine.has_request(delta.request_id)
+
+    def _deliver(self, by_client: dict[str, list[Delta]]) -> None:
+        for client, deltas in by_client.items():
+            self._channel(client).put(deltas)
+
+    def _channel(self, client: str) -> _Channel:
+        ch = self._channels.get(client)
+        if ch is None:
+            ch = self._channels[client] = _Channel()
+        return ch
+
+    def _fail(self, request_id: str, message: str, retryable: bool = False) -> None:
+        """Engine thread: end a request's stream with an error."""
+        self._emit([Delta(request_id, error=message, retryable=retryable)])
+        self._owner.pop(request_id, None)
 
     def _fail_everything(self, message: str) -> None:
         """Last resort after an engine exception: end every request with an error."""
-        for rid in list(self._streams):
+        for rid in list(self._owner):
             self.engine.abort_request(rid)
-            self._push(rid, StreamError(rid, f"engine failure in {self.name}: {message}"))
+            self._fail(rid, f"engine failure in {self.name}: {message}")
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in the engine thread (from any thread)."""
@@ -158,7 +221,7 @@ class EngineWorker:
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the engine thread and await its result (or exception)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def run() -> None:
@@ -172,33 +235,42 @@ class EngineWorker:
         self.post(run)
         return await fut
 
-    # -- streams ---------------------------------------------------------------------------------
+    # -- the stream of outputs -------------------------------------------------------------------
 
-    def _open_stream(self, request_id: str) -> None:
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use on {self.name}")
-        self._streams[request_id] = (asyncio.get_running_loop(), asyncio.Queue())
-
-    def _push(self, request_id: str, item: RequestOutput | StreamError) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
-
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput | StreamError]:
-        """Outputs of a request as the engine produces them, ending with a finished one."""
-        entry = self._streams.get(request_id)
-        if entry is None:
-            yield StreamError(request_id, f"no request {request_id!r} on {self.name}")
-            return
+    async def outputs(self, client: str) -> AsyncIterator[StreamBatch]:
+        """Every delta of ``client``'s requests, one StreamBatch per engine step (merged when
+        the reader is behind). Runs until the worker shuts down; a reader that goes away and
+        is not replaced within ``orphan_grace_s`` has its client's requests aborted."""
+        self._loop = asyncio.get_running_loop()
+        ch = self._channel(client)
+        ch.readers += 1
         try:
-            while True:
-                item = await entry[1].get()
-                yield item
-                if item.finished:
-                    return
+            while not self._closed:
+                await ch.ready.wait()
+                deltas, merged = ch.take()
+                if deltas:
+                    yield StreamBatch(self.name, deltas, merged)
         finally:
-            self._streams.pop(request_id, None)
+            ch.readers -= 1
+            if ch.readers == 0 and not self._closed:
+                self._loop.call_later(self.orphan_grace_s, self._reap, client)
+
+    def _reap(self, client: str) -> None:
+        ch = self._channels.get(client)
+        if ch is None or ch.readers > 0:
+            return
+        del self._channels[client]
+
+        def abort_orphans() -> None:
+            orphans = [rid for rid, c in self._owner.items() if c == client]
+            if orphans:
+                logger.warning(
+                    "%s: client %s went away, aborting %d", self.name, client, len(orphans)
+                )
+            for rid in orphans:
+                self._abort(rid)
+
+        self.post(abort_orphans)
 
     # -- operator / test surface -----------------------------------------------------------------
 
@@ -213,10 +285,14 @@ class EngineWorker:
             "block_size": cfg.block_size,
             "max_model_len": self.engine.max_model_len,
             "index_id": self._publisher.worker if self._publisher is not None else "",
+            "endpoint": "",
         }
 
     async def stats(self) -> dict[str, Any]:
-        return await self.call(self._stats)
+        stats = await self.call(self._stats)
+        stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in self._channels.values())
+        stats["stream_clients"] = len(self._channels)
+        return stats
 
     def _stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager
@@ -232,7 +308,7 @@ class EngineWorker:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "remote_pending": self.engine.num_remote_pending(),
-            "open_streams": len(self._streams),
+            "open_streams": len(self._owner),
             "steps": self.steps,
             "prefix_queries_tokens": bm.prefix_queries,
             "prefix_hit_tokens": bm.prefix_hits,
@@ -258,19 +334,17 @@ class EngineWorker:
     def _abort(self, request_id: str) -> None:
         if self.engine.has_request(request_id):
             self.engine.abort_request(request_id)
-            self._push(request_id, _aborted(request_id))
+            self._emit([aborted(request_id)])
+        self._owner.pop(request_id, None)
 
     def shutdown(self) -> None:
         self._closed = True
         self.post(lambda: None)
+        for ch in self._channels.values():
+            if self._loop is not None:
+                self._send_to_loop(ch.ready.set)
         if self._publisher is not None:
             self._publisher.close()  # its entries stop counting at once
-
-
-def _aborted(request_id: str) -> RequestOutput:
-    return RequestOutput(
-        request_id, None, [], 0, [CompletionOutput(0, finish_reason="abort")], True, time.time()
-    )
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 
 __all__ = ["SampledToken", "Sampler", "SamplingRow", "make_generator"]
@@ -56,13 +57,6 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far (before this step's token)
     generator: torch.Generator | None  # per-request generator when params.seed is set
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None  # log-prob of the sampled token; None unless params.logprobs set
-    top_logprobs: list[tuple[int, float]] | None  # top-N (token, logprob), best first
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -28,117 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
-import torch
-
-from cluster.kv_transport import KVConnector
-from cluster.worker import EngineWorker, trace
-from engine.attention import host_to_device, slot_array
-from engine.sampler import SampledToken
+from engine.kv_transfer import KVConnector
+from engine.kv_transfer.streamer import KVStreamer, token_from_dict
+from engine.messages import PrefillDone, PrefillFailed, PrefillResult
+from engine.runtime import EngineWorker
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-
-
-def token_to_dict(token: SampledToken) -> dict:
-    return {
-        "token_id": token.token_id,
-        "logprob": token.logprob,
-        "top_logprobs": [[t, lp] for t, lp in token.top_logprobs or []],
-    }
-
-
-def token_from_dict(d: dict) -> SampledToken:
-    top = d.get("top_logprobs") or None
-    return SampledToken(
-        int(d["token_id"]),
-        d.get("logprob"),
-        [(int(t), float(lp)) for t, lp in top] if top else None,
-    )
-
-
-@dataclass
-class _Outgoing:
-    transfer_id: str
-    endpoint: str
-    num_tokens: int
-    sent_upto: int = 0  # positions [0, sent_upto) are queued for every layer
-
-
-class KVStreamer:
-    """The engine's step observer on a prefill worker (engine.llm_engine.StepObserver)."""
-
-    def __init__(self, connector: KVConnector, kv_caches: list[torch.Tensor], block_size: int):
-        self.connector, self.kv_caches, self.block_size = connector, kv_caches, block_size
-        self.transfers: dict[str, _Outgoing] = {}
-        self.on_done = lambda request_id, token: None  # set by the worker
-
-    def add(
-        self,
-        request_id: str,
-        transfer_id: str,
-        endpoint: str,
-        num_tokens: int,
-        gate: threading.Event | None = None,
-        gate_timeout_s: float = 60.0,
-    ) -> None:
-        sender = self.connector.sender(endpoint)  # opened now: its handshake overlaps the queue
-        if gate is not None:
-            sender.hold(transfer_id, gate, gate_timeout_s)
-        self.transfers[request_id] = _Outgoing(transfer_id, endpoint, num_tokens)
-
-    def drop(self, request_id: str, reason: str) -> _Outgoing | None:
-        t = self.transfers.pop(request_id, None)
-        if t is not None and t.sent_upto > 0:
-            self.connector.sender(t.endpoint).send_abort(t.transfer_id, reason)
-        return t
-
-    def begin_step(self, out: SchedulerOutput):
-        plan: dict[str, tuple[list[np.ndarray], list[tuple[str, int, int]]]] = {}
-        for chunk in out.scheduled:
-            t = self.transfers.get(chunk.request.request_id)
-            end = chunk.start + chunk.num_tokens
-            if t is None or end <= t.sent_upto:
-                continue
-            slots, entries = plan.setdefault(t.endpoint, ([], []))
-            slots.append(slot_array(chunk.block_table, t.sent_upto, end, self.block_size))
-            entries.append((t.transfer_id, t.sent_upto, end - t.sent_upto))
-            t.sent_upto = end
-        if not plan:
-            return None
-        device = self.kv_caches[0].device
-        sends = [
-            (
-                self.connector.sender(ep),
-                host_to_device(np.concatenate(slots), device),
-                entries,
-            )
-            for ep, (slots, entries) in plan.items()
-        ]
-
-        def hook(layer: int) -> None:
-            cache = self.kv_caches[layer]
-            for sender, index, entries in sends:
-                sender.send_layer(layer, entries, cache.index_select(2, index))
-            trace(sends[0][2][0][0], f"prefill.hook{layer}")
-
-        return hook
-
-    def end_step(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> None:
-        for chunk in out.scheduled:
-            rid = chunk.request.request_id
-            t = self.transfers.get(rid)
-            if t is None or rid not in sampled:
-                continue
-            del self.transfers[rid]
-            token = token_to_dict(sampled[rid])
-            # The prompt tokens this worker served from its prefix cache (for the client's usage).
-            token["num_cached_tokens"] = max(chunk.request.num_cached_tokens, 0)
-            self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token)
-            trace(rid, "prefill.sampled")
-            self.on_done(rid, token)
+from engine.tracing import trace
 
 
 class PrefillWorker(EngineWorker):
@@ -173,16 +71,16 @@ class PrefillWorker(EngineWorker):
         *,
         gated: bool = False,
         **kwargs: Any,
-    ) -> dict[str, Any]:
+    ) -> PrefillResult:
         """Compute the prompt, stream its KV to ``endpoint`` (transfer id = request id) and
-        return ``{"ok": True, "token": first token}`` or ``{"ok": False, "error": ...}``.
+        return the first token (``PrefillDone``) or why not (``PrefillFailed``).
 
         ``gated``: the decode worker is reserving at the same time; the prompt computes at once
         but none of its KV leaves before ``release(request_id)`` (or an abort)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if request_id in self._waiters:
-            return {"ok": False, "error": f"request_id {request_id!r} is already in use"}
+            return PrefillFailed(f"request_id {request_id!r} is already in use")
         self._waiters[request_id] = (loop, fut)
         gate = None
         if gated:  # registered before the first await, so a release() that follows finds it
@@ -200,7 +98,7 @@ class PrefillWorker(EngineWorker):
             await self.call(add)
         except BaseException as exc:
             self._waiters.pop(request_id, None)
-            return {"ok": False, "error": str(exc)}
+            return PrefillFailed(str(exc))
         return await fut
 
     async def release(self, request_id: str) -> None:
@@ -211,8 +109,8 @@ class PrefillWorker(EngineWorker):
             gate = self._gates[request_id] = threading.Event()
         gate.set()
 
-    def _resolve(self, request_id: str, result: dict[str, Any]) -> None:
-        if not result["ok"]:
+    def _resolve(self, request_id: str, result: PrefillResult) -> None:
+        if isinstance(result, PrefillFailed):
             gate = self._gates.pop(request_id, None)
             if gate is not None:
                 gate.set()  # a failed or aborted request must not hold its channel
@@ -222,7 +120,8 @@ class PrefillWorker(EngineWorker):
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
     def _on_done(self, request_id: str, token: dict) -> None:
-        self._resolve(request_id, {"ok": True, "token": token})
+        first = token_from_dict(token)
+        self._resolve(request_id, PrefillDone(first, int(token.get("num_cached_tokens", 0))))
 
     def _on_channel_failure(self, transfer_ids: list[str], reason: str) -> None:
         """From a sender thread: the channel to a decode worker broke."""
@@ -231,14 +130,14 @@ class PrefillWorker(EngineWorker):
             for tid in transfer_ids:
                 self.streamer.transfers.pop(tid, None)
                 self.engine.abort_request(tid)
-                self._resolve(tid, {"ok": False, "error": reason})
+                self._resolve(tid, PrefillFailed(reason))
 
         self.post(fail)
 
     def _abort(self, request_id: str) -> None:
         self.streamer.drop(request_id, "aborted by the caller")
         self.engine.abort_request(request_id)
-        self._resolve(request_id, {"ok": False, "error": "aborted"})
+        self._resolve(request_id, PrefillFailed("aborted"))
 
     def _fail_everything(self, message: str) -> None:
         for rid in list(self._waiters):

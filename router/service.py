@@ -9,9 +9,12 @@ For each request::
     2. the placement policy picks the prefill and the decode worker from that and the load view
        (this router's in-flight requests and queued prefill tokens, plus each worker's free
        blocks, running and waiting requests, polled every ``stats_interval_s``)
-    3. the cluster runs it pinned to those workers (a failed transfer is retried once elsewhere)
+    3. the dispatcher (router/dispatch.py) runs it there: reserve, prefill, stream; a failed
+       attempt is placed again by the same policy with the failed workers excluded
     4. ``open`` returns once the first output is there, so errors before the first token are
        plain HTTP errors; the queued prefill tokens are released then
+
+Which workers exist comes from the controller (router/membership.py follows its table).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from cluster.local import CapacityError, ClusterError, LocalCluster, RequestError
 from engine.block_manager import prefix_block_hashes
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 from router.backend import (
     BackendError,
     InvalidRequest,
@@ -36,6 +39,8 @@ from router.backend import (
     Placement,
     RouterStats,
 )
+from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
+from router.membership import MembershipView, WorkerRef
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 
 logger = logging.getLogger(__name__)
@@ -44,27 +49,31 @@ logger = logging.getLogger(__name__)
 class ClusterBackend:
     def __init__(
         self,
-        cluster: LocalCluster,
+        members: MembershipView,
         *,
-        index=None,  # router.prefix_index.PrefixIndex | None
+        tokenizer: Any = None,
+        index=None,  # engine.prefix_index.PrefixIndex | None
         policy: PlacementPolicy | str = "cache_aware",
         model_name: str = "",
         stats_interval_s: float = 0.25,
         stats_timeout_s: float = 2.0,
+        reserve_timeout_s: float = 30.0,
     ) -> None:
-        self.cluster = cluster
+        self.members = members
+        table = members.table
         self.index = index
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.model_name = model_name or cluster.model_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.max_model_len = cluster.max_model_len
-        self.tokenizer = cluster.tokenizer
-        self.block_size = cluster.block_size
+        self.model_name = model_name or table.model_dir.rstrip("/").rsplit("/", 1)[-1]
+        self.max_model_len = table.max_model_len
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(table.model_dir)
+        self.block_size = table.block_size
+        self.dispatcher = Dispatcher(members, self.tokenizer, reserve_timeout_s=reserve_timeout_s)
         self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
         self._stats = RouterStats(decisions=collections.Counter())
         self._queued: collections.Counter[str] = collections.Counter()
         self._polled: dict[str, dict[str, Any]] = {}
         self._poller: asyncio.Task | None = None
-        self._names = {w.index_id: w.name for w in cluster.workers if w.index_id}
+        self._follower: asyncio.Task | None = None
         # Blocks this router just sent somewhere, until the index has had time to hear of them
         # from the worker: concurrent requests of a new prefix then follow the first one.
         self._recent: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
@@ -84,9 +93,9 @@ class ClusterBackend:
         cache_salt: str | None = None,
     ):
         self._ensure_poller()
-        cluster = self.cluster
-        disagg = bool(cluster.prefill and cluster.decode)
-        if not disagg and not cluster.colocated:
+        members = self.members
+        disagg = bool(members.prefill and members.decode)
+        if not disagg and not members.colocated:
             raise Overloaded("no live workers can take requests now", status=503)
         if params.n > 1 and disagg:
             # A decode worker takes single sequences: the n samples run as n requests (seeds
@@ -114,24 +123,27 @@ class ClusterBackend:
                 raise failed[0]
             return _Fanout(request_id, children)
         req = await self._route_request(prompt_token_ids, cache_salt)
-        if disagg:
-            p, reason = self.policy.choose_prefill(req, self._views(cluster.prefill))
-            d, _ = self.policy.choose_decode(req, self._views(cluster.decode))
-        else:
-            p, (d, reason) = None, self.policy.choose_prefill(req, self._views(cluster.colocated))
+        p, d, reason = self._place(req, disagg, set())
         self._stats.decisions[reason] += 1
         charged = p or d
         self._remember(req.hashes, charged)
         charge = len(prompt_token_ids) - req.cached_tokens(charged)
         self._queued[charged] += charge
         placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0))
-        gen = cluster.stream(
+        first = [True]
+
+        def choose(avoid: set[str]) -> tuple[WorkerRef | None, WorkerRef]:
+            """The first attempt goes where the policy said; a retry asks it again."""
+            names = (p, d) if first[0] else self._place(req, disagg, avoid)[:2]
+            first[0] = False
+            pw = self.members.get(names[0]) if names[0] is not None else None
+            return pw, self.members.get(names[1])
+
+        gen = self.dispatcher.run(
+            request_id,
             prompt_token_ids,
             params,
-            request_id=request_id,
-            mode="disagg" if disagg else "colocated",
-            prefill=p,
-            decode=d,
+            choose,
             priority=priority,
             cache_salt=cache_salt,
         )
@@ -156,8 +168,10 @@ class ClusterBackend:
         return RouterStats(dict(self._stats.decisions), self._stats.index_unavailable)
 
     async def aclose(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (self._poller, self._follower):
+            if task is not None:
+                task.cancel()
+        await self.dispatcher.aclose()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -168,7 +182,7 @@ class ClusterBackend:
         req.hashes = prefix_block_hashes(ids, self.block_size, cache_salt)
         if not req.hashes:
             return req
-        from router.prefix_index import IndexUnavailable
+        from engine.prefix_index import IndexUnavailable
 
         try:
             held = await asyncio.to_thread(self.index.lookup, req.hashes)
@@ -177,7 +191,8 @@ class ClusterBackend:
             logger.debug("prefix index unavailable, routing by load: %s", exc)
             req.index_available = False
             return req
-        req.cached_blocks = {self._names[k]: n for k, n in held.items() if k in self._names}
+        names = {w.index_id: w.name for w in self.members.workers if w.index_id}
+        req.cached_blocks = {names[k]: n for k, n in held.items() if k in names}
         for worker, n in self._recently_sent(req.hashes).items():
             req.cached_blocks[worker] = max(n, req.cached_blocks.get(worker, 0))
         return req
@@ -201,6 +216,20 @@ class ClusterBackend:
                 break
             worker, n = entry[0], n + 1
         return {worker: n} if worker is not None else {}
+
+    def _place(self, req: RouteRequest, disagg: bool, avoid: set[str]):
+        """(prefill name or None, decode name, reason) by the policy, ``avoid`` excluded (all
+        of a pool when every worker is to be avoided: better the same one than none)."""
+
+        def pool(workers: list[WorkerRef]) -> list[WorkerView]:
+            return self._views([w for w in workers if w.name not in avoid] or workers)
+
+        if disagg:
+            p, reason = self.policy.choose_prefill(req, pool(self.members.prefill))
+            d, _ = self.policy.choose_decode(req, pool(self.members.decode))
+            return p, d, reason
+        d, reason = self.policy.choose_prefill(req, pool(self.members.colocated))
+        return None, d, reason
 
     def _views(self, pool) -> list[WorkerView]:
         views = []
@@ -226,11 +255,11 @@ class ClusterBackend:
 
     async def _poll(self) -> None:
         """Every worker's stats; raises if one did not answer. A worker whose actor is dead is
-        dropped from the cluster and from the prefix index at once (its liveness key goes, so
-        its entries stop counting for every router, not only after the heartbeat TTL)."""
+        no longer routed to, at once, and the controller is told (it marks it dead and removes
+        it from the prefix index, so its entries stop counting for every router)."""
         from ray.exceptions import RayActorError
 
-        workers = list(self.cluster.workers)
+        workers = list(self.members.workers)
         results = await asyncio.wait_for(
             asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True),
             self.stats_timeout_s,
@@ -238,21 +267,19 @@ class ClusterBackend:
         self._polled = {r["name"]: r for r in results if isinstance(r, dict)}
         for w, r in zip(workers, results, strict=True):
             if isinstance(r, RayActorError):
-                await self._forget(w, r)
+                self.members.forget(w.name, str(r).splitlines()[0])
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
 
-    async def _forget(self, worker, exc: BaseException) -> None:
-        logger.warning("worker %s is dead, no longer routed to: %s", worker.name, exc)
-        self.cluster.forget(worker.name)
-        if self.index is not None and worker.index_id:
-            with contextlib.suppress(Exception):  # Redis down: the TTL still ends it
-                await asyncio.to_thread(self.index.remove_worker, worker.index_id)
-
     def _ensure_poller(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+            self._poller = loop.create_task(self._poll_forever())
+        if self.members.controller is not None and (
+            self._follower is None or self._follower.done()
+        ):
+            self._follower = loop.create_task(self.members.follow())
 
     async def _poll_forever(self) -> None:
         while True:

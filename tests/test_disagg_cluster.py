@@ -10,6 +10,7 @@ The tests that kill actors run last (file order).
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import pytest
@@ -69,7 +70,8 @@ def run(coro):
 
 
 async def collect(cluster, prompt, params=GREEDY, **kw):
-    return [out async for out in cluster.stream(prompt, params, **kw)]
+    """A copy of every output as it was streamed (the router builds one output in place)."""
+    return [copy.deepcopy(out) async for out in cluster.stream(prompt, params, **kw)]
 
 
 async def wait_until(predicate, timeout=60.0, interval=0.02):
@@ -167,10 +169,9 @@ def test_full_decode_worker_is_skipped(cluster, prompts) -> None:
     """The speculative first choice is full: its prefill is dropped, the other one serves."""
     d0 = worker(cluster, "decode-0").handle
     hog = ray.get(d0.reserve.remote("hog", [1] * 3990, GREEDY))  # 250 of its 256 blocks
-    assert hog["ok"]
+    assert type(hog).__name__ == "Reserved"
     try:
-        assert [w.name for w in cluster._least_loaded(cluster.decode, set())][0] == "decode-0"
-        out = run(collect(cluster, prompts[-1], prefill="prefill-0"))
+        out = run(collect(cluster, prompts[-1], prefill="prefill-0", decode="decode-0"))
         coloc = run(collect(cluster, prompts[-1], mode="colocated"))
         assert out[-1].outputs[0].token_ids == coloc[-1].outputs[0].token_ids
     finally:
@@ -219,8 +220,8 @@ def test_decode_killed_mid_transfer_retries_on_the_other_pair(cluster) -> None:
     async def scenario():
         ids, agen, task = await start_long_request(cluster, "prefill-1", "decode-1", "kill-d")
         cluster.kill("decode-1")
-        first = await task  # retried on decode-0 (with prefill-0): the stream goes on
-        rest = [out async for out in agen]
+        first = copy.deepcopy(await task)  # retried on decode-0 (with prefill-0): it goes on
+        rest = [copy.deepcopy(out) async for out in agen]
         return ids, [first, *rest]
 
     ids, outs = run(scenario())
@@ -234,8 +235,8 @@ def test_prefill_killed_mid_transfer_retries_on_the_other_prefill(cluster) -> No
     async def scenario():
         ids, agen, task = await start_long_request(cluster, "prefill-1", "decode-0", "kill-p")
         cluster.kill("prefill-1")
-        first = await task
-        rest = [out async for out in agen]
+        first = copy.deepcopy(await task)
+        rest = [copy.deepcopy(out) async for out in agen]
         return ids, [first, *rest]
 
     ids, outs = run(scenario())

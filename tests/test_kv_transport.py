@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from cluster.kv_transport import (
+from engine.kv_transfer.transport import (
     InProcessKVReceiver,
     KVConnector,
     KVSpec,

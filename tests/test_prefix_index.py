@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.block_manager import prefix_block_hashes
-from router.prefix_index import IndexPublisher, IndexUnavailable, PrefixIndex
+from engine.prefix_index import IndexPublisher, IndexUnavailable, PrefixIndex
 from router.redis_server import RedisServer
 
 BS = 4

@@ -1,5 +1,6 @@
-"""ClusterBackend's routing state against a real Redis index and stand-in workers (no Ray
-actors: each worker answers ``stats`` or is dead). The end-to-end path is tests/test_serve.py."""
+"""ClusterBackend's routing state and the controller's membership against a real Redis index
+and stand-in workers (no Ray actors: each worker answers ``stats`` / ``ready`` or is dead). The
+end-to-end path is tests/test_serve.py."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import asyncio
 
 import pytest
 
-from cluster.local import WorkerRef
 from engine.block_manager import prefix_block_hashes
+from engine.messages import Membership, WorkerInfo, WorkerState
 from engine.sampling_params import SamplingParams
+from router.membership import MembershipView
 
 ray_exceptions = pytest.importorskip("ray.exceptions")
 
@@ -33,6 +35,7 @@ class Handle:
     def __init__(self, name: str) -> None:
         self.dead = False
         self.stats = Method(self._stats)
+        self.ready = Method(self._ready)
         self.name = name
 
     def _stats(self):
@@ -40,26 +43,25 @@ class Handle:
             raise ray_exceptions.RayActorError()
         return {"name": self.name, "free_blocks": 100, "cached_blocks": 0, "running": 0}
 
+    def _ready(self):
+        return {"name": self._stats()["name"]}
 
-class Cluster:
-    """What ClusterBackend reads of a LocalCluster."""
 
-    def __init__(self) -> None:
-        self.prefill = [
-            WorkerRef(f"prefill-{i}", "prefill", Handle(f"prefill-{i}"), index_id=f"c/prefill-{i}")
-            for i in range(2)
-        ]
-        self.decode = [WorkerRef("decode-0", "decode", Handle("decode-0"))]
-        self.colocated: list[WorkerRef] = []
-        self.model_dir, self.tokenizer, self.max_model_len, self.block_size = "m", None, 64, BS
+class Controller:
+    """Stands in for the controller actor: ``report_dead`` reaches a real Controller."""
 
-    @property
-    def workers(self):
-        return self.prefill + self.decode + self.colocated
+    def __init__(self, real) -> None:
+        self.real = real
+        self.report_dead = Method(lambda name, why: asyncio.ensure_future(real.report_dead(name)))
 
-    def forget(self, name: str) -> None:
-        for pool in (self.prefill, self.decode, self.colocated):
-            pool[:] = [w for w in pool if w.name != name]
+
+def table(tmp_path) -> Membership:
+    workers = [
+        WorkerInfo(f"prefill-{i}", "prefill", Handle(f"prefill-{i}"), index_id=f"c/prefill-{i}")
+        for i in range(2)
+    ]
+    workers.append(WorkerInfo("decode-0", "decode", Handle("decode-0")))
+    return Membership(1, workers, model_dir=str(tmp_path), block_size=BS, max_model_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -70,31 +72,43 @@ def redis():
         yield server
 
 
-def test_a_dead_worker_stops_counting_at_once(redis) -> None:
+def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
+    from cluster.controller import Controller as RealController
+    from cluster.controller import WorkerSpec
+    from engine.prefix_index import PrefixIndex
     from router.backend import Overloaded
-    from router.prefix_index import PrefixIndex
     from router.service import ClusterBackend
 
     index = PrefixIndex(redis.url, "dead-worker-test")
-    cluster = Cluster()
-    backend = ClusterBackend(cluster, index=index)
+    members = table(tmp_path)
+    spec = WorkerSpec(str(tmp_path), index_url=redis.url, index_namespace="dead-worker-test")
+    controller = RealController(spec)
+    controller._workers = {w.name: w for w in members.workers}
+    view = MembershipView(members, Controller(controller))
+    backend = ClusterBackend(view, index=index)
     ids = list(range(3 * BS + 1))
     hashes = prefix_block_hashes(ids, BS)
-    for w in cluster.prefill:
+    for w in view.prefill:
         index.heartbeat(w.index_id)
         index.publish(w.index_id, hashes[:2], [])
 
     async def scenario():
         req = await backend._route_request(ids, None)
         assert req.cached_blocks == {"prefill-0": 2, "prefill-1": 2}
-        cluster.prefill[0].handle.dead = True
+        view.prefill[0].handle.dead = True
         assert not await backend.healthy()  # a worker did not answer
-        assert [w.name for w in cluster.prefill] == ["prefill-1"]
+        assert [w.name for w in view.prefill] == ["prefill-1"]  # this router: at once
+        for _ in range(100):  # the controller confirms, marks it dead, clears its index entries
+            await asyncio.sleep(0.01)
+            if controller._workers["prefill-0"].state == WorkerState.DEAD:
+                break
+        assert controller._workers["prefill-0"].state == WorkerState.DEAD
+        assert controller.version == 1  # a new table for every router
         assert index.lookup(hashes) == {"c/prefill-1": 2}  # for every router, not only this one
         req = await backend._route_request(ids, None)
         assert req.cached_blocks == {"prefill-1": 2}
         assert await backend.healthy()  # what is left answers
-        cluster.prefill[0].handle.dead = True
+        view.prefill[0].handle.dead = True
         assert not await backend.healthy()
         with pytest.raises(Overloaded, match="no live workers"):
             await backend.open("r", ids, SamplingParams())
@@ -106,12 +120,12 @@ def test_a_dead_worker_stops_counting_at_once(redis) -> None:
         index.close()
 
 
-def test_a_new_prefix_in_flight_follows_its_first_request(redis) -> None:
-    from router.prefix_index import PrefixIndex
+def test_a_new_prefix_in_flight_follows_its_first_request(redis, tmp_path) -> None:
+    from engine.prefix_index import PrefixIndex
     from router.service import ClusterBackend
 
     index = PrefixIndex(redis.url, "recent-test")
-    backend = ClusterBackend(Cluster(), index=index)
+    backend = ClusterBackend(MembershipView(table(tmp_path)), index=index)
     ids = list(range(100, 100 + 4 * BS))
     hashes = prefix_block_hashes(ids, BS)
 

@@ -1,6 +1,6 @@
 """The NCCL backend of the KV transport (cupy's NCCL bindings; no NIXL).
 
-Same pair channel as the TCP backend (cluster/kv_transport.py): headers travel in order on the
+Same pair channel as the TCP backend (engine/kv_transfer/transport.py): headers travel in order on the
 TCP control socket, payloads over a 2-rank NCCL communicator made for that pair alone, so both
 ends post matching send/recv calls in the same order. Per pair::
 
@@ -32,15 +32,16 @@ from itertools import pairwise
 
 import torch
 
-from cluster.kv_transport import (
+from engine.kv_transfer.transport import (
     TcpKVReceiver,
     TcpKVSender,
     TransferError,
     TransferEvent,
+    TransferOutcome,
     read_header,
     write_frame,
 )
-from cluster.worker import trace
+from engine.tracing import trace
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ class NcclKVReceiver(TcpKVReceiver):
     def _after_quiet(self, event: TransferEvent) -> None:
         """A cancelled or failed transfer's blocks are freed once every pair stream has no
         write still queued (a late unpack must never land in a reused block)."""
-        if event.kind == "complete":
+        if event.kind is TransferOutcome.COMPLETE:
             self.on_event(event)  # _before_done already waited for its pair
             return
         pairs = list(self._pairs.values())

@@ -4,7 +4,7 @@ One interface, three backends::
 
     backend   control channel          payload                      where
     tcp       TCP socket (frames)      same socket, after header     CPU (CI, laptops), any host
-    nccl      TCP socket (frames)      cupy NCCL send/recv on its    GPUs (cluster/nccl_transport.py)
+    nccl      TCP socket (frames)      cupy NCCL send/recv on its    GPUs (engine/kv_transfer/nccl.py)
                                        own CUDA stream
     inproc    direct calls             tensor clone                  unit tests only
 
@@ -38,6 +38,7 @@ or admit them.
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import json
 import logging
@@ -53,15 +54,14 @@ from typing import Any
 
 import torch
 
-from cluster.worker import trace
 from engine.attention import host_to_device, slot_array
+from engine.tracing import trace
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
-BACKENDS = ("tcp", "nccl", "inproc")
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,19 @@ class KVSpec:
         }
 
 
+class TransferOutcome(str, enum.Enum):
+    """How a transfer ended on the receiver (exactly one per transfer)."""
+
+    COMPLETE = "complete"  # every layer of every token arrived, then done
+    FAILED = "failed"  # abort, a broken pair, an incomplete done
+    RELEASED = "released"  # after cancel: the receiver no longer writes its blocks
+
+
 @dataclass(frozen=True)
 class TransferEvent:
-    """What the receiver reports about one transfer: ``complete``, ``failed`` or ``released``."""
+    """What the receiver reports about one transfer."""
 
-    kind: str
+    kind: TransferOutcome
     transfer_id: str
     token: dict | None = None  # complete: the first token sampled by the prefill worker
     reason: str | None = None  # failed
@@ -182,7 +190,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str, int]:
     """``tcp://host:port`` -> (scheme, host, port)."""
     scheme, _, rest = endpoint.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme not in BACKENDS or not host or not port.isdigit():
+    if scheme not in ("tcp", "nccl", "inproc") or not host or not port.isdigit():
         raise ValueError(f"bad KV endpoint {endpoint!r}: want <backend>://host:port")
     return scheme, host, int(port)
 
@@ -240,7 +248,7 @@ class KVReceiver:
         with self._lock:
             known = self._transfers.pop(transfer_id, None) is not None
         if known:
-            self._after_quiet(TransferEvent("released", transfer_id))
+            self._after_quiet(TransferEvent(TransferOutcome.RELEASED, transfer_id))
 
     def pending(self) -> list[str]:
         with self._lock:
@@ -303,9 +311,9 @@ class KVReceiver:
                 f"transfer {tid} incomplete: {num_tokens!r} tokens announced, {t.num_tokens} "
                 f"expected, layers {short[:4]} short"
             )
-            self._after_quiet(TransferEvent("failed", tid, reason=reason))
+            self._after_quiet(TransferEvent(TransferOutcome.FAILED, tid, reason=reason))
         else:
-            self._after_quiet(TransferEvent("complete", tid, token=token))
+            self._after_quiet(TransferEvent(TransferOutcome.COMPLETE, tid, token=token))
 
     def handle_abort(self, peer: int, header: dict) -> None:
         tid = header.get("transfer_id")
@@ -315,7 +323,7 @@ class KVReceiver:
                 return
             del self._transfers[tid]
         reason = f"prefill aborted the transfer: {header.get('reason', '')}"
-        self._after_quiet(TransferEvent("failed", tid, reason=reason))
+        self._after_quiet(TransferEvent(TransferOutcome.FAILED, tid, reason=reason))
 
     def peer_lost(self, peer: int, reason: str) -> None:
         """A pair channel broke: every transfer that was arriving on it fails."""
@@ -324,7 +332,9 @@ class KVReceiver:
             for tid in lost:
                 del self._transfers[tid]
         for tid in lost:
-            self._after_quiet(TransferEvent("failed", tid, reason=f"prefill peer lost: {reason}"))
+            self._after_quiet(
+                TransferEvent(TransferOutcome.FAILED, tid, reason=f"prefill peer lost: {reason}")
+            )
 
 
 class TcpKVReceiver(KVReceiver):
@@ -646,6 +656,31 @@ class InProcessKVReceiver(KVReceiver):
         _INPROC.pop(self.endpoint, None)
 
 
+def _nccl_receiver() -> type[KVReceiver]:
+    from engine.kv_transfer.nccl import NcclKVReceiver
+
+    return NcclKVReceiver
+
+
+def _nccl_sender() -> type[KVSender]:
+    from engine.kv_transfer.nccl import NcclKVSender
+
+    return NcclKVSender
+
+
+# The backends by name: creators import lazily (the NCCL one needs cupy and a GPU).
+RECEIVERS: dict[str, Callable[[], type[KVReceiver]]] = {
+    "tcp": lambda: TcpKVReceiver,
+    "nccl": _nccl_receiver,
+    "inproc": lambda: InProcessKVReceiver,
+}
+SENDERS: dict[str, Callable[[], type[KVSender]]] = {
+    "tcp": lambda: TcpKVSender,
+    "nccl": _nccl_sender,
+    "inproc": lambda: KVSender,
+}
+
+
 def make_receiver(
     backend: str,
     spec: KVSpec,
@@ -656,15 +691,10 @@ def make_receiver(
     token: str = "",
     host: str = "127.0.0.1",
 ) -> KVReceiver:
-    if backend == "tcp":
-        return TcpKVReceiver(spec, kv_caches, block_size, on_event, token=token, host=host)
-    if backend == "nccl":
-        from cluster.nccl_transport import NcclKVReceiver
-
-        return NcclKVReceiver(spec, kv_caches, block_size, on_event, token=token, host=host)
-    if backend == "inproc":
-        return InProcessKVReceiver(spec, kv_caches, block_size, on_event, token=token)
-    raise ValueError(f"kv transport must be one of {BACKENDS}, got {backend!r}")
+    if backend not in RECEIVERS:
+        raise ValueError(f"kv transport must be one of {sorted(RECEIVERS)}, got {backend!r}")
+    kwargs = {"token": token} if backend == "inproc" else {"token": token, "host": host}
+    return RECEIVERS[backend]()(spec, kv_caches, block_size, on_event, **kwargs)
 
 
 class KVConnector:
@@ -690,11 +720,7 @@ class KVConnector:
             self._senders.move_to_end(endpoint)
             return sender
         backend, _, _ = split_endpoint(endpoint)
-        if backend == "nccl":
-            from cluster.nccl_transport import NcclKVSender as cls
-        else:
-            cls = TcpKVSender if backend == "tcp" else KVSender
-        sender = cls(endpoint, self.spec, self.on_failure, self.token)
+        sender = SENDERS[backend]()(endpoint, self.spec, self.on_failure, self.token)
         self._senders[endpoint] = sender
         self._evict()
         return sender

@@ -1,0 +1,124 @@
+"""The layer streamer: the prefill side's engine step observer that sends each layer's KV
+to the decode worker of every request in the step, as soon as that layer is written.
+
+Each step, before the forward pass, ``begin_step`` plans which token positions of which request
+go to which decode worker (the chunk's new tokens, plus on a request's first chunk its
+prefix-cache hits: skipped here, still needed there) and returns a per-layer hook; the hook
+gathers those positions into one contiguous buffer per decode worker right after layer L wrote
+its KV (on the compute stream, so a later step can never overwrite the blocks first) and queues
+it on that pair's channel, whose own thread sends it while layer L + 1 computes. ``end_step``
+queues ``done`` with the first sampled token behind the last layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import host_to_device, slot_array
+from engine.kv_transfer.transport import KVConnector
+from engine.outputs import SampledToken
+from engine.scheduler import SchedulerOutput
+from engine.tracing import trace
+
+
+def token_to_dict(token: SampledToken) -> dict:
+    return {
+        "token_id": token.token_id,
+        "logprob": token.logprob,
+        "top_logprobs": [[t, lp] for t, lp in token.top_logprobs or []],
+    }
+
+
+def token_from_dict(d: dict) -> SampledToken:
+    top = d.get("top_logprobs") or None
+    return SampledToken(
+        int(d["token_id"]),
+        d.get("logprob"),
+        [(int(t), float(lp)) for t, lp in top] if top else None,
+    )
+
+
+@dataclass
+class _Outgoing:
+    transfer_id: str
+    endpoint: str
+    num_tokens: int
+    sent_upto: int = 0  # positions [0, sent_upto) are queued for every layer
+
+
+class KVStreamer:
+    """The engine's step observer on a prefill worker (engine.llm_engine.StepObserver)."""
+
+    def __init__(self, connector: KVConnector, kv_caches: list[torch.Tensor], block_size: int):
+        self.connector, self.kv_caches, self.block_size = connector, kv_caches, block_size
+        self.transfers: dict[str, _Outgoing] = {}
+        self.on_done = lambda request_id, token: None  # set by the worker
+
+    def add(
+        self,
+        request_id: str,
+        transfer_id: str,
+        endpoint: str,
+        num_tokens: int,
+        gate: threading.Event | None = None,
+        gate_timeout_s: float = 60.0,
+    ) -> None:
+        sender = self.connector.sender(endpoint)  # opened now: its handshake overlaps the queue
+        if gate is not None:
+            sender.hold(transfer_id, gate, gate_timeout_s)
+        self.transfers[request_id] = _Outgoing(transfer_id, endpoint, num_tokens)
+
+    def drop(self, request_id: str, reason: str) -> _Outgoing | None:
+        t = self.transfers.pop(request_id, None)
+        if t is not None and t.sent_upto > 0:
+            self.connector.sender(t.endpoint).send_abort(t.transfer_id, reason)
+        return t
+
+    def begin_step(self, out: SchedulerOutput):
+        plan: dict[str, tuple[list[np.ndarray], list[tuple[str, int, int]]]] = {}
+        for chunk in out.scheduled:
+            t = self.transfers.get(chunk.request.request_id)
+            end = chunk.start + chunk.num_tokens
+            if t is None or end <= t.sent_upto:
+                continue
+            slots, entries = plan.setdefault(t.endpoint, ([], []))
+            slots.append(slot_array(chunk.block_table, t.sent_upto, end, self.block_size))
+            entries.append((t.transfer_id, t.sent_upto, end - t.sent_upto))
+            t.sent_upto = end
+        if not plan:
+            return None
+        device = self.kv_caches[0].device
+        sends = [
+            (
+                self.connector.sender(ep),
+                host_to_device(np.concatenate(slots), device),
+                entries,
+            )
+            for ep, (slots, entries) in plan.items()
+        ]
+
+        def hook(layer: int) -> None:
+            cache = self.kv_caches[layer]
+            for sender, index, entries in sends:
+                sender.send_layer(layer, entries, cache.index_select(2, index))
+            trace(sends[0][2][0][0], f"prefill.hook{layer}")
+
+        return hook
+
+    def end_step(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> None:
+        for chunk in out.scheduled:
+            rid = chunk.request.request_id
+            t = self.transfers.get(rid)
+            if t is None or rid not in sampled:
+                continue
+            del self.transfers[rid]
+            token = token_to_dict(sampled[rid])
+            # The prompt tokens this worker served from its prefix cache (for the client's usage).
+            token["num_cached_tokens"] = max(chunk.request.num_cached_tokens, 0)
+            self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token)
+            trace(rid, "prefill.sampled")
+            self.on_done(rid, token)

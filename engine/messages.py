@@ -1,0 +1,185 @@
+"""The typed messages every tandem process exchanges (router <-> workers, worker <-> worker).
+
+Each is a frozen dataclass; Ray carries them between actors. Failure is a value on the hot path
+(``Full``, ``Rejected``, ``PrefillFailed``, a ``Delta`` with ``error``); exceptions are for
+faults (a dead actor, a bug).
+
+A request's messages, disaggregated::
+
+    router ── reserve(rid, prompt, params, client) ──► decode    -> Reserved | Full | Rejected
+    router ── prefill(rid, prompt, params, endpoint) ► prefill   -> PrefillDone | PrefillFailed
+    router ◄── outputs(client): one StreamBatch per engine step ── decode (every request of
+               that client that progressed in the step: a Delta each, never cumulative)
+
+Colocated: ``generate(rid, prompt, params, client)`` then the same ``StreamBatch`` stream.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.outputs import SampledToken
+from engine.sampling_params import SamplingParams
+
+
+class WorkerState(enum.IntEnum):
+    """A worker's life in the controller's membership table (ordered: only moves forward)."""
+
+    STARTING = 0
+    ACTIVE = 1
+    DRAINING = 2
+    DEAD = 3
+
+
+# -- reservation (decode worker) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Blocks are held for the prompt; its KV goes to ``endpoint``."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class Full:
+    """No room now (blocks or running batch): another decode worker may have some."""
+
+    reason: str = "full"
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The request itself is invalid: retrying elsewhere will not help."""
+
+    message: str
+
+
+ReserveResult = Reserved | Full | Rejected
+
+
+# -- prefill (prefill worker) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """The prompt's KV is sent; ``token`` is the first token, sampled on the prefill worker."""
+
+    token: SampledToken
+    num_cached_tokens: int = 0  # prompt tokens its prefix cache served
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    message: str
+
+
+PrefillResult = PrefillDone | PrefillFailed
+
+
+# -- the stream of outputs (decode / colocated worker -> router) ----------------------------------
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one sequence of one request added since the last delta: never cumulative.
+
+    ``text`` is empty when the worker does not detokenize (the router does, off the engine
+    thread). The last delta of a sequence has ``finish_reason``; one with ``error`` ends the
+    request in failure (``retryable``: it produced no token, so it may run elsewhere)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None  # per token: sampled + top-N
+    text: str = ""
+    index: int = 0  # which of the request's n sequences
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    retryable: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def merge(self, later: Delta) -> Delta:
+        """This delta followed by ``later`` of the same sequence, as one delta (a reader that
+        fell behind gets one per sequence, however many steps it missed)."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = (logprobs or []) + later.logprobs
+        return replace(
+            later,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=logprobs,
+            text=self.text + later.text,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+        )
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    """One message per engine step per client: every delta of that client's requests.
+    ``coalesced`` counts the steps merged in because the reader was behind."""
+
+    worker: str
+    deltas: list[Delta]
+    coalesced: int = 0
+
+
+def aborted(request_id: str) -> Delta:
+    return Delta(request_id, finish_reason="abort")
+
+
+# -- continuing a request elsewhere ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """Everything needed to continue a request on another worker: the prompt, the tokens
+    produced so far (recomputed there as if they were prompt), the sampling parameters and the
+    position of the sampler's seeded stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+# -- membership (controller -> routers) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker as the controller's membership table has it."""
+
+    name: str  # "prefill-0", "decode-1", "colocated-0"
+    role: str  # prefill | decode | colocated
+    handle: Any  # its Ray actor handle
+    state: WorkerState = WorkerState.ACTIVE
+    endpoint: str = ""  # decode: where prefill workers send KV
+    index_id: str = ""  # its name in the global prefix index ("" when it publishes nothing)
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A version of the membership table; routers long-poll the controller for newer ones."""
+
+    version: int
+    workers: list[WorkerInfo]
+    model_dir: str = ""
+    block_size: int = 16
+    max_model_len: int = 0
+    index_url: str | None = None  # the prefix index's Redis (secret inside: never logged)
+    index_namespace: str = ""

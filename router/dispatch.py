@@ -1,0 +1,354 @@
+"""The request protocol, owned by the router: place, reserve, prefill, stream, retry.
+
+One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one worker)::
+
+    1. choose (prefill P, decode D) through the policy, with failed workers excluded
+    2. P.prefill(rid, prompt, endpoint of D, gated)   ┐ at once: the prompt computes while D
+       D.reserve(rid, prompt, client)                 ┘ reserves; its KV waits at the channel
+         Reserved -> P.release(rid)                      until released
+         Full     -> P.abort(rid); the next decode worker, or back off until reserve_timeout_s
+         Rejected -> RequestError (bad input: no retry)
+    3. P's result: PrefillFailed -> D.fail_transfer(rid) (D ends the request retryably)
+    4. D's deltas arrive on this router's one stream from D (``outputs(client_id)``, a batch
+       per engine step for every request of this router on D); the request's queue takes its
+       own, the text is built here (detokenization and stop strings: off the engine thread)
+    5. an error delta before any token (transfer failed, worker died) -> attempt again on other
+       workers, up to ``max_attempts``; after a token -> ClusterError
+    6. finish, stop string (the worker is told to abort) or client gone: abort everywhere
+
+Errors: ``RequestError`` (invalid, nothing started), ``CapacityError`` (no room within
+``reserve_timeout_s``), ``ClusterError`` (failed after retrying).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.detokenizer import SequenceText
+from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tracing import trace
+from router.membership import MembershipView, WorkerRef
+
+logger = logging.getLogger(__name__)
+
+Choose = Callable[[set[str]], tuple[WorkerRef | None, WorkerRef]]
+"""The placement for one attempt, given the workers to avoid: (prefill or None, decode)."""
+
+
+class ClusterError(RuntimeError):
+    """A request failed inside the cluster (after its retries)."""
+
+
+class RequestError(ValueError):
+    """The request is invalid; nothing was started."""
+
+
+class CapacityError(ClusterError):
+    """No worker could take the request in time (the gateway answers 503 + Retry-After)."""
+
+
+class _Retry(Exception):
+    """An attempt failed before its first token: the request may run elsewhere."""
+
+
+@dataclass
+class _Inflight:
+    """One attempt's deltas, as the worker stream delivers them."""
+
+    worker: str
+    deltas: list[Delta] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    produced: bool = False
+
+    def push(self, d: Delta) -> None:
+        self.deltas.append(d)
+        self.ready.set()
+
+    async def take(self) -> list[Delta]:
+        await self.ready.wait()
+        self.ready.clear()
+        deltas, self.deltas = self.deltas, []
+        return deltas
+
+
+class Assembler:
+    """A request's cumulative output, built in place from its deltas (the work per delta is
+    O(its tokens)); detokenizes and checks stop strings when the worker did not."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer):
+        self.params = params
+        n = params.n
+        self.output = RequestOutput(request_id, None, prompt_ids, 0, [], False, time.time())
+        self.output.outputs = [
+            CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+            for i in range(n)
+        ]
+        self._texts = [
+            SequenceText(tokenizer, prompt_ids, params.for_child(i) if n > 1 else params)
+            if tokenizer is not None
+            else None
+            for i in range(n)
+        ]
+
+    def apply(self, d: Delta) -> bool:
+        """Add one delta; True when a stop string ended its sequence here (the worker keeps
+        generating until told to abort)."""
+        out = self.output.outputs[d.index]
+        out.delta_text, out.delta_token_ids = "", []
+        if out.finished:
+            return False
+        if d.num_cached_tokens:
+            self.output.num_cached_tokens = d.num_cached_tokens
+        text = self._texts[d.index]
+        stopped = None
+        for i, tok in enumerate(d.token_ids):
+            out.token_ids.append(tok)
+            out.delta_token_ids.append(tok)
+            if out.logprobs is not None and d.logprobs is not None:
+                out.logprobs.append(d.logprobs[i])
+            if text is None:
+                continue
+            last = i == len(d.token_ids) - 1
+            stop_token = last and d.finish_reason == "stop"
+            stopped = text.add(tok, stop_token=stop_token, stop_reason=d.stop_reason)
+            if stopped is not None:
+                break
+        if stopped is not None:
+            out.finish_reason, out.stop_reason = "stop", stopped
+        elif d.finish_reason is not None:
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        if text is not None:
+            out.delta_text = text.next_text(out.finished)
+            out.text += out.delta_text
+        else:
+            out.delta_text = d.text
+            out.text += d.text
+        if self.output.first_token_time is None and out.token_ids:
+            self.output.first_token_time = time.time()
+        self.output.finished = all(o.finished for o in self.output.outputs)
+        return stopped is not None
+
+
+class Dispatcher:
+    """Runs requests on the workers of ``members``; one per router process."""
+
+    def __init__(
+        self,
+        members: MembershipView,
+        tokenizer: Any,
+        *,
+        client_id: str | None = None,
+        reserve_timeout_s: float = 30.0,
+        max_attempts: int = 2,
+    ) -> None:
+        self.members = members
+        self.tokenizer = tokenizer
+        self.client_id = client_id or f"router-{secrets.token_hex(4)}"
+        self.reserve_timeout_s = reserve_timeout_s
+        self.max_attempts = max_attempts
+        self._inflight: dict[str, _Inflight] = {}
+        self._streams: dict[str, asyncio.Task] = {}
+        self.coalesced_batches = 0
+
+    # -- a request ---------------------------------------------------------------------------
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        choose: Choose,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request (cumulative, built in place; the last is ``finished``).
+        Closing the iterator early aborts it everywhere."""
+        avoid: set[str] = set()
+        error = "unknown"
+        for attempt in range(self.max_attempts):
+            irid = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            prefill, decode = choose(avoid)
+            assembler = Assembler(request_id, prompt_ids, params, self.tokenizer)
+            try:
+                async for out in self._attempt(
+                    irid, prompt_ids, params, kwargs, prefill, decode, assembler
+                ):
+                    yield out
+                return
+            except _Retry as exc:
+                error = str(exc)
+                logger.warning("request %s attempt %d failed: %s", request_id, attempt + 1, error)
+                avoid |= {decode.name} | ({prefill.name} if prefill is not None else set())
+        raise ClusterError(f"request {request_id} failed on {self.max_attempts} attempts: {error}")
+
+    async def _attempt(self, irid, ids, params, kwargs, prefill, decode, assembler):
+        finished = False
+        workers = [decode] + ([prefill] if prefill is not None else [])
+        for w in workers:
+            w.outstanding += 1
+        try:
+            if prefill is None:
+                inflight = await self._start_colocated(irid, ids, params, kwargs, decode)
+            else:
+                inflight, placed, irid = await self._start_disagg(
+                    irid, ids, params, kwargs, prefill, decode
+                )
+                if placed is not decode:  # the chosen one was full: another had room
+                    decode.outstanding -= 1
+                    placed.outstanding += 1
+                    decode = workers[0] = placed
+            while True:
+                for d in await inflight.take():
+                    if d.error is not None:
+                        if d.retryable and not inflight.produced:
+                            raise _Retry(d.error)
+                        raise ClusterError(d.error)
+                    inflight.produced = True
+                    stopped = assembler.apply(d)  # a stop string: the worker does not know
+                    finished = assembler.output.finished
+                    if stopped and finished:
+                        _quietly(decode.handle.abort, irid)
+                    if finished:
+                        break
+                yield assembler.output
+                if finished:
+                    return
+        finally:
+            self._inflight.pop(irid, None)
+            for w in workers:
+                w.outstanding -= 1
+            if not finished:
+                for w in workers:
+                    _quietly(w.handle.abort, irid)
+
+    async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
+        inflight = self._expect(irid, worker)
+        try:
+            await worker.handle.generate.remote(irid, ids, params, self.client_id, **kwargs)
+        except ValueError as exc:
+            raise RequestError(str(exc).splitlines()[-1]) from None
+        except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
+            self._worker_failed(worker, exc)
+            raise _Retry(f"worker {worker.name} failed: {exc}") from None
+        return inflight
+
+    async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef):
+        """Reserve on ``d`` while ``p`` computes the prompt (gated), falling back to the other
+        decode workers when ``d`` is full. Returns (the request's inflight, its decode worker,
+        the id it runs under)."""
+        inflight = self._expect(irid, d)
+        pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
+        res = await self._reserve_on(d, irid, ids, params, kwargs)
+        if isinstance(res, Reserved):
+            _quietly(p.handle.release, irid)
+        else:
+            _quietly(p.handle.abort, irid)
+            self._inflight.pop(irid, None)
+            irid = f"{irid}~r"  # a new id: the dropped prefill may still be finishing
+            d = await self._reserve_anywhere(irid, ids, params, kwargs, avoid={d.name})
+            inflight = self._inflight[irid]
+            pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
+        asyncio.ensure_future(self._watch_prefill(pref, d, irid))
+        return inflight, d, irid
+
+    async def _reserve_on(self, d: WorkerRef, irid, ids, params, kwargs):
+        try:
+            res = await d.handle.reserve.remote(irid, ids, params, self.client_id, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
+            self._worker_failed(d, exc)
+            return Full(str(exc))
+        if isinstance(res, Rejected):
+            raise RequestError(res.message)
+        return res
+
+    async def _reserve_anywhere(self, irid, ids, params, kwargs, avoid: set[str]) -> WorkerRef:
+        """The first decode worker with room (least loaded first), backing off while all are
+        full, up to ``reserve_timeout_s``."""
+        deadline = time.monotonic() + self.reserve_timeout_s
+        delay = 0.005
+        while True:
+            pool = self.members.decode
+            candidates = sorted(
+                [w for w in pool if w.name not in avoid] or pool, key=lambda w: w.outstanding
+            )
+            for d in candidates:
+                self._expect(irid, d)
+                if isinstance(await self._reserve_on(d, irid, ids, params, kwargs), Reserved):
+                    return d
+                self._inflight.pop(irid, None)
+            if time.monotonic() > deadline or not pool:
+                raise CapacityError(
+                    f"no decode worker had room for a {len(ids)}-token prompt within "
+                    f"{self.reserve_timeout_s:.0f} s"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    async def _watch_prefill(self, pref, d: WorkerRef, irid: str) -> None:
+        try:
+            res = await pref
+        except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
+            res = PrefillFailed(f"prefill worker failed: {exc}")
+        trace(irid, "router.prefilled")
+        if isinstance(res, PrefillFailed):
+            _quietly(d.handle.fail_transfer, irid, res.message)
+
+    # -- the workers' output streams ---------------------------------------------------------
+
+    def _expect(self, irid: str, worker: WorkerRef) -> _Inflight:
+        """Register a request's queue before it can produce anything, and make sure this
+        router reads ``worker``'s stream."""
+        inflight = self._inflight[irid] = _Inflight(worker.name)
+        task = self._streams.get(worker.name)
+        if task is None or task.done():
+            self._streams[worker.name] = asyncio.ensure_future(self._read(worker))
+        return inflight
+
+    async def _read(self, worker: WorkerRef) -> None:
+        """Demultiplex ``worker``'s batches to the requests they belong to."""
+        stream = worker.handle.outputs.options(
+            num_returns="streaming", _generator_backpressure_num_objects=16
+        ).remote(self.client_id)
+        why = "its output stream ended"
+        try:
+            async for ref in stream:
+                batch = await ref
+                self.coalesced_batches += batch.coalesced
+                for d in batch.deltas:
+                    inflight = self._inflight.get(d.request_id)
+                    if inflight is not None:
+                        inflight.push(d)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the worker died
+            why = f"worker {worker.name} died: {exc}"
+            self._worker_failed(worker, exc)
+        for rid, inflight in list(self._inflight.items()):
+            if inflight.worker == worker.name:
+                inflight.push(Delta(rid, error=why, retryable=True))
+
+    def _worker_failed(self, worker: WorkerRef, exc: BaseException) -> None:
+        from ray.exceptions import RayActorError
+
+        if isinstance(exc, RayActorError):
+            self.members.forget(worker.name, str(exc).splitlines()[0])
+
+    async def aclose(self) -> None:
+        for task in self._streams.values():
+            task.cancel()
+        await asyncio.gather(*self._streams.values(), return_exceptions=True)
+        self._streams.clear()
+
+
+def _quietly(method, *args) -> None:
+    """Fire-and-forget a Ray actor call (its failure is not the caller's concern)."""
+    with contextlib.suppress(Exception):
+        method.remote(*args)

@@ -1,0 +1,67 @@
+"""The import-layer contract (pyproject's [tool.importlinter]) holds, and catches a violation.
+
+The tree's Python files are copied to a scratch folder; ``lint-imports`` must pass there as it
+is, and fail once a lower layer imports a higher one (a module-level import and one hidden in
+a function body, as the old worker runtime's lazy router import was).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["cluster", "router", "prefill_worker", "decode_worker", "engine", "kernels", "proto"]
+LINT = shutil.which("lint-imports")
+
+pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed")
+
+
+def _copy_tree(dest: Path) -> None:
+    for pkg in PACKAGES:
+        for src in (ROOT / pkg).rglob("*.py"):
+            target = dest / src.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, target)
+    shutil.copyfile(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run(
+        [LINT, "--no-cache", "--config", str(tree / "pyproject.toml")],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_layer_contract_holds_on_the_tree(tmp_path):
+    _copy_tree(tmp_path)
+    res = _lint(tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "KEPT" in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "source"),
+    [
+        ("engine/_planted.py", "from router.dispatch import Dispatcher\n"),
+        ("decode_worker/_planted.py", "def f():\n    from cluster.controller import Controller\n"),
+        ("prefill_worker/_planted.py", "import decode_worker.worker\n"),
+        ("kernels/_planted.py", "import engine.config\n"),
+    ],
+)
+def test_layer_contract_fails_on_a_planted_violation(tmp_path, where, source):
+    _copy_tree(tmp_path)
+    (tmp_path / where).write_text(source)
+    res = _lint(tmp_path)
+    assert res.returncode != 0, res.stdout
+    module = where.removesuffix(".py").replace("/", ".")
+    assert "BROKEN" in res.stdout and module in res.stdout, res.stdout
