@@ -1,0 +1,90 @@
+"""The batched delta stream: what a worker sends its router, and what the router builds of it.
+
+* a channel merges the steps a slow reader missed into one delta per sequence (bounded by the
+  tokens produced, never a growing queue of messages), and counts the merged steps;
+* the router's ``Assembler`` builds the text from token deltas with the engine's own rules
+  (stop strings, a stop token's text left out) and tells when a stop string ended a sequence;
+* a worker whose reader went away aborts that reader's requests after the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.messages import Delta
+from engine.runtime import _Channel
+from engine.sampling_params import SamplingParams
+from router.dispatch import Assembler
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_channel_merges_what_a_slow_reader_missed() -> None:
+    async def scenario():
+        ch = _Channel()
+        ch.put([Delta("a", [1], [{1: -0.1}]), Delta("b", [7])])
+        ch.put([Delta("a", [2], [{2: -0.2}])])
+        ch.put([Delta("a", [3], [{3: -0.3}], finish_reason="length")])
+        assert ch.ready.is_set()
+        deltas, merged = ch.take()
+        return ch, deltas, merged
+
+    ch, deltas, merged = asyncio.run(scenario())
+    assert merged == 2 and ch.coalesced == 2 and not ch.pending
+    by_id = {d.request_id: d for d in deltas}
+    assert by_id["a"].token_ids == [1, 2, 3] and by_id["a"].finish_reason == "length"
+    assert by_id["a"].logprobs == [{1: -0.1}, {2: -0.2}, {3: -0.3}]
+    assert by_id["b"].token_ids == [7] and not by_id["b"].finished
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def test_assembler_applies_stop_strings_and_stop_tokens(tokenizer) -> None:
+    ids = tokenizer("The capital of France is Paris. It is big.")["input_ids"]
+    params = SamplingParams(stop=["."], max_tokens=50)
+    asm = Assembler("r", [1, 2], params, tokenizer)
+    stopped = [asm.apply(Delta("r", [t])) for t in ids]
+    out = asm.output.outputs[0]
+    assert out.text == "The capital of France is Paris"  # the stop string is not shown
+    assert (out.finish_reason, out.stop_reason) == ("stop", ".")
+    assert stopped.count(True) == 1  # the worker is told once; later deltas change nothing
+    assert out.token_ids == ids[: stopped.index(True) + 1]
+    # A stop token (eos) ends the text without being part of it.
+    eos = tokenizer.eos_token_id
+    asm = Assembler("e", [1, 2], SamplingParams(), tokenizer)
+    asm.apply(Delta("e", ids[:3]))
+    asm.apply(Delta("e", [eos], finish_reason="stop"))
+    assert asm.output.finished and asm.output.outputs[0].text == tokenizer.decode(ids[:3])
+
+
+def test_a_readers_requests_are_aborted_when_it_goes_away(tmp_path, tiny_cfg) -> None:
+    from decode_worker.colocated import ColocatedWorker
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(tmp_path)
+    w = ColocatedWorker({"model_dir": str(tmp_path), "num_kv_blocks": 32, "block_size": 4}, "c")
+    w.orphan_grace_s = 0.2
+
+    async def scenario():
+        params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        await w.generate("long", [1, 2, 3], params, "router-a")
+        stream = w.outputs("router-a")
+        batch = await stream.__anext__()
+        assert batch.deltas[0].request_id == "long" and batch.deltas[0].token_ids
+        await stream.aclose()  # the router is gone
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if not w.engine.has_unfinished_requests():
+                break
+        return await w.check_idle()
+
+    try:
+        assert asyncio.run(scenario()) is None
+    finally:
+        w.shutdown()
