@@ -40,6 +40,7 @@ class WorkerSpec:
     prefill_engine: dict[str, Any] = field(default_factory=dict)
     decode_engine: dict[str, Any] = field(default_factory=dict)
     use_role_resources: bool = False  # the cluster defines `prefill` / `decode` resources
+    cpu_threads: int | None = None  # CPU: torch threads per worker (its share of the cores)
 
 
 class Controller:
@@ -131,6 +132,8 @@ class Controller:
         name = f"{role}-{index}"
         actor_name = f"{spec.cluster_id}/{name}"  # also its name in the prefix index
         engine = {"model_dir": spec.model_dir, "device": spec.device, **spec.engine}
+        if spec.device == "cpu" and spec.cpu_threads:
+            engine["cpu_threads"] = spec.cpu_threads
         kwargs: dict[str, Any] = {}
         if role == "prefill":
             # A prefill worker never decodes: no decode CUDA graphs to capture.

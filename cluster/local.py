@@ -123,6 +123,8 @@ class LocalCluster:
             prefill_engine=cfg.prefill_engine,
             decode_engine=cfg.decode_engine,
             use_role_resources=bool(resources.get("prefill") and resources.get("decode")),
+            # a local CPU cluster shares this machine's cores among its workers
+            cpu_threads=None if cfg.ray_address else max(1, (os.cpu_count() or 1) // workers),
         )
         self.controller = (
             ray.remote(Controller)

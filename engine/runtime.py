@@ -81,7 +81,10 @@ class EngineWorker:
     ) -> None:
         """``index``: ``{"url", "namespace", "worker"}`` of the global prefix index (Redis); when
         given, the blocks this worker caches and evicts are published there as ``worker``."""
-        threads = os.environ.get("TANDEM_TORCH_THREADS")
+        # Ray gives an actor with num_cpus=1 one OpenMP thread; on CPU the launcher hands each
+        # worker its share of the node's cores instead (TANDEM_TORCH_THREADS overrides).
+        engine_config = dict(engine_config)
+        threads = os.environ.get("TANDEM_TORCH_THREADS") or engine_config.pop("cpu_threads", None)
         if threads:
             import torch
 
