@@ -192,7 +192,7 @@ class LocalCluster:
         return self
 
     def _join(self, table) -> None:
-        if not any(True for _ in table.workers):
+        if not table.workers:
             raise ClusterError(f"cluster {self.cluster_id!r} has no workers")
         self.members = MembershipView(table, self.controller)
         self.block_size = table.block_size

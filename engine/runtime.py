@@ -36,11 +36,10 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import Delta, StreamBatch, aborted
-from engine.tracing import trace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineWorker", "trace"]
+__all__ = ["EngineWorker"]
 
 
 class _Channel:
