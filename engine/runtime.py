@@ -83,7 +83,8 @@ class EngineWorker:
         # Ray gives an actor with num_cpus=1 one OpenMP thread; on CPU the launcher hands each
         # worker its share of the node's cores instead (TANDEM_TORCH_THREADS overrides).
         engine_config = dict(engine_config)
-        threads = os.environ.get("TANDEM_TORCH_THREADS") or engine_config.pop("cpu_threads", None)
+        threads = engine_config.pop("cpu_threads", None)
+        threads = os.environ.get("TANDEM_TORCH_THREADS") or threads
         if threads:
             import torch
 
