@@ -1,0 +1,390 @@
+"""Serving through the gateway against the engine's own speed, and the topologies side by side.
+
+One driver for the issue-12 GPU figures. Each phase starts ``tandem serve`` (a fresh Ray cluster, a
+local redis-server, the OpenAI gateway) with one topology, drives it with
+``benchmarks/serve.py`` (open loop, streamed ``/v1/completions``, ``ignore_eos``), stops it, and
+keeps every run's JSON (per-request records included) under ``--out``:
+
+* ``offline``: ``LLM.generate`` on the same requests in one process (no gateway, no Ray), the
+  denominator of "the gateway at the engine's own speed";
+* ``one``: one colocated worker on GPU 0, all requests at once;
+* ``two``: two colocated workers (GPU 0 and 1);
+* ``pd``: one prefill + one decode worker, KV streamed over NCCL.
+
+``two`` and ``pd`` run ShareGPT at ``inf`` (their saturation S) and at fractions of a reference
+rate (``--fracs`` of ``--ref-rate``, default: of this phase's own S), and the long-prompt workload
+likewise. Requests: ``sharegpt-ids`` (random ids of ShareGPT first-turn Llama-3 lengths from
+benchmarks/data/sharegpt_llama3_lengths.json; the GPU machine has no dataset) and ``long``.
+
+    python benchmarks/gpu_serve.py run --model DIR --phases offline,one --out $OUT
+    python benchmarks/gpu_serve.py run --model DIR --phases pd --out $OUT
+    python benchmarks/gpu_serve.py run --model DIR --phases two --ref-rate 12.5 --out $OUT
+    python benchmarks/gpu_serve.py report DIR... [--json F] [--plot PNG]   # tables, goodput, plot
+
+``--device cpu`` runs the same on CPU (a dry run of the driver with the small model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import serve as bench  # noqa: E402
+
+LENGTHS = ROOT / "benchmarks" / "data" / "sharegpt_llama3_lengths.json"
+TOPOLOGIES = {
+    "one": (["--colocated", "1"], "0"),
+    "two": (["--colocated", "2"], "0,1"),
+    "pd": (["--prefill", "1", "--decode", "1"], "0,1"),
+}
+# Goodput SLO pairs (ms). The first is the issue's interactive-chat pair. The second is a
+# document-reading pair for long prompts: a reader accepts a couple of seconds before the answer
+# starts on an 8k-token document, then wants it faster than reading speed (100 ms/token is about
+# 7 words/s against ~4-5 read); DistServe's summarization class is set the same way (TTFT in
+# seconds, TPOT interactive).
+SLOS = {"chat": {"ttft": 500.0, "tpot": 40.0}, "doc": {"ttft": 2000.0, "tpot": 100.0}}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the requests
+
+
+def workload_args(args: argparse.Namespace, workload: str, num: int) -> list[str]:
+    if workload == "sharegpt":
+        return [
+            "--workload",
+            "sharegpt-ids",
+            "--lengths-file",
+            str(LENGTHS),
+            "--num-prompts",
+            str(num),
+            *(["--max-output", str(args.max_output)] if args.max_output else []),
+        ]
+    return [
+        "--workload",
+        "long",
+        "--num-prompts",
+        str(num),
+        "--long-input",
+        *map(str, args.long_input),
+        "--long-output",
+        *map(str, args.long_output),
+    ]
+
+
+def engine_kv(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in args.engine:
+        key, _, value = pair.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------- offline engine
+
+
+def offline(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM.generate`` on the ShareGPT requests ``serve.py`` sends (same ids, same lengths)."""
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    requests = bench.build_requests(
+        bench.parse_args(workload_args(args, "sharegpt", args.num_prompts))
+    )
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=dtype, **engine_kv(args))
+    init_s = time.perf_counter() - t0
+    log(f"offline engine ready in {init_s:.0f} s; {len(requests)} requests")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in requests], params, use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert out_tokens == sum(r.output_len for r in requests)
+    return {
+        "requests": len(requests),
+        "seconds": seconds,
+        "request_throughput": len(requests) / seconds,
+        "output_throughput": out_tokens / seconds,
+        "init_s": init_s,
+        "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+    }
+
+
+# --------------------------------------------------------------------------- a server
+
+
+class Server:
+    """``tandem serve`` in a child process; its output goes to a log (and is watched)."""
+
+    def __init__(self, args: argparse.Namespace, topo: str) -> None:
+        flags, gpus = TOPOLOGIES[topo]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", args.model]
+        cmd += ["--device", args.device, *flags, "--port", str(self.port)]
+        cmd += ["--served-model-name", "bench", "--max-concurrent", str(args.max_concurrent)]
+        for pair in args.engine:
+            cmd += ["--engine", pair]
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+        if args.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        self.log_path = Path(args.out) / f"server-{topo}.log"
+        self.log = self.log_path.open("w")
+        self.serving = threading.Event()
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            if re.match(r"^serving http://", line):
+                self.serving.set()
+
+    def wait(self, timeout: float) -> None:
+        t0 = time.monotonic()
+        while not self.serving.wait(1.0):
+            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
+                tail = self.log_path.read_text().splitlines()[-30:]
+                raise RuntimeError("server did not start:\n" + "\n".join(tail))
+        log(f"serving at {self.url} after {time.monotonic() - t0:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def drive(
+    args: argparse.Namespace, server: Server, name: str, workload: str, num: int, rates: list
+) -> list[dict[str, Any]]:
+    """``serve.py`` against ``server``; its JSON is kept gzipped as ``name.json.gz``."""
+    path = Path(args.out) / f"{name}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--base-url", server.url]
+    cmd += ["--ignore-eos", "--save-requests", "--label", name, "--out", str(path)]
+    cmd += ["--goodput", *(f"{k}:{v:g}" for k, v in SLOS["chat"].items())]
+    cmd += ["--rates", *(bench.format_rate(r) for r in rates)]
+    cmd += workload_args(args, workload, num)
+    log(f"{name}: {num} {workload} requests at {[bench.format_rate(r) for r in rates]}")
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.bench_timeout)
+    data = json.loads(path.read_text())
+    with gzip.open(f"{path}.gz", "wt") as f:
+        json.dump(data, f)
+    path.unlink()
+    return data["runs"][name]["results"]
+
+
+def phase(args: argparse.Namespace, topo: str) -> dict[str, Any]:
+    server = Server(args, topo)
+    out: dict[str, Any] = {}
+    try:
+        server.wait(args.start_timeout)
+        sat = drive(args, server, f"{topo}-sharegpt-inf", "sharegpt", args.num_prompts, [1e999])
+        out["saturation"] = sat[0]["request_throughput"]
+        if topo == "one":
+            return out
+        ref = args.ref_rate or out["saturation"]
+        rates = [round(f * ref, 2) for f in args.fracs]
+        drive(args, server, f"{topo}-sharegpt-rates", "sharegpt", args.rate_prompts, rates)
+        long_sat = drive(args, server, f"{topo}-long-inf", "long", args.long_prompts, [1e999])
+        out["long_saturation"] = long_sat[0]["request_throughput"]
+        long_ref = args.long_ref_rate or out["long_saturation"]
+        long_rates = [round(f * long_ref, 2) for f in args.fracs]
+        drive(args, server, f"{topo}-long-rates", "long", args.long_rate_prompts, long_rates)
+    finally:
+        server.stop()
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    summary_path = Path(args.out) / "summary.json"
+    summary: dict[str, Any] = {"model": args.model, "engine": args.engine, "phases": {}}
+    for name in args.phases.split(","):
+        t0 = time.monotonic()
+        try:
+            if name == "offline":
+                summary["phases"][name] = offline(args)
+            else:
+                summary["phases"][name] = phase(args, name)
+        except Exception as exc:  # keep what the other phases measure
+            log(f"phase {name} failed: {exc!r}")
+            summary["phases"][name] = {"error": repr(exc)[:2000]}
+        summary["phases"][name]["wall_s"] = time.monotonic() - t0
+        summary_path.write_text(json.dumps(summary, indent=1))
+        log(f"phase {name}: {summary['phases'][name]}")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def load_runs(dirs: list[Path]) -> tuple[dict[str, list[dict]], dict[str, Any]]:
+    runs: dict[str, list[dict]] = {}
+    phases: dict[str, Any] = {}
+    for d in dirs:
+        for f in sorted(d.glob("*.json.gz")):
+            with gzip.open(f, "rt") as fh:
+                data = json.load(fh)
+            for label, entry in data["runs"].items():
+                runs[label] = entry["results"]
+        if (d / "summary.json").exists():
+            phases |= json.loads((d / "summary.json").read_text())["phases"]
+    return runs, phases
+
+
+def goodput(result: dict[str, Any], slos: dict[str, float]) -> float:
+    recs = result.get("requests")
+    if not recs:
+        return float("nan")
+    return bench.compute_metrics(recs, slos)["request_goodput"]
+
+
+def report(args: argparse.Namespace) -> None:
+    runs, phases = load_runs([Path(d) for d in args.dirs])
+    lines = []
+    off = phases.get("offline", {}).get("request_throughput")
+    one = runs.get("one-sharegpt-inf")
+    if off and one:
+        r = one[0]["request_throughput"]
+        lines.append(
+            f"one colocated worker through the gateway: {r:.2f} req/s vs offline {off:.2f} "
+            f"= {r / off:.3f}x ({phases['offline'].get('gpu', '')})"
+        )
+    two = runs.get("two-sharegpt-inf")
+    if one and two:
+        a, b = one[0]["request_throughput"], two[0]["request_throughput"]
+        lines.append(f"two colocated / one: {b:.2f} / {a:.2f} = {b / a:.3f}x")
+    pd_rates, two_rates = runs.get("pd-sharegpt-rates", []), runs.get("two-sharegpt-rates", [])
+    for p in pd_rates:
+        for t in two_rates:
+            if p["offered_rate"] == t["offered_rate"]:
+                lines.append(
+                    f"ShareGPT at {p['offered_rate']} req/s: p99 TTFT 1P1D {p['p99_ttft_ms']:.0f} ms "
+                    f"/ 2 colocated {t['p99_ttft_ms']:.0f} ms = "
+                    f"{p['p99_ttft_ms'] / t['p99_ttft_ms']:.2f}x"
+                )
+    header = "| run | offered | req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 ms | "
+    header += " | ".join(f"goodput {k} ({v['ttft']:g}/{v['tpot']:g})" for k, v in SLOS.items())
+    table = [header + " |", "|" + "---|" * (5 + len(SLOS))]
+    summary: dict[str, Any] = {"phases": phases, "runs": {}}
+    for label, results in sorted(runs.items()):
+        summary["runs"][label] = []
+        for res in results:
+            gp = {k: goodput(res, v) for k, v in SLOS.items()}
+            slim = {k: v for k, v in res.items() if k != "requests"} | {"goodput": gp}
+            summary["runs"][label].append(slim)
+            table.append(
+                f"| {label} | {bench.format_rate(res['offered_rate'])} | "
+                f"{res['request_throughput']:.2f} | {res['median_ttft_ms']:.0f} / "
+                f"{res['p90_ttft_ms']:.0f} / {res['p99_ttft_ms']:.0f} | "
+                f"{res['median_tpot_ms']:.1f} / {res['p90_tpot_ms']:.1f} | "
+                + " | ".join(f"{gp[k]:.2f}" for k in SLOS)
+                + " |"
+            )
+    print("\n".join(lines + [""] + table))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot:
+        for workload in ("sharegpt", "long"):
+            data = {"runs": {}}
+            for topo in ("two", "pd"):
+                results = runs.get(f"{topo}-{workload}-rates", []) + runs.get(
+                    f"{topo}-{workload}-inf", []
+                )
+                if results:
+                    label = {"two": "2 colocated", "pd": "1P1D"}[topo]
+                    data["runs"][label] = {"results": results}
+            if data["runs"]:
+                png = Path(args.plot)
+                bench.plot_report(data, png.with_name(f"{png.stem}_{workload}{png.suffix}"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True, help="HF folder (config + tokenizer)")
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    r.add_argument("--phases", default="offline,one,two,pd")
+    r.add_argument("--out", required=True)
+    r.add_argument(
+        "--engine",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="EngineConfig fields (default: load_format=dummy max_model_len=8192)",
+    )
+    r.add_argument("--num-prompts", type=int, default=1000, help="ShareGPT at inf")
+    r.add_argument("--rate-prompts", type=int, default=400, help="ShareGPT at each finite rate")
+    r.add_argument("--long-prompts", type=int, default=200)
+    r.add_argument("--long-rate-prompts", type=int, default=100)
+    r.add_argument("--long-input", type=int, nargs=2, default=[2048, 7936])
+    r.add_argument("--long-output", type=int, nargs=2, default=[64, 256])
+    r.add_argument("--max-output", type=int, default=None)
+    r.add_argument("--fracs", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    r.add_argument("--ref-rate", type=float, default=None, help="ShareGPT rates are fracs of it")
+    r.add_argument("--long-ref-rate", type=float, default=None)
+    r.add_argument("--max-concurrent", type=int, default=2048)
+    r.add_argument("--start-timeout", type=float, default=400.0)
+    r.add_argument("--bench-timeout", type=float, default=400.0)
+    p = sub.add_parser("report")
+    p.add_argument("dirs", nargs="+")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    if args.cmd == "run":
+        if args.engine is None:
+            args.engine = ["load_format=dummy", "max_model_len=8192"]
+        run(args)
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
