@@ -27,6 +27,7 @@ benchmarks/data/sharegpt_llama3_lengths.json; the GPU machine has no dataset) an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -51,6 +52,8 @@ TOPOLOGIES = {
     "two": (["--colocated", "2"], "0,1"),
     "pd": (["--prefill", "1", "--decode", "1"], "0,1"),
 }
+# ``topo@variant`` phases: the same topology with other gateway flags (the gateway's own cost).
+VARIANTS = {"": [], "asyncio": ["--loop", "asyncio", "--http", "h11"]}
 # Goodput SLO pairs (ms). The first is the issue's interactive-chat pair. The second is a
 # document-reading pair for long prompts: a reader accepts a couple of seconds before the answer
 # starts on an 8k-token document, then wants it faster than reading speed (100 ms/token is about
@@ -149,8 +152,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
 class Server:
     """``tandem serve`` in a child process; its output goes to a log (and is watched)."""
 
-    def __init__(self, args: argparse.Namespace, topo: str) -> None:
+    def __init__(self, args: argparse.Namespace, spec: str) -> None:
+        topo, _, variant = spec.partition("@")
         flags, gpus = TOPOLOGIES[topo]
+        flags = flags + VARIANTS[variant]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", args.model]
@@ -161,7 +166,7 @@ class Server:
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
         if args.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        self.log_path = Path(args.out) / f"server-{topo}.log"
+        self.log_path = Path(args.out) / f"server-{spec.replace('@', '-')}.log"
         self.log = self.log_path.open("w")
         self.serving = threading.Event()
         self.proc = subprocess.Popen(
@@ -201,6 +206,78 @@ class Server:
         self.log.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+
+
+class Profile:
+    """Where the host's CPU goes during one benchmark run: CPU seconds of every process over the
+    run (top ones kept, with their command lines), and, when ``py-spy`` is on PATH, 10 s of
+    sampled Python stacks of the gateway, the client and the busiest Ray workers (collapsed
+    stacks, one file each, for a flame graph)."""
+
+    def __init__(self, args: argparse.Namespace, name: str, gateway: int, client: int) -> None:
+        self.path = Path(args.out) / f"{name}-cpu.json"
+        self.name, self.out = name, Path(args.out)
+        self.pids = {"gateway": gateway, "client": client}
+        self.t0, self.start = time.monotonic(), self._sample()
+        self.spies: list[subprocess.Popen] = []
+        self.timer = threading.Timer(args.profile_delay, self._spy)
+        self.timer.start()
+
+    def _sample(self) -> dict[int, float]:
+        out = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    out[int(d.name)] = _cpu_seconds(int(d.name))
+        return out
+
+    def _spy(self) -> None:
+        import shutil
+
+        if not shutil.which("py-spy"):
+            return
+        now = self._sample()
+        busy = sorted(now, key=lambda p: self.start.get(p, 0.0) - now[p])
+        workers = [p for p in busy if "ray::" in self._name(p)][:2]
+        targets = dict(self.pids) | {f"worker{i}": p for i, p in enumerate(workers)}
+        for role, pid in targets.items():
+            f = self.out / f"{self.name}-{role}.pyspy.txt"
+            cmd = ["py-spy", "record", "--pid", str(pid), "--duration", "10", "--rate", "200"]
+            cmd += ["--format", "raw", "--nonblocking", "--output", str(f)]
+            self.spies.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+
+    @staticmethod
+    def _name(pid: int) -> str:
+        try:
+            return _cmdline(pid) or Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        end, wall = self._sample(), time.monotonic() - self.t0
+        used = {p: end[p] - self.start.get(p, 0.0) for p in end}
+        top = sorted(used, key=used.get, reverse=True)[:12]
+        rows = [{"pid": p, "cpu_pct": 100 * used[p] / wall, "cmd": self._name(p)} for p in top]
+        self.path.write_text(json.dumps({"wall_s": wall, "top": rows}, indent=1))
+        for row in rows[:6]:
+            log(f"  cpu {row['cpu_pct']:6.1f}%  {row['cmd'][:90]}")
+        for spy in self.spies:
+            try:
+                spy.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+
+
 def drive(
     args: argparse.Namespace, server: Server, name: str, workload: str, num: int, rates: list
 ) -> list[dict[str, Any]]:
@@ -212,7 +289,16 @@ def drive(
     cmd += ["--rates", *(bench.format_rate(r) for r in rates)]
     cmd += workload_args(args, workload, num)
     log(f"{name}: {num} {workload} requests at {[bench.format_rate(r) for r in rates]}")
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.bench_timeout)
+    client = subprocess.Popen(cmd, cwd=ROOT)
+    profile = Profile(args, name, server.proc.pid, client.pid) if args.profile else None
+    try:
+        if client.wait(timeout=args.bench_timeout):
+            raise RuntimeError(f"serve.py exited {client.returncode}")
+    finally:
+        if client.poll() is None:
+            client.kill()
+        if profile:
+            profile.stop()
     data = json.loads(path.read_text())
     with gzip.open(f"{path}.gz", "wt") as f:
         json.dump(data, f)
@@ -220,14 +306,15 @@ def drive(
     return data["runs"][name]["results"]
 
 
-def phase(args: argparse.Namespace, topo: str) -> dict[str, Any]:
-    server = Server(args, topo)
+def phase(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    server = Server(args, spec)
+    topo = spec.replace("@", "-")
     out: dict[str, Any] = {}
     try:
         server.wait(args.start_timeout)
         sat = drive(args, server, f"{topo}-sharegpt-inf", "sharegpt", args.num_prompts, [1e999])
         out["saturation"] = sat[0]["request_throughput"]
-        if topo == "one":
+        if topo.startswith("one") or args.inf_only:
             return out
         ref = args.ref_rate or out["saturation"]
         rates = [round(f * ref, 2) for f in args.fracs]
@@ -249,8 +336,11 @@ def run(args: argparse.Namespace) -> None:
     for name in args.phases.split(","):
         t0 = time.monotonic()
         try:
-            if name == "offline":
-                summary["phases"][name] = offline(args)
+            if name == "offline":  # in a child: its GPU memory is gone when it exits
+                child = Path(args.out) / "offline.json"
+                argv = [sys.executable, __file__, "offline-child", *sys.argv[2:], "--child-out"]
+                subprocess.run([*argv, str(child)], check=True, timeout=args.start_timeout)
+                summary["phases"][name] = json.loads(child.read_text())
             else:
                 summary["phases"][name] = phase(args, name)
         except Exception as exc:  # keep what the other phases measure
@@ -349,6 +439,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
+    c = sub.add_parser("offline-child")
+    for r in (r, c):  # noqa: B020 (the child takes the run's arguments)
+        add_run_args(r)
+    c.add_argument("--child-out", required=True)
+    p = sub.add_parser("report")
+    p.add_argument("dirs", nargs="+")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    if args.cmd in ("run", "offline-child") and args.engine is None:
+        args.engine = ["load_format=dummy", "max_model_len=8192"]
+    if args.cmd == "run":
+        run(args)
+    elif args.cmd == "offline-child":
+        Path(args.child_out).write_text(json.dumps(offline(args)))
+    else:
+        report(args)
+
+
+def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--model", required=True, help="HF folder (config + tokenizer)")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     r.add_argument("--phases", default="offline,one,two,pd")
@@ -373,17 +483,9 @@ def main() -> None:
     r.add_argument("--max-concurrent", type=int, default=2048)
     r.add_argument("--start-timeout", type=float, default=400.0)
     r.add_argument("--bench-timeout", type=float, default=400.0)
-    p = sub.add_parser("report")
-    p.add_argument("dirs", nargs="+")
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None)
-    args = ap.parse_args()
-    if args.cmd == "run":
-        if args.engine is None:
-            args.engine = ["load_format=dummy", "max_model_len=8192"]
-        run(args)
-    else:
-        report(args)
+    r.add_argument("--inf-only", action="store_true", help="only ShareGPT at inf per phase")
+    r.add_argument("--profile", action="store_true", help="CPU per process; py-spy stacks")
+    r.add_argument("--profile-delay", type=float, default=8.0, help="py-spy starts then (s)")
 
 
 if __name__ == "__main__":

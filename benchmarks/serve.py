@@ -63,7 +63,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -249,10 +249,23 @@ def chunk_text(data: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+async def sse_lines(resp: Any) -> AsyncIterator[str]:
+    """An SSE body's lines, split at ``\n`` (and ``\r\n``) only. httpx's ``aiter_lines`` also
+    splits at U+2028, U+0085 and other characters a server may leave raw inside a JSON string."""
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if buf:
+        yield buf.decode()
+
+
 async def read_stream(resp: Any, rec: Record, start: float, chat: bool) -> None:
     """Fill ``rec`` from an SSE stream: TTFT, ITLs, usage, or the in-band error."""
     last, chunks, done = start, 0, False
-    async for line in resp.aiter_lines():
+    async for line in sse_lines(resp):
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()

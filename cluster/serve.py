@@ -55,6 +55,32 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--loop",
+        default="auto",
+        choices=["auto", "asyncio", "uvloop"],
+        help="the gateway's event loop (auto: uvloop when installed)",
+    )
+    p.add_argument(
+        "--http",
+        default="auto",
+        choices=["auto", "h11", "httptools"],
+        help="uvicorn's HTTP protocol (auto: httptools when installed)",
+    )
+
+
+def run_loop(main, loop: str = "auto"):
+    """Run the gateway's coroutine on uvloop when asked or available (the gateway spends its CPU
+    on per-token event-loop wakeups and socket writes), else on asyncio's own loop."""
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -129,6 +155,7 @@ async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        http=args.http,
         lifespan="off",
         use_colors=sys.stderr.isatty(),  # no ANSI codes in a log file (--detach)
     )
@@ -212,7 +239,7 @@ def run_serve(args: argparse.Namespace) -> int:
             f"ray: {ray.get_runtime_context().gcs_address} (cluster {cluster.cluster_id})",
             f"serving {url} (model {backend.model_name!r}, ready in {time.monotonic() - t0:.0f} s)",
         ]
-        asyncio.run(_run_until_stopped(_gateway_app(backend, args), args, banner, backend))
+        run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)
     print("stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -242,7 +269,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or args.model,
         )
         banner = [f"serving http://{args.host}:{args.port}/v1 (attached to {cluster.cluster_id})"]
-        asyncio.run(_run_until_stopped(_gateway_app(backend, args), args, banner, backend))
+        run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)
     finally:
         if index is not None:
             index.close()

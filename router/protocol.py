@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -391,9 +392,22 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
 # ---------------------------------------------------------------------------------- responses
 
 
+# Characters JSON leaves raw that line splitters built on str.splitlines() (httpx's iter_lines,
+# many hand-written SSE readers) take for line ends: a token decoding to one of them would cut a
+# frame in two there. They are written as \uXXXX escapes instead (still the same JSON string).
+_LINE_BREAKS = re.compile("[\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _escape_line_break(m: re.Match) -> str:
+    return f"\\u{ord(m.group()):04x}"
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    """One server-sent event frame."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event frame (one line of JSON under any line splitter)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    if _LINE_BREAKS.search(text):
+        text = _LINE_BREAKS.sub(_escape_line_break, text)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -198,8 +198,9 @@ CHUNK_DELAY_S = 0.002
 
 
 def _fake_openai_app(bodies: list[dict]):
-    """Streams max_tokens one-character chunks; odd max_tokens -> 429; max_tokens 4 -> an
-    in-band error after the first chunk."""
+    """Streams max_tokens one-character chunks (the first ends in a raw U+2028, which JSON may
+    leave unescaped and str.splitlines() takes for a line end); odd max_tokens -> 429;
+    max_tokens 4 -> an in-band error after the first chunk."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -223,14 +224,15 @@ def _fake_openai_app(bodies: list[dict]):
 
 async def _frames(body: dict, n: int):
     def frame(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     for i in range(n):
         await asyncio.sleep(CHUNK_DELAY_S)
         if n == 4 and i == 1:
             yield frame({"error": {"message": "worker lost", "type": "server_error"}})
             return
-        yield frame({"choices": [{"index": 0, "text": "x", "finish_reason": None}]})
+        text = "x\u2028" if i == 0 else "x"
+        yield frame({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
     yield frame({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
     yield frame({"choices": [], "usage": usage})

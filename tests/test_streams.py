@@ -88,3 +88,19 @@ def test_a_readers_requests_are_aborted_when_it_goes_away(tmp_path, tiny_cfg) ->
         assert asyncio.run(scenario()) is None
     finally:
         w.shutdown()
+
+
+def test_sse_frames_stay_one_line_under_any_line_splitter() -> None:
+    """Token text may decode to U+2028, U+0085 or U+001C..1E: JSON leaves them raw, and
+    splitlines()-based readers (httpx's iter_lines) would cut the frame there."""
+    import json
+
+    from router.protocol import sse
+
+    obj = {"choices": [{"text": "a\u2028b\x85c\x1cd\u2029e \u00e9\u4e2d\n"}]}
+    frame = sse(obj).decode()
+    assert frame.endswith("\n\n") and frame.startswith("data: ")
+    lines = frame.splitlines()
+    assert lines[1:] == [""], lines  # one data line, then the blank line that ends the event
+    assert json.loads(lines[0][len("data: ") :]) == obj
+    assert "\u00e9\u4e2d" in frame  # other non-ASCII text stays raw UTF-8 (not \\u-escaped)
