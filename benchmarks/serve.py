@@ -654,7 +654,9 @@ def plot_report(data: dict[str, Any], png: Path) -> None:
     finite = sorted(x for x in xs.values() if x != inf_x)
     if finite:
         axes[2].plot(finite, finite, "k--", lw=0.8, label="offered")
-    for ax, (_, title) in zip(axes, panels, strict=True):
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        if key.endswith("_ms"):  # latencies span ms below saturation to seconds past it
+            ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel("offered rate (req/s)")
         ax.set_xticks(sorted(xs.values()), [k for k, _ in sorted(xs.items(), key=lambda t: t[1])])
