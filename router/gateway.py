@@ -289,7 +289,7 @@ class _Gateway:
     def __init__(self, backend: Backend, max_body_bytes: int, max_concurrent: int) -> None:
         self.backend = backend
         self.max_body_bytes = max_body_bytes
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(backend.model_name)
         self.slots = _Slots(max_concurrent, self.metrics)
         self.texts = protocol.TokenTexts(backend.tokenizer)
         self.created = int(time.time())

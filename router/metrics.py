@@ -49,55 +49,65 @@ WORKER_STATS_TIMEOUT_S = 5.0
 
 
 class GatewayMetrics:
-    """The gateway's series in a registry of its own; ``render`` adds the backend's."""
+    """The gateway's series in a registry of its own; ``render`` adds the backend's. Every series
+    carries vLLM's ``model_name`` label (dashboards built for vLLM select on it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name
+        m = ["model_name"]
         self.ttft = Histogram(
             "tandem:time_to_first_token_seconds",
             "Arrival at the gateway to the first generated token.",
+            m,
             buckets=TTFT_BUCKETS,
             registry=r,
-        )
+        ).labels(model_name)
         self.itl = Histogram(
             "tandem:inter_token_latency_seconds",
             "Time between generated tokens of a sequence.",
+            m,
             buckets=ITL_BUCKETS,
             registry=r,
-        )
+        ).labels(model_name)
         self.e2e = Histogram(
             "tandem:e2e_request_latency_seconds",
             "Arrival at the gateway to the last token, for requests that finished.",
+            m,
             buckets=E2E_BUCKETS,
             registry=r,
-        )
-        self.success = Counter(
+        ).labels(model_name)
+        self._success = Counter(
             "tandem:request_success_total",
             "Finished sequences (one per choice) by finish reason.",
-            ["finished_reason"],
+            [*m, "finished_reason"],
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "tandem:prompt_tokens_total", "Prompt tokens of started requests.", registry=r
-        )
+            "tandem:prompt_tokens_total", "Prompt tokens of started requests.", m, registry=r
+        ).labels(model_name)
         self.generation_tokens = Counter(
-            "tandem:generation_tokens_total", "Generated tokens, all choices.", registry=r
-        )
-        self.rejected = Counter(
+            "tandem:generation_tokens_total", "Generated tokens, all choices.", m, registry=r
+        ).labels(model_name)
+        self._rejected = Counter(
             "tandem:request_rejected_total",
             "Requests refused before generating (invalid, auth, too_large, model_not_found, "
             "overloaded, concurrency_limit).",
-            ["reason"],
+            [*m, "reason"],
             registry=r,
         )
         self.in_flight = Gauge(
             "tandem:gateway_requests_in_flight",
             "Completion requests admitted by the gateway and not yet answered.",
+            m,
             registry=r,
-        )
+        ).labels(model_name)
 
     def reject(self, reason: str) -> None:
-        self.rejected.labels(reason=reason).inc()
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(self.model_name, reason).inc()
 
     def timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
@@ -115,7 +125,7 @@ class GatewayMetrics:
             logger.warning("router_stats failed; scraping without router series", exc_info=True)
             router = None
         snapshot = CollectorRegistry(auto_describe=False)
-        snapshot.register(BackendCollector(workers, router))
+        snapshot.register(BackendCollector(workers, router, self.model_name))
         return generate_latest(self.registry) + generate_latest(snapshot)
 
 
@@ -159,15 +169,16 @@ class RequestTimer:
         self.finished = True
         self._m.e2e.observe(time.monotonic() - self._arrival)
         for o in out.outputs:
-            self._m.success.labels(finished_reason=o.finish_reason).inc()
+            self._m.finished(o.finish_reason)
 
 
 class BackendCollector:
     """One scrape's view of the backend: router counters and per-worker series."""
 
-    def __init__(self, workers: list[dict[str, Any]], router: Any) -> None:
+    def __init__(self, workers: list[dict[str, Any]], router: Any, model_name: str = "") -> None:
         self._workers = workers
         self._router = router
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         yield from self._router_metrics()
@@ -175,21 +186,24 @@ class BackendCollector:
 
     def _router_metrics(self) -> Iterator[Metric]:
         decisions = CounterMetricFamily(
-            "tandem:routing_decisions", "Placements by routing reason.", labels=["reason"]
+            "tandem:routing_decisions",
+            "Placements by routing reason.",
+            labels=["model_name", "reason"],
         )
         unavailable = CounterMetricFamily(
             "tandem:prefix_index_unavailable",
             "Prefix-index lookups that fell back to load-only routing.",
+            labels=["model_name"],
         )
         if self._router is not None:
             for reason, count in sorted(self._router.decisions.items()):
-                decisions.add_metric([reason], count)
-            unavailable.add_metric([], self._router.index_unavailable)
+                decisions.add_metric([self._model, reason], count)
+            unavailable.add_metric([self._model], self._router.index_unavailable)
         yield decisions
         yield unavailable
 
     def _worker_metrics(self) -> Iterator[Metric]:
-        w = ["worker"]
+        w = ["model_name", "worker"]
         running = GaugeMetricFamily("tandem:num_requests_running", "Requests running.", labels=w)
         waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests waiting.", labels=w)
         usage = GaugeMetricFamily(
@@ -204,13 +218,13 @@ class BackendCollector:
         kv_bytes = CounterMetricFamily(
             "tandem:kv_transfer_bytes",
             "KV bytes moved between workers.",
-            labels=["worker", "direction"],
+            labels=[*w, "direction"],
         )
         kv_seconds = CounterMetricFamily(
             "tandem:kv_transfer_seconds", "Time spent moving KV.", labels=w
         )
         for i, s in enumerate(self._workers):
-            name = [str(s.get("name", f"worker-{i}"))]
+            name = [self._model, str(s.get("name", f"worker-{i}"))]
             _add(running, name, s.get("running"))
             _add(waiting, name, s.get("waiting"))
             total, in_use = s.get("total_blocks"), s.get("in_use_blocks")

@@ -499,7 +499,7 @@ async def test_api_keys(backend) -> None:
     async with http(app, KEY) as c:
         assert (await c.post("/v1/completions", json={"prompt": "hi"})).status_code == 200
         text = (await c.get("/metrics")).text
-    assert 'tandem:request_rejected_total{reason="auth"} 3.0' in text
+    assert 'tandem:request_rejected_total{model_name="smollm2",reason="auth"} 3.0' in text
     with pytest.raises(openai.AuthenticationError):
         await oai(app, key="wrong").models.list()
     assert (await oai(app).models.list()).data[0].id == MODEL
@@ -566,7 +566,7 @@ async def test_body_limits(backend) -> None:
         r = await c.post("/v1/completions", content=b"[1, 2]")
         assert r.status_code == 400
         assert (
-            'tandem:request_rejected_total{reason="too_large"} 2.0'
+            'tandem:request_rejected_total{model_name="smollm2",reason="too_large"} 2.0'
             in (await c.get("/metrics")).text
         )
     assert len(backend.opened) == 1
@@ -798,24 +798,25 @@ async def test_metrics(app) -> None:
         r = await c.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     t = r.text
-    assert metric_value(t, 'tandem:request_success_total{finished_reason="length"}') == 2
-    assert metric_value(t, "tandem:prompt_tokens_total") == 4
-    assert metric_value(t, "tandem:generation_tokens_total") == 10
-    assert metric_value(t, "tandem:time_to_first_token_seconds_count") == 1
-    assert metric_value(t, "tandem:inter_token_latency_seconds_count") == 4
-    assert metric_value(t, "tandem:e2e_request_latency_seconds_count") == 1
-    assert metric_value(t, 'tandem:request_rejected_total{reason="invalid"}') == 1
-    assert metric_value(t, "tandem:gateway_requests_in_flight") == 0
-    assert metric_value(t, 'tandem:routing_decisions_total{reason="prefix_hit"}') == 3
-    assert metric_value(t, "tandem:prefix_index_unavailable_total") == 2
-    assert metric_value(t, 'tandem:num_requests_running{worker="decode-1"}') == 3
-    assert metric_value(t, 'tandem:num_requests_waiting{worker="prefill-0"}') == 2
-    assert metric_value(t, 'tandem:kv_cache_usage_perc{worker="prefill-0"}') == 0.25
-    assert metric_value(t, 'tandem:prefix_cache_queries_total{worker="prefill-0"}') == 640
-    assert metric_value(t, 'tandem:prefix_cache_hits_total{worker="prefill-0"}') == 320
-    sent = 'tandem:kv_transfer_bytes_total{direction="sent",worker="prefill-0"}'
+    m = f'model_name="{MODEL}"'  # vLLM's label, on every series
+    assert metric_value(t, f'tandem:request_success_total{{finished_reason="length",{m}}}') == 2
+    assert metric_value(t, f"tandem:prompt_tokens_total{{{m}}}") == 4
+    assert metric_value(t, f"tandem:generation_tokens_total{{{m}}}") == 10
+    assert metric_value(t, f"tandem:time_to_first_token_seconds_count{{{m}}}") == 1
+    assert metric_value(t, f"tandem:inter_token_latency_seconds_count{{{m}}}") == 4
+    assert metric_value(t, f"tandem:e2e_request_latency_seconds_count{{{m}}}") == 1
+    assert metric_value(t, f'tandem:request_rejected_total{{{m},reason="invalid"}}') == 1
+    assert metric_value(t, f"tandem:gateway_requests_in_flight{{{m}}}") == 0
+    assert metric_value(t, f'tandem:routing_decisions_total{{{m},reason="prefix_hit"}}') == 3
+    assert metric_value(t, f"tandem:prefix_index_unavailable_total{{{m}}}") == 2
+    assert metric_value(t, f'tandem:num_requests_running{{{m},worker="decode-1"}}') == 3
+    assert metric_value(t, f'tandem:num_requests_waiting{{{m},worker="prefill-0"}}') == 2
+    assert metric_value(t, f'tandem:kv_cache_usage_perc{{{m},worker="prefill-0"}}') == 0.25
+    assert metric_value(t, f'tandem:prefix_cache_queries_total{{{m},worker="prefill-0"}}') == 640
+    assert metric_value(t, f'tandem:prefix_cache_hits_total{{{m},worker="prefill-0"}}') == 320
+    sent = f'tandem:kv_transfer_bytes_total{{direction="sent",{m},worker="prefill-0"}}'
     assert metric_value(t, sent) == 4096
-    received = 'tandem:kv_transfer_bytes_total{direction="received",worker="decode-1"}'
+    received = f'tandem:kv_transfer_bytes_total{{direction="received",{m},worker="decode-1"}}'
     assert metric_value(t, received) == 4096
-    assert metric_value(t, 'tandem:kv_transfer_seconds_total{worker="prefill-0"}') == 0.5
+    assert metric_value(t, f'tandem:kv_transfer_seconds_total{{{m},worker="prefill-0"}}') == 0.5
     assert 'prefix_cache_queries_total{worker="decode-1"}' not in t  # absent keys are skipped
