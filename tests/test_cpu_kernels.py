@@ -44,3 +44,34 @@ def test_rejects_non_fp32():
     q = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="fp32 only"):
         paged_decode_attention(q, k, k, torch.tensor([[0]]), torch.tensor([1]), 16, 1.0)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_cpu_linears_match_f_linear(onednn) -> None:
+    """The CPU layouts (oneDNN-prepacked, else MKL-packed / transposed) compute F.linear: every
+    row count (decode to prefill), with and without bias, 2-D and 3-D inputs; the LM head too."""
+    from torch import nn
+
+    from engine.cpu_layout import OneDNNLinear, onednn_available, use_cpu_linears
+
+    if onednn and not onednn_available():
+        pytest.skip("torch without oneDNN")
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.proj = nn.Linear(96, 160, bias=True)
+    model.lm_head = nn.Linear(96, 500, bias=False)
+    ref = {name: (m.weight.detach().clone(), m.bias) for name, m in model.named_children()}
+    assert use_cpu_linears(model, onednn=onednn) == 2
+    assert isinstance(model.proj, OneDNNLinear) == onednn
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 96)
+        for name, (w, b) in ref.items():
+            want = torch.nn.functional.linear(x, w, b)
+            got = getattr(model, name)(x)
+            # fp32 sums of 96 products of N(0,1)-scaled terms: a few ulps of the largest partial
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 5, 96)
+    torch.testing.assert_close(
+        model.proj(x3), torch.nn.functional.linear(x3, *ref["proj"]), rtol=1e-5, atol=1e-4
+    )
