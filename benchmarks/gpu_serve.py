@@ -98,17 +98,6 @@ def workload_args(args: argparse.Namespace, workload: str, num: int) -> list[str
     ]
 
 
-def engine_kv(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in args.engine:
-        key, _, value = pair.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 # --------------------------------------------------------------------------- offline engine
 
 
@@ -116,6 +105,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM.generate`` on the ShareGPT requests ``serve.py`` sends (same ids, same lengths)."""
     import torch
 
+    from cluster.serve import _engine_overrides  # what `tandem serve --engine` gives workers
     from engine import LLM, SamplingParams
 
     requests = bench.build_requests(
@@ -123,7 +113,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     )
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=dtype, **engine_kv(args))
+    llm = LLM(args.model, device=args.device, dtype=dtype, **_engine_overrides(args.engine))
     init_s = time.perf_counter() - t0
     log(f"offline engine ready in {init_s:.0f} s; {len(requests)} requests")
     params = [

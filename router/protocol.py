@@ -405,9 +405,7 @@ def _escape_line_break(m: re.Match) -> str:
 def sse(obj: dict[str, Any]) -> bytes:
     """One server-sent event frame (one line of JSON under any line splitter)."""
     text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    if _LINE_BREAKS.search(text):
-        text = _LINE_BREAKS.sub(_escape_line_break, text)
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + _LINE_BREAKS.sub(_escape_line_break, text).encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
