@@ -199,8 +199,6 @@ class LLMEngine:
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = int(num_cached_tokens)
         request.append_output_token(first.token_id)
-        if not request.params.greedy and request.params.seed is not None:
-            self.runner.skip_draws(request, 1)  # the prefill worker drew the first token's
         self.scheduler.add_running(request)
         status = self.scheduler.check_stop(request)
         if status is not None:
@@ -289,7 +287,6 @@ class LLMEngine:
     def _finish_seq(self, seq: _Sequence, request: Request) -> None:
         seq.output.finish_reason = request.status.finish_reason
         seq.output.stop_reason = request.stop_reason
-        self.runner.release([request.request_id])
 
     def _make_output(self, group: _Group) -> RequestOutput:
         finished = all(s.output.finished for s in group.seqs)
@@ -361,7 +358,6 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         for seq in group.seqs:
             self._seq_owner.pop(seq.request.request_id, None)
-        self.runner.release([s.request.request_id for s in group.seqs])
 
     # -- input handling ----------------------------------------------------------------------------
 

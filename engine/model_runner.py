@@ -1,7 +1,8 @@
 """Runs one scheduled step on the device: inputs -> forward -> logits -> sampled tokens.
 
-The runner owns the model, the KV cache tensors and the per-request random generators; it
-keeps no other request state (every step's inputs come from the SchedulerOutput).
+The runner owns the model and the KV cache tensors; it keeps no request state (every step's
+inputs come from the SchedulerOutput, and seeded sampling is a function of each request's seed
+and output position).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
-from engine.sampler import Sampler, SamplingRow, make_generator
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import init_dummy_weights, iterate_weights
 
@@ -52,7 +53,6 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
-        self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -203,25 +203,8 @@ class ModelRunner:
 
     def _sampling_row(self, chunk: ScheduledRequest) -> SamplingRow:
         request = chunk.request
-        rid = request.request_id
-        if rid not in self._generators:
-            self._generators[rid] = make_generator(request.params.seed, self.device)
         return SamplingRow(
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            generator=self._generators[rid],
         )
-
-    def skip_draws(self, request, num: int) -> None:
-        """Advance a seeded request's generator past ``num`` draws made elsewhere (the first
-        token sampled on a prefill worker), so its later tokens match a colocated run."""
-        generator = self._generators.setdefault(
-            request.request_id, make_generator(request.params.seed, self.device)
-        )
-        for _ in range(num if generator is not None else 0):
-            torch.rand(1, generator=generator, device=self.device)  # as the sampler draws
-
-    def release(self, request_ids) -> None:
-        for rid in request_ids:
-            self._generators.pop(rid, None)

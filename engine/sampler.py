@@ -20,13 +20,16 @@ that keep the random path cheap, each in its own function below:
   pass. Ties at a threshold are kept, as in HF's and vLLM's masking.
 * No full sort for top-p. The nucleus is looked for among the best 256 candidates
   (``topk``), widening to 4096 and then the whole vocabulary only for rows that need it.
-* Inverse-CDF draws. Each row draws a single uniform from its own generator (seeded
-  requests) or the sampler's default generator, and picks the token by ``searchsorted`` in
-  its cumulative weights. A seeded row's token depends only on its own logits and its own
-  generator, so it is reproducible whatever else is in the batch (up to float rounding),
-  and it costs one random number per row rather than one per vocabulary entry (a
-  vocabulary's worth of exponentials for an exponential race costs more than everything
-  else here on a CPU).
+* Inverse-CDF draws. Each row takes a single uniform and picks the token by
+  ``searchsorted`` in its cumulative weights: one random number per row rather than one
+  per vocabulary entry (a vocabulary's worth of exponentials for an exponential race costs
+  more than everything else here on a CPU).
+* Counter-based seeds. A seeded row's uniform is a hash of (seed, output position), not
+  the next number of a stateful generator, so its token depends only on its own logits,
+  its seed and how many tokens it has produced: whatever else is in the batch, on CPU and
+  CUDA alike, and on whichever worker continues the request (a prefill worker that drew
+  the first token, a worker that resumes or receives it mid-stream). Unseeded rows draw
+  from the sampler's default generator.
 * Reused scratch buffers. On CPU, fresh multi-megabyte tensors every step cost page faults
   that about double the step; the sampler keeps its [rows, vocab] scratch tensors.
 """
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 
-__all__ = ["SampledToken", "Sampler", "SamplingRow", "make_generator"]
+__all__ = ["SampledToken", "Sampler", "SamplingRow", "seeded_uniform"]
 
 _NEG_INF = float("-inf")
 # Candidate-set sizes tried for top-p before falling back to a full sort of the row.
@@ -56,16 +59,24 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far (before this step's token)
-    generator: torch.Generator | None  # per-request generator when params.seed is set
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator seeded with ``seed`` on ``device``, or None when the request is unseeded."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit words with full avalanche."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """U[0, 1) for output token ``position`` of a request seeded with ``seed``: a pure
+    function of the two (53 random bits), so any worker reproduces it."""
+    x = _mix64((seed & _MASK64) ^ 0x9E3779B97F4A7C15)
+    x = _mix64((x + position * 0x9E3779B97F4A7C15) & _MASK64)
+    return (x >> 11) * (1.0 / (1 << 53))
 
 
 # --------------------------------------------------------------------------- penalties
@@ -253,15 +264,23 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_uniforms(
-    generators: Sequence[torch.Generator | None],
-    default_generator: torch.Generator,
-    device: torch.device,
+    rows: Sequence[SamplingRow], default_generator: torch.Generator, device: torch.device
 ) -> torch.Tensor:
-    """One U[0, 1) per row, from the row's own generator when it has one."""
-    uniforms = torch.rand(len(generators), generator=default_generator, device=device)
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            uniforms[i] = torch.rand(1, generator=generator, device=device)[0]
+    """One U[0, 1) per row: (seed, position) for seeded rows, the default generator's next
+    number for the others."""
+    seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+    if len(seeded) < len(rows):
+        uniforms = torch.rand(len(rows), generator=default_generator, device=device)
+    else:
+        uniforms = torch.empty(len(rows), device=device)
+    if seeded:
+        values = [
+            seeded_uniform(rows[i].params.seed, len(rows[i].output_token_ids)) for i in seeded
+        ]
+        if len(seeded) == len(rows):
+            uniforms.copy_(torch.tensor(values, dtype=torch.float32))
+        else:
+            uniforms[torch.tensor(seeded, device=device)] = torch.tensor(values).to(device)
     return uniforms
 
 
@@ -401,8 +420,7 @@ class Sampler:
         thresholds = self._truncation_thresholds(weights, rows)
         if thresholds is not None:
             weights = _zero_below(weights, thresholds)
-        generators = [r.generator for r in rows]
-        uniforms = _draw_uniforms(generators, self.default_generator, processed.device)
+        uniforms = _draw_uniforms(rows, self.default_generator, processed.device)
         return _inverse_cdf_sample(weights, uniforms)
 
     def _truncation_thresholds(

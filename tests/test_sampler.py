@@ -15,7 +15,7 @@ from engine.sampler import (
     Sampler,
     SamplingRow,
     _top_k_top_p_thresholds,
-    make_generator,
+    seeded_uniform,
 )
 from engine.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ def make_row(
     **kwargs: object,
 ) -> SamplingRow:
     params = SamplingParams(**kwargs).with_eos(eos)  # type: ignore[arg-type]
-    return SamplingRow(params, list(prompt), list(output), make_generator(params.seed, "cpu"))
+    return SamplingRow(params, list(prompt), list(output))
 
 
 def sampler(seed: int = 0) -> Sampler:
@@ -114,11 +114,20 @@ def test_empty_batch_and_shape_check() -> None:
         sampler()(torch.zeros(2, 10), [make_row(temperature=0.0)])
 
 
-def test_make_generator() -> None:
-    assert make_generator(None, "cpu") is None
-    a, b = make_generator(7, "cpu"), make_generator(7, "cpu")
-    assert a is not None and b is not None
-    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+def test_seeded_uniform_is_a_function_of_seed_and_position() -> None:
+    draws = [seeded_uniform(7, p) for p in range(4000)]
+    assert draws == [seeded_uniform(7, p) for p in range(4000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)
+    assert draws[:50] != [seeded_uniform(8, p) for p in range(50)]
+    assert seeded_uniform(2**63, 0) != seeded_uniform(0, 0)  # the whole 64-bit seed counts
+    # uniform: mean 1/2, variance 1/12, and no correlation between neighbouring positions
+    t = torch.tensor(draws, dtype=torch.float64)
+    assert abs(t.mean().item() - 0.5) < 0.02 and abs(t.var().item() - 1 / 12) < 0.01
+    assert abs(torch.corrcoef(torch.stack([t[:-1], t[1:]]))[0, 1].item()) < 0.05
+    # across seeds at one position too (n > 1 children are seeds seed + i)
+    across = torch.tensor([seeded_uniform(s, 0) for s in range(4000)], dtype=torch.float64)
+    assert abs(across.mean().item() - 0.5) < 0.02
 
 
 # --------------------------------------------------------------------------- penalties
@@ -283,10 +292,17 @@ RowsFactory = Callable[[], list[SamplingRow]]
 def run_steps(
     logits_per_step: list[torch.Tensor], rows_factory: RowsFactory, position: int, default_seed: int
 ) -> list[int]:
-    """Token picked for the row at ``position`` over several steps (fresh rows each run)."""
+    """Token picked for the row at ``position`` over several steps (fresh rows each run; each
+    row's picks are appended to its output, as the engine does)."""
     rows = rows_factory()
     s = sampler(default_seed)
-    return [s(logits, rows)[position].token_id for logits in logits_per_step]
+    picked = []
+    for logits in logits_per_step:
+        tokens = token_ids(s(logits, rows))
+        for row, token in zip(rows, tokens, strict=True):
+            row.output_token_ids.append(token)
+        picked.append(tokens[position])
+    return picked
 
 
 SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
@@ -358,7 +374,7 @@ TOY_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.6, 0.2, -0.5, -1.0, -3.0])
 def test_sample_frequencies_match_truncated_distribution(
     knobs: dict[str, float], seeded: bool
 ) -> None:
-    n = 5000 if seeded else 20000  # a generator per seeded row makes those rows slower
+    n = 5000 if seeded else 20000
     logits = TOY_LOGITS.repeat(n, 1)
     seeds = range(n) if seeded else [None] * n
     rows = [make_row(seed=seed, **knobs) for seed in seeds]
