@@ -57,6 +57,8 @@ class ClusterConfig:
     )
     transfer_timeout_s: float = 60.0
     reserve_timeout_s: float = 30.0
+    max_resumes: int = 2  # a request continues elsewhere this often after its worker failed
+    stall_timeout_s: float = 10.0  # a worker's stream silent this long: hung
     ray_address: str | None = None
     namespace: str = "tandem"  # Ray namespace of the named actors (gateways attach by it)
     index_url: str | None = None  # Redis of the global prefix index (None: workers publish nothing)
@@ -232,7 +234,11 @@ class LocalCluster:
         if self._dispatcher is None or self._dispatcher_loop is not loop:
             self._dispatcher_loop = loop
             self._dispatcher = Dispatcher(
-                self.members, self.tokenizer, reserve_timeout_s=self.config.reserve_timeout_s
+                self.members,
+                self.tokenizer,
+                reserve_timeout_s=self.config.reserve_timeout_s,
+                max_resumes=self.config.max_resumes,
+                stall_timeout_s=self.config.stall_timeout_s,
             )
         return self._dispatcher
 

@@ -53,6 +53,18 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="requests in flight at once; more get 429 + Retry-After (default: 256)",
     )
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a request continues on another worker after its worker died or hung",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without output or heartbeat before a worker counts as hung (default: 10)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--log-level", default="warning")
     p.add_argument(
@@ -233,6 +245,8 @@ def run_serve(args: argparse.Namespace) -> int:
             index=index,
             policy=args.policy,
             model_name=args.served_model_name or args.model,
+            max_resumes=args.max_resumes,
+            stall_timeout_s=args.stall_timeout,
         )
         url = f"http://{args.host}:{args.port}/v1"
         banner = [
@@ -267,6 +281,8 @@ def run_gateway(args: argparse.Namespace) -> int:
             index=index,
             policy=args.policy,
             model_name=args.served_model_name or args.model,
+            max_resumes=args.max_resumes,
+            stall_timeout_s=args.stall_timeout,
         )
         banner = [f"serving http://{args.host}:{args.port}/v1 (attached to {cluster.cluster_id})"]
         run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)

@@ -79,7 +79,8 @@ class DecodeWorker(EngineWorker):
         **kwargs: Any,
     ) -> ReserveResult:
         """``Reserved(endpoint)``, ``Full`` (no room now) or ``Rejected`` (invalid request:
-        retrying elsewhere will not help). Outputs go to ``outputs(client)``."""
+        retrying elsewhere will not help). Outputs go to ``outputs(client)``. With
+        ``output_token_ids`` (a resumed request) the KV expected covers them too."""
 
         def reserve() -> ReserveResult:
             trace(request_id, "decode.reserve")
@@ -90,7 +91,8 @@ class DecodeWorker(EngineWorker):
             if table is None:
                 return Full()
             self._register(request_id, client)
-            self.receiver.expect(request_id, table, len(prompt))
+            carried = len(kwargs.get("output_token_ids") or ())
+            self.receiver.expect(request_id, table, len(prompt) + carried)
             self._deadlines[request_id] = time.monotonic() + self.transfer_timeout_s
             self._reserved_at[request_id] = time.monotonic()
             return Reserved(self.receiver.endpoint)

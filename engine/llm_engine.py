@@ -113,9 +113,15 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError on invalid input, changing nothing."""
-        request_id, group, params = self._new_group(request_id, prompt, params)
+        """Queue a request; returns its id. Raises ValueError on invalid input, changing nothing.
+
+        ``output_token_ids``: tokens this request already produced elsewhere (a request resumed
+        or moved from another worker, ``n`` = 1). They are recomputed here as the prefix of its
+        output, not folded into the prompt, so ``max_tokens``, ``min_tokens``, penalties and
+        seeded draws all continue where they were; outputs report only the new tokens."""
+        request_id, group, params = self._new_group(request_id, prompt, params, output_token_ids)
         for i in range(params.n):
             child = Request(
                 f"{request_id}#{i}" if params.n > 1 else request_id,
@@ -125,6 +131,8 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=group.arrival_time,
             )
+            for token in output_token_ids:
+                child.append_output_token(token)
             seq = _Sequence(child, CompletionOutput(index=i), self._sequence_text(child))
             if params.logprobs is not None:
                 seq.output.logprobs = []
@@ -136,7 +144,11 @@ class LLMEngine:
         return request_id
 
     def _new_group(
-        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        output_token_ids: Sequence[int] = (),
     ) -> tuple[str, _Group, SamplingParams]:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -144,6 +156,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_length(token_ids, params)
+        if output_token_ids:
+            self._check_continuation(token_ids, output_token_ids, params)
         group = _Group(request_id, text, token_ids, [], time.monotonic())
         return request_id, group, params.with_eos(self.eos_token_ids)
 
@@ -157,11 +171,13 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> list[int] | None:
-        """Hold blocks for a request whose prompt KV a prefill worker will write. Returns the
+        """Hold blocks for a request whose KV a prefill worker will write (its prompt, and its
+        ``output_token_ids`` when it continues from output produced elsewhere). Returns the
         block table the KV goes to, or ``None`` (nothing changed) when the blocks or the running
         batch are full now. Raises ValueError on invalid input."""
-        request_id, group, params = self._new_group(request_id, prompt, params)
+        request_id, group, params = self._new_group(request_id, prompt, params, output_token_ids)
         if params.n != 1:
             raise ValueError("n > 1 is not supported on the disaggregated path; use n=1")
         request = Request(
@@ -172,6 +188,8 @@ class LLMEngine:
             cache_salt=cache_salt,
             arrival_time=group.arrival_time,
         )
+        for token in output_token_ids:
+            request.append_output_token(token)
         busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._remote)
         if busy >= self.cfg.max_num_seqs:
             return None
@@ -196,7 +214,7 @@ class LLMEngine:
         request runs from the next step. Returns its first output."""
         request = self._remote.pop(request_id)
         group, seq = self._seq_owner[request_id]
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens  # the prompt (+ carried output)
         request.num_cached_tokens = int(num_cached_tokens)
         request.append_output_token(first.token_id)
         self.scheduler.add_running(request)
@@ -386,6 +404,21 @@ class LLMEngine:
                 f"{params.max_tokens or 0} in the completion). Please reduce the length of the "
                 "messages or completion."
             )
+
+    def _check_continuation(
+        self, token_ids: list[int], output_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        """A request continued with output it already produced: one sequence, room left."""
+        if params.n != 1:
+            raise ValueError("only a request with n=1 can continue from its output tokens")
+        total = len(token_ids) + len(output_token_ids)
+        if total >= self.max_model_len:
+            raise ValueError(f"{total} tokens leave no room in max_model_len={self.max_model_len}")
+        if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(output_token_ids)} output tokens already reach max_tokens")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in output_token_ids):
+            raise ValueError(f"an output token id is outside the vocabulary [0, {vocab})")
 
     def _sequence_text(self, request: Request) -> SequenceText | None:
         if self.tokenizer is None or not self.cfg.detokenize:

@@ -13,6 +13,7 @@ token and never cumulative::
     ────────────────────────           ─────────────────                  ──────
     deltas of the step's requests ──► _Channel(client).put(deltas) ──► outputs(client) yields
     grouped by their client            (one call per client per step)     StreamBatch(deltas)
+                                                                          (empty: a heartbeat)
 
 A channel holds what its reader has not taken yet, merged per sequence: a router that falls
 behind gets fewer, larger batches (``coalesced`` counts the merged steps), never an unbounded
@@ -74,6 +75,7 @@ class EngineWorker:
 
     role = "engine"
     orphan_grace_s = 5.0  # a client's requests outlive its reader this long (it may come back)
+    heartbeat_s = 1.0  # an idle stream still yields an empty batch this often (liveness)
 
     def __init__(
         self, engine_config: dict[str, Any], name: str = "", index: dict[str, Any] | None = None
@@ -242,14 +244,20 @@ class EngineWorker:
 
     async def outputs(self, client: str) -> AsyncIterator[StreamBatch]:
         """Every delta of ``client``'s requests, one StreamBatch per engine step (merged when
-        the reader is behind). Runs until the worker shuts down; a reader that goes away and
-        is not replaced within ``orphan_grace_s`` has its client's requests aborted."""
+        the reader is behind), and an empty one after ``heartbeat_s`` without any: the reader
+        tells a live worker from a hung one by them. Runs until the worker shuts down; a reader
+        that goes away and is not replaced within ``orphan_grace_s`` has its client's requests
+        aborted."""
         self._loop = asyncio.get_running_loop()
         ch = self._channel(client)
         ch.readers += 1
         try:
             while not self._closed:
-                await ch.ready.wait()
+                try:
+                    await asyncio.wait_for(ch.ready.wait(), self.heartbeat_s)
+                except TimeoutError:
+                    yield StreamBatch(self.name, [], 0)
+                    continue
                 deltas, merged = ch.take()
                 if deltas:
                     yield StreamBatch(self.name, deltas, merged)

@@ -73,7 +73,8 @@ class PrefillWorker(EngineWorker):
         **kwargs: Any,
     ) -> PrefillResult:
         """Compute the prompt, stream its KV to ``endpoint`` (transfer id = request id) and
-        return the first token (``PrefillDone``) or why not (``PrefillFailed``).
+        return the first token (``PrefillDone``) or why not (``PrefillFailed``). A resumed
+        request (``output_token_ids``) computes prompt + output and returns the next token.
 
         ``gated``: the decode worker is reserving at the same time; the prompt computes at once
         but none of its KV leaves before ``release(request_id)`` (or an abort)."""
@@ -87,12 +88,17 @@ class PrefillWorker(EngineWorker):
             gate = self._gates.pop(request_id, None) or threading.Event()
             if not gate.is_set():  # (set already: the release overtook this call)
                 self._gates[request_id] = gate
-        one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=[], n=1)
+        # One new token: after the prompt, or after the output a resumed request carries.
+        carried = len(kwargs.get("output_token_ids") or ())
+        upto = carried + 1
+        one = replace(
+            params, max_tokens=upto, min_tokens=min(params.min_tokens, upto), stop=[], n=1
+        )
 
         def add() -> None:
             trace(request_id, "prefill.add")
             self.engine.add_request(request_id, prompt, one, **kwargs)
-            self.streamer.add(request_id, request_id, endpoint, len(prompt), gate)
+            self.streamer.add(request_id, request_id, endpoint, len(prompt) + carried, gate)
 
         try:
             await self.call(add)

@@ -12,8 +12,13 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
     4. D's deltas arrive on this router's one stream from D (``outputs(client_id)``, a batch
        per engine step for every request of this router on D); the request's queue takes its
        own, the text is built here (detokenization and stop strings: off the engine thread)
-    5. an error delta before any token (transfer failed, worker died) -> attempt again on other
-       workers, up to ``max_attempts``; after a token -> ClusterError
+    5. a retryable failure (transfer failed, worker died, worker silent for ``stall_timeout_s``:
+       no delta and no heartbeat) -> run again on other workers. Before any token that is a
+       new attempt, up to ``max_attempts``; after tokens it is a *resume*, up to
+       ``max_resumes``: the request continues from its snapshot (prompt + the tokens it
+       produced, carried as output and recomputed there), and its client's stream goes on with
+       the next token, no gap, no duplicate (the old attempt's id is dropped). Seeded draws are
+       a function of (seed, output position), so greedy and seeded requests continue exactly
     6. finish, stop string (the worker is told to abort) or client gone: abort everywhere
 
 Errors: ``RequestError`` (invalid, nothing started), ``CapacityError`` (no room within
@@ -27,6 +32,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +63,12 @@ class CapacityError(ClusterError):
 
 
 class _Retry(Exception):
-    """An attempt failed before its first token: the request may run elsewhere."""
+    """An attempt failed in a way another worker may not: the request may continue elsewhere.
+    ``reason``: a short label for metrics (worker_died, stalled, transfer_failed)."""
+
+    def __init__(self, message: str, reason: str = "worker_failed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -67,14 +78,17 @@ class _Inflight:
     worker: str
     deltas: list[Delta] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    produced: bool = False
 
     def push(self, d: Delta) -> None:
         self.deltas.append(d)
         self.ready.set()
 
-    async def take(self) -> list[Delta]:
-        await self.ready.wait()
+    async def take(self, timeout: float | None = None) -> list[Delta] | None:
+        """The deltas so far (waiting for one), or None after ``timeout`` without any."""
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout)
+        except TimeoutError:
+            return None
         self.ready.clear()
         deltas, self.deltas = self.deltas, []
         return deltas
@@ -99,6 +113,15 @@ class Assembler:
             for i in range(n)
         ]
 
+    def produced(self) -> list[int] | None:
+        """The tokens a resumed attempt carries (n = 1), or None when nothing was produced."""
+        tokens = self.output.outputs[0].token_ids
+        return list(tokens) if len(self.output.outputs) == 1 and tokens else None
+
+    @property
+    def has_output(self) -> bool:
+        return any(o.token_ids for o in self.output.outputs)
+
     def apply(self, d: Delta) -> bool:
         """Add one delta; True when a stop string ended its sequence here (the worker keeps
         generating until told to abort)."""
@@ -106,7 +129,7 @@ class Assembler:
         out.delta_text, out.delta_token_ids = "", []
         if out.finished:
             return False
-        if d.num_cached_tokens:
+        if d.num_cached_tokens and not self.output.num_cached_tokens:  # the first attempt's
             self.output.num_cached_tokens = d.num_cached_tokens
         text = self._texts[d.index]
         stopped = None
@@ -149,15 +172,22 @@ class Dispatcher:
         client_id: str | None = None,
         reserve_timeout_s: float = 30.0,
         max_attempts: int = 2,
+        max_resumes: int = 2,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.members = members
         self.tokenizer = tokenizer
         self.client_id = client_id or f"router-{secrets.token_hex(4)}"
         self.reserve_timeout_s = reserve_timeout_s
         self.max_attempts = max_attempts
+        self.max_resumes = max_resumes
+        self.stall_timeout_s = stall_timeout_s
         self._inflight: dict[str, _Inflight] = {}
         self._streams: dict[str, asyncio.Task] = {}
+        self._seen: dict[str, float] = {}  # worker -> when its stream last delivered anything
         self.coalesced_batches = 0
+        self.resumes: Counter[str] = Counter()  # by reason
+        self.retries: Counter[str] = Counter()  # attempts again before any token, by reason
 
     # -- a request ---------------------------------------------------------------------------
 
@@ -170,24 +200,47 @@ class Dispatcher:
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request (cumulative, built in place; the last is ``finished``).
-        Closing the iterator early aborts it everywhere."""
+        Closing the iterator early aborts it everywhere (and it is never resumed)."""
         avoid: set[str] = set()
-        error = "unknown"
-        for attempt in range(self.max_attempts):
+        assembler = Assembler(request_id, prompt_ids, params, self.tokenizer)
+        failures = resumes = 0
+        while True:
+            attempt = failures + resumes
             irid = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            carried = assembler.produced()
+            extra = {**kwargs, "output_token_ids": carried} if carried else kwargs
             prefill, decode = choose(avoid)
-            assembler = Assembler(request_id, prompt_ids, params, self.tokenizer)
             try:
                 async for out in self._attempt(
-                    irid, prompt_ids, params, kwargs, prefill, decode, assembler
+                    irid, prompt_ids, params, extra, prefill, decode, assembler
                 ):
                     yield out
                 return
             except _Retry as exc:
-                error = str(exc)
-                logger.warning("request %s attempt %d failed: %s", request_id, attempt + 1, error)
                 avoid |= {decode.name} | ({prefill.name} if prefill is not None else set())
-        raise ClusterError(f"request {request_id} failed on {self.max_attempts} attempts: {error}")
+                if not assembler.has_output:
+                    failures += 1
+                    self.retries[exc.reason] += 1
+                    logger.warning("request %s attempt %d failed: %s", request_id, failures, exc)
+                    if failures >= self.max_attempts:
+                        raise ClusterError(
+                            f"request {request_id} failed on {failures} attempts: {exc}"
+                        ) from None
+                    continue
+                if assembler.produced() is None or resumes >= self.max_resumes:
+                    why = "n > 1" if assembler.produced() is None else f"{resumes} resumes"
+                    raise ClusterError(
+                        f"request {request_id} failed mid-stream ({why}): {exc}"
+                    ) from None
+                resumes += 1
+                self.resumes[exc.reason] += 1
+                logger.warning(
+                    "request %s resumes after %d tokens (%s): %s",
+                    request_id,
+                    len(assembler.produced() or ()),
+                    exc.reason,
+                    exc,
+                )
 
     async def _attempt(self, irid, ids, params, kwargs, prefill, decode, assembler):
         finished = False
@@ -206,12 +259,15 @@ class Dispatcher:
                     placed.outstanding += 1
                     decode = workers[0] = placed
             while True:
-                for d in await inflight.take():
+                deltas = await inflight.take(self.stall_timeout_s / 4)
+                if deltas is None:
+                    self._check_alive(decode)
+                    continue
+                for d in deltas:
                     if d.error is not None:
-                        if d.retryable and not inflight.produced:
-                            raise _Retry(d.error)
+                        if d.retryable:
+                            raise _Retry(d.error, _reason(d.error))
                         raise ClusterError(d.error)
-                    inflight.produced = True
                     stopped = assembler.apply(d)  # a stop string: the worker does not know
                     finished = assembler.output.finished
                     if stopped and finished:
@@ -229,6 +285,13 @@ class Dispatcher:
                 for w in workers:
                     _quietly(w.handle.abort, irid)
 
+    def _check_alive(self, worker: WorkerRef) -> None:
+        """Raise _Retry when ``worker``'s stream has been silent (no delta, no heartbeat) for
+        longer than ``stall_timeout_s``: the process is hung or gone."""
+        silent = time.monotonic() - self._seen.get(worker.name, time.monotonic())
+        if silent > self.stall_timeout_s:
+            raise _Retry(f"worker {worker.name} silent for {silent:.1f} s", "stalled")
+
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
         inflight = self._expect(irid, worker)
         try:
@@ -237,7 +300,7 @@ class Dispatcher:
             raise RequestError(str(exc).splitlines()[-1]) from None
         except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
             self._worker_failed(worker, exc)
-            raise _Retry(f"worker {worker.name} failed: {exc}") from None
+            raise _Retry(f"worker {worker.name} failed: {exc}", "worker_died") from None
         return inflight
 
     async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef):
@@ -309,6 +372,7 @@ class Dispatcher:
         inflight = self._inflight[irid] = _Inflight(worker.name)
         task = self._streams.get(worker.name)
         if task is None or task.done():
+            self._seen[worker.name] = time.monotonic()
             self._streams[worker.name] = asyncio.ensure_future(self._read(worker))
         return inflight
 
@@ -321,6 +385,7 @@ class Dispatcher:
         try:
             async for ref in stream:
                 batch = await ref
+                self._seen[worker.name] = time.monotonic()
                 self.coalesced_batches += batch.coalesced
                 for d in batch.deltas:
                     inflight = self._inflight.get(d.request_id)
@@ -346,6 +411,15 @@ class Dispatcher:
             task.cancel()
         await asyncio.gather(*self._streams.values(), return_exceptions=True)
         self._streams.clear()
+
+
+def _reason(error: str) -> str:
+    """A metric label for a retryable error delta."""
+    if "KV transfer" in error:
+        return "transfer_failed"
+    if "died" in error or "stream ended" in error:
+        return "worker_died"
+    return "worker_failed"
 
 
 def _quietly(method, *args) -> None:

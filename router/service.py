@@ -58,6 +58,8 @@ class ClusterBackend:
         stats_interval_s: float = 0.25,
         stats_timeout_s: float = 2.0,
         reserve_timeout_s: float = 30.0,
+        max_resumes: int = 2,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.members = members
         table = members.table
@@ -67,7 +69,13 @@ class ClusterBackend:
         self.max_model_len = table.max_model_len
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(table.model_dir)
         self.block_size = table.block_size
-        self.dispatcher = Dispatcher(members, self.tokenizer, reserve_timeout_s=reserve_timeout_s)
+        self.dispatcher = Dispatcher(
+            members,
+            self.tokenizer,
+            reserve_timeout_s=reserve_timeout_s,
+            max_resumes=max_resumes,
+            stall_timeout_s=stall_timeout_s,
+        )
         self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
         self._stats = RouterStats(decisions=collections.Counter())
         self._queued: collections.Counter[str] = collections.Counter()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -63,12 +64,18 @@ def test_assembler_applies_stop_strings_and_stop_tokens(tokenizer) -> None:
     assert asm.output.finished and asm.output.outputs[0].text == tokenizer.decode(ids[:3])
 
 
-def test_a_readers_requests_are_aborted_when_it_goes_away(tmp_path, tiny_cfg) -> None:
+@pytest.fixture
+def tiny_worker(tmp_path, tiny_cfg):
+    """A colocated worker on a random tiny Llama, in this process."""
     from decode_worker.colocated import ColocatedWorker
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(tmp_path)
-    w = ColocatedWorker({"model_dir": str(tmp_path), "num_kv_blocks": 32, "block_size": 4}, "c")
+    return ColocatedWorker({"model_dir": str(tmp_path), "num_kv_blocks": 32, "block_size": 4}, "c")
+
+
+def test_a_readers_requests_are_aborted_when_it_goes_away(tiny_worker) -> None:
+    w = tiny_worker
     w.orphan_grace_s = 0.2
 
     async def scenario():
@@ -76,6 +83,8 @@ def test_a_readers_requests_are_aborted_when_it_goes_away(tmp_path, tiny_cfg) ->
         await w.generate("long", [1, 2, 3], params, "router-a")
         stream = w.outputs("router-a")
         batch = await stream.__anext__()
+        while not batch.deltas:  # heartbeats
+            batch = await stream.__anext__()
         assert batch.deltas[0].request_id == "long" and batch.deltas[0].token_ids
         await stream.aclose()  # the router is gone
         for _ in range(200):
@@ -104,3 +113,29 @@ def test_sse_frames_stay_one_line_under_any_line_splitter() -> None:
     assert lines[1:] == [""], lines  # one data line, then the blank line that ends the event
     assert json.loads(lines[0][len("data: ") :]) == obj
     assert "\u00e9\u4e2d" in frame  # other non-ASCII text stays raw UTF-8 (not \\u-escaped)
+
+
+def test_an_idle_stream_sends_heartbeats(tiny_worker) -> None:
+    """A reader tells a live worker from a hung one by the empty batches an idle stream sends."""
+    w = tiny_worker
+    w.heartbeat_s = 0.05
+
+    async def scenario():
+        stream = w.outputs("router-h")
+        t0 = time.monotonic()
+        beats = [await stream.__anext__() for _ in range(3)]
+        took = time.monotonic() - t0
+        await w.generate("one", [1, 2, 3], SamplingParams(max_tokens=2), "router-h")
+        batch = await stream.__anext__()
+        while not batch.deltas:
+            batch = await stream.__anext__()
+        await stream.aclose()
+        return beats, took, batch
+
+    try:
+        beats, took, batch = asyncio.run(scenario())
+    finally:
+        w.shutdown()
+    assert all(b.deltas == [] and b.worker == "c" for b in beats)
+    assert 0.1 <= took < 2.0
+    assert batch.deltas[0].request_id == "one"

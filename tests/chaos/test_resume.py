@@ -1,0 +1,184 @@
+"""No request lost when a worker dies or hangs mid-stream (real Ray actors, real processes).
+
+8 requests stream through the cluster; once each has produced a few tokens, one worker that
+serves some of them is killed (SIGKILL of its process) or stopped (SIGSTOP: hung, not dead).
+Its requests continue on another worker from their snapshots (prompt + the tokens produced so
+far, carried as output), and every request must finish with exactly the tokens it would have
+had uninterrupted: transformers' greedy tokens, or, for seeded sampling, the tokens of an
+uninterrupted run with the same seeds. Afterwards every live worker is idle with exact block
+accounting (a stopped worker, once continued, frees what it held).
+
+Two clusters: 1 prefill + 3 decode workers (disaggregated, TCP KV), and 3 colocated workers;
+each test takes one worker out, so each cluster keeps two for its later tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+import time
+
+import pytest
+from hf_oracle import hf_greedy_ids
+
+from engine import SamplingParams
+
+ray = pytest.importorskip("ray")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = [
+    SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i in range(8)
+]
+TOPICS = ["rivers", "mountains", "bread", "copper", "lanterns", "harbors", "gardens", "owls"]
+STALL_S = 3.0
+
+
+def _cluster(smollm2_dir, **kw):
+    from cluster.local import LocalCluster
+
+    return LocalCluster(
+        model=str(smollm2_dir),
+        engine={"max_num_batched_tokens": 256, "num_kv_blocks": 256, "max_num_seqs": 16},
+        transfer_timeout_s=30,
+        stall_timeout_s=STALL_S,
+        max_resumes=2,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module", params=["disagg", "colocated"])
+def setup(request, smollm2_dir):
+    """(cluster, mode, the pool a fault picks from); one cluster at a time (they share Ray)."""
+    if request.param == "disagg":
+        c = _cluster(smollm2_dir, num_prefill=1, num_decode=3, num_colocated=0)
+        pool = lambda: [w.name for w in c.decode]  # noqa: E731
+    else:
+        c = _cluster(smollm2_dir, num_prefill=0, num_decode=0, num_colocated=3)
+        pool = lambda: [w.name for w in c.colocated]  # noqa: E731
+    yield c, request.param, pool
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    return [tok(f"A short note about {t}:")["input_ids"] for t in TOPICS]
+
+
+@pytest.fixture(scope="module")
+def expected_greedy(smollm2_dir, prompts):
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    return [hf_greedy_ids(model.eval(), p, MAX_TOKENS) for p in prompts]
+
+
+def _pid(cluster, name: str) -> int:
+    return next(w.pid for w in cluster.workers if w.name == name)
+
+
+def _busiest(cluster, names: list[str]) -> str:
+    """The worker among ``names`` that this process has the most requests running on."""
+    refs = [w for w in cluster.workers if w.name in names]
+    return max(refs, key=lambda w: w.outstanding).name
+
+
+async def _stream_with_fault(cluster, prompts, params, fault, mode):
+    """Run every prompt; once each has 3 tokens, apply ``fault``. Returns every final output,
+    the seconds from the fault to the last finish, and the resumes by reason."""
+    progress = [0] * len(prompts)
+
+    async def one(i):
+        last = None
+        async for out in cluster.stream(prompts[i], params[i], mode=mode):
+            progress[i] = len(out.outputs[0].token_ids)
+            last = copy.deepcopy(out)
+        return last
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    deadline = time.monotonic() + 120
+    while min(progress) < 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert min(progress) >= 3, progress
+    started = time.monotonic()
+    undo = fault()
+    outs = await asyncio.gather(*tasks)
+    took = time.monotonic() - started
+    if undo is not None:
+        undo()
+    return outs, took, dict(cluster.dispatcher().resumes)
+
+
+def _kill(cluster, pool):
+    name = _busiest(cluster, pool)
+    pid = _pid(cluster, name)
+
+    def fault():
+        os.kill(pid, signal.SIGKILL)
+
+    return name, fault
+
+
+def _stop(cluster, pool):
+    name = _busiest(cluster, pool)
+    pid = _pid(cluster, name)
+
+    def fault():
+        os.kill(pid, signal.SIGSTOP)
+        return lambda: os.kill(pid, signal.SIGCONT)
+
+    return name, fault
+
+
+def _assert_idle(cluster, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        report = cluster.check_idle()
+        if all(v is None for v in report.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(v is None for v in report.values()), report
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_dead_or_hung_worker_loses_no_greedy_request(setup, prompts, expected_greedy, how):
+    cluster, mode, pool = setup
+    victim, fault = (_kill if how == "kill" else _stop)(cluster, pool())
+    outs, took, resumes = asyncio.run(
+        _stream_with_fault(cluster, prompts, [GREEDY] * len(prompts), fault, mode)
+    )
+    for out, exp in zip(outs, expected_greedy, strict=True):
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == exp
+    assert resumes.get("worker_died" if how == "kill" else "stalled", 0) >= 1, resumes
+    assert took < 60  # a hang is noticed after STALL_S, not after a transfer timeout
+    cluster.refresh()
+    assert (victim in {w.name for w in cluster.workers}) == (how == "stop")
+    _assert_idle(cluster)  # a stopped worker, continued, aborted what moved away
+
+
+def test_seeded_sampling_continues_exactly_after_a_kill(setup, prompts) -> None:
+    cluster, mode, pool = setup
+
+    async def uninterrupted():
+        async def one(p, sp):
+            last = None
+            async for out in cluster.stream(p, sp, mode=mode):
+                last = out
+            return list(last.outputs[0].token_ids)
+
+        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, SEEDED, strict=True)))
+
+    reference = asyncio.run(uninterrupted())
+    assert len({tuple(r) for r in reference}) == len(reference)
+    _, fault = _kill(cluster, pool())
+    outs, _, resumes = asyncio.run(_stream_with_fault(cluster, prompts, SEEDED, fault, mode))
+    assert resumes.get("worker_died", 0) >= 1, resumes
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference
+    _assert_idle(cluster)
