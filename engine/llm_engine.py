@@ -156,6 +156,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_length(token_ids, params)
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be <= the vocabulary size ({vocab}), got {params.top_k}.")
         if output_token_ids:
             self._check_continuation(token_ids, output_token_ids, params)
         group = _Group(request_id, text, token_ids, [], time.monotonic())

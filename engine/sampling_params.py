@@ -44,6 +44,11 @@ class SamplingParams:
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     MAX_LOGPROBS = 20
+    MAX_SEED = 2**63 - 1  # seeds of the n samples are seed .. seed + n - 1, all below 2^63
+    MAX_TOP_K = 2**31 - 1  # (the engine also bounds it by the vocabulary)
+    MAX_STOP = 32  # stop strings per request, and their length in characters
+    MAX_STOP_LEN = 512
+    MAX_STOP_TOKEN_IDS = 256
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -103,8 +108,10 @@ class SamplingParams:
             raise bad("temperature", "in [0, 2000] (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if self.top_k < 0:
-            raise bad("top_k", "0 or -1 (disabled) or a positive integer")
+        if not 0 <= self.top_k <= self.MAX_TOP_K:
+            raise bad("top_k", f"0 or -1 (disabled) or an integer in [1, {self.MAX_TOP_K}]")
+        if self.seed is not None and not 0 <= self.seed <= self.MAX_SEED + 1 - self.n:
+            raise bad("seed", "an integer in [0, 2^63 - n] or None")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -126,8 +133,12 @@ class SamplingParams:
             raise bad("logprobs", f"an integer in [0, {self.MAX_LOGPROBS}] or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if len(self.stop) > self.MAX_STOP or any(len(s) > self.MAX_STOP_LEN for s in self.stop):
+            raise bad("stop", f"at most {self.MAX_STOP} strings of {self.MAX_STOP_LEN} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"a list of at most {self.MAX_STOP_TOKEN_IDS} token ids")
 
     @property
     def greedy(self) -> bool:

@@ -165,7 +165,7 @@ def _backend_error(exc: BaseException) -> APIError:
             reason="overloaded",
         )
     if isinstance(exc, InvalidRequest):
-        return protocol.bad_request(str(exc))
+        return protocol.bad_request(str(exc), param=protocol.param_named(str(exc)))
     if isinstance(exc, BackendError):
         return _server_error(f"the request failed in the cluster: {exc}")
     logger.error("unexpected backend error", exc_info=exc)

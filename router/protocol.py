@@ -367,6 +367,15 @@ def _sampling_params(
         raise bad_request(message, param=param) from None
 
 
+def param_named(message: str) -> str | None:
+    """The sampling parameter an engine's "NAME must be ..." error names, if any (the engine
+    checks what needs the model, e.g. top_k against the vocabulary)."""
+    name = message.split(" ", 1)[0]
+    if name in SamplingParams.__dataclass_fields__ and message.startswith(f"{name} must be"):
+        return name
+    return None
+
+
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str):
     """vLLM's context-length check and wording (prompt + max_tokens must fit the context)."""
     if max_tokens is None:

@@ -42,6 +42,10 @@ INVALID = [
     ("logprobs", SamplingParams.MAX_LOGPROBS + 1),
     ("seed", 1.5),
     ("seed", "1"),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", 2**70),
+    ("top_k", 2**63),
     ("stop", ""),
     ("stop", ["ok", ""]),
     ("stop", [1]),
@@ -64,6 +68,22 @@ def test_invalid_value_raises_value_error_naming_the_parameter(name: str, value:
     error = raises_naming(name, **{name: value})
     if name not in ("stop", "stop_token_ids"):  # those two echo the normalised list
         assert str(error).endswith(f"got {value!r}."), str(error)
+
+
+def test_seeds_of_every_sample_stay_below_2_to_the_63() -> None:
+    raises_naming("seed", seed=2**63 - 3, n=4)  # the last sample's seed would be 2^63
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("stop", {"stop": ["a"] * 33}),
+        ("stop", {"stop": "x" * 513}),
+        ("stop_token_ids", {"stop_token_ids": [1] * 257}),
+    ],
+)
+def test_stop_lists_are_bounded(name: str, kwargs: dict[str, object]) -> None:
+    raises_naming(name, **kwargs)
 
 
 def test_min_tokens_above_max_tokens_names_both() -> None:
@@ -92,6 +112,10 @@ def test_min_tokens_is_unbounded_without_max_tokens() -> None:
         {"logprobs": 0},
         {"logprobs": SamplingParams.MAX_LOGPROBS},
         {"seed": 0},
+        {"seed": 2**63 - 1},
+        {"seed": 2**63 - 4, "n": 4},
+        {"top_k": 2**31 - 1},
+        {"stop": ["x" * 512] * 32, "stop_token_ids": list(range(256))},
         {"stop_token_ids": [0]},
     ],
     ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()),

@@ -264,6 +264,36 @@ def test_errors_are_openai_json(server, client) -> None:
     assert httpx.get(url + "/health").status_code == 200  # no key needed
 
 
+@pytest.mark.parametrize(
+    ("param", "extra"),
+    [
+        ("seed", {"seed": 2**70}),
+        ("top_k", {"extra_body": {"top_k": 2**70}}),
+        ("top_k", {"extra_body": {"top_k": 10**6}}),  # above the vocabulary
+    ],
+)
+def test_an_out_of_range_knob_is_a_400_and_harms_no_other_request(server, client, param, extra):
+    """Such values once overflowed the sampler inside a step and failed every request of it."""
+
+    async def running():
+        c = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+        return await c.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=16)
+
+    async def scenario():
+        other = asyncio.ensure_future(running())
+        await asyncio.sleep(0.2)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await asyncio.to_thread(
+                client.completions.create, model=MODEL, prompt="hi", max_tokens=4, **extra
+            )
+        return bad.value, await other
+
+    bad, other = asyncio.run(scenario())
+    assert bad.body["param"] == param and param in bad.body["message"]
+    assert "Traceback" not in bad.body["message"]
+    assert other.choices[0].finish_reason == "length"
+
+
 def test_burst_over_the_bound_gets_429_and_the_rest_complete(server) -> None:
     async def one(c: openai.AsyncOpenAI):
         try:
