@@ -80,6 +80,9 @@ class ClusterBackend:
         self._stats = RouterStats(decisions=collections.Counter())
         self._queued: collections.Counter[str] = collections.Counter()
         self._polled: dict[str, dict[str, Any]] = {}
+        # consecutive stats polls a worker did not answer in time (health: the next step marks
+        # such a worker suspect)
+        self.missed_polls: collections.Counter[str] = collections.Counter()
         self._poller: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
         # Blocks this router just sent somewhere, until the index has had time to hear of them
@@ -160,11 +163,11 @@ class ClusterBackend:
         return generation
 
     async def healthy(self) -> bool:
+        """Every worker answered its stats in time."""
         try:
-            await self._poll()
-        except Exception:  # noqa: BLE001 - any worker not answering
+            return not await self._poll()
+        except Exception:  # noqa: BLE001 - e.g. membership mid-change
             return False
-        return True
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         """Fresh for each scrape (the routing poll's view may be a poll interval old)."""
@@ -261,24 +264,38 @@ class ClusterBackend:
         if self._queued[worker] <= 0:
             del self._queued[worker]
 
-    async def _poll(self) -> None:
-        """Every worker's stats; raises if one did not answer. A worker whose actor is dead is
-        no longer routed to, at once, and the controller is told (it marks it dead and removes
-        it from the prefix index, so its entries stop counting for every router)."""
+    async def _poll(self) -> list[str]:
+        """Every worker's stats, each under its own ``stats_timeout_s``: a slow or hung worker
+        keeps its last view and counts a missed poll (``missed_polls``), the others are seen as
+        they are. A worker whose actor is dead is no longer routed to, at once, and the
+        controller is told (it marks it dead and removes it from the prefix index, so its
+        entries stop counting for every router). Returns the workers that did not answer."""
         from ray.exceptions import RayActorError
 
+        async def one(w: WorkerRef):
+            try:
+                return await asyncio.wait_for(w.handle.stats.remote(), self.stats_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - reported per worker below
+                return exc
+
         workers = list(self.members.workers)
-        results = await asyncio.wait_for(
-            asyncio.gather(*(w.handle.stats.remote() for w in workers), return_exceptions=True),
-            self.stats_timeout_s,
-        )
-        self._polled = {r["name"]: r for r in results if isinstance(r, dict)}
+        results = await asyncio.gather(*(one(w) for w in workers))
+        names = {w.name for w in workers}
+        self._polled = {k: v for k, v in self._polled.items() if k in names}
+        silent = []
         for w, r in zip(workers, results, strict=True):
+            if isinstance(r, dict):
+                self._polled[w.name] = r
+                self.missed_polls.pop(w.name, None)
+                continue
+            silent.append(w.name)
             if isinstance(r, RayActorError):
                 self.members.forget(w.name, str(r).splitlines()[0])
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+                self._polled.pop(w.name, None)
+            else:
+                self.missed_polls[w.name] += 1
+                logger.debug("stats of %s: %r", w.name, r)
+        return silent
 
     def _ensure_poller(self) -> None:
         loop = asyncio.get_running_loop()
@@ -293,7 +310,7 @@ class ClusterBackend:
         while True:
             try:
                 await self._poll()
-            except Exception as exc:  # noqa: BLE001 - a slow or dead worker: keep the last view
+            except Exception as exc:  # noqa: BLE001 - e.g. membership mid-change: next round
                 logger.debug("stats poll failed: %s", exc)
             await asyncio.sleep(self.stats_interval_s)
 

@@ -25,9 +25,13 @@ class Method:
     def remote(self, *args):
         fut = asyncio.get_running_loop().create_future()
         try:
-            fut.set_result(self.fn(*args))
+            result = self.fn(*args)
         except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting router
             fut.set_exception(exc)
+            return fut
+        if asyncio.iscoroutine(result):  # a call that has not answered yet
+            return result
+        fut.set_result(result)
         return fut
 
 
@@ -38,9 +42,13 @@ class Handle:
         self.ready = Method(self._ready)
         self.name = name
 
+    hung = False
+
     def _stats(self):
         if self.dead:
             raise ray_exceptions.RayActorError()
+        if self.hung:
+            return asyncio.Event().wait()  # an awaitable that never completes
         return {"name": self.name, "free_blocks": 100, "cached_blocks": 0, "running": 0}
 
     def _ready(self):
@@ -118,6 +126,27 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         asyncio.run(scenario())
     finally:
         index.close()
+
+
+def test_a_hung_worker_misses_polls_without_blinding_the_router(tmp_path) -> None:
+    """Each worker's stats poll has its own deadline: the others stay current."""
+    from router.service import ClusterBackend
+
+    view = MembershipView(table(tmp_path))
+    backend = ClusterBackend(view, tokenizer=object(), stats_timeout_s=0.1)
+    hung = view.prefill[0]
+    hung.handle.hung = True
+
+    async def scenario():
+        for _ in range(3):
+            assert not await backend.healthy()
+        assert backend.missed_polls == {hung.name: 3}
+        assert {"prefill-1", "decode-0"} <= set(backend._polled)
+        hung.handle.hung = False
+        assert await backend.healthy() and not backend.missed_polls
+        await backend.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_a_new_prefix_in_flight_follows_its_first_request(redis, tmp_path) -> None:
