@@ -78,17 +78,16 @@ class _Inflight:
     worker: str
     deltas: list[Delta] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # why a retryable error delta ended it: the worker's own ones are failed KV transfers, the
+    # router's own say what it saw (the worker died, or went silent)
+    reason: str = "transfer_failed"
 
     def push(self, d: Delta) -> None:
         self.deltas.append(d)
         self.ready.set()
 
-    async def take(self, timeout: float | None = None) -> list[Delta] | None:
-        """The deltas so far (waiting for one), or None after ``timeout`` without any."""
-        try:
-            await asyncio.wait_for(self.ready.wait(), timeout)
-        except TimeoutError:
-            return None
+    async def take(self) -> list[Delta]:
+        await self.ready.wait()
         self.ready.clear()
         deltas, self.deltas = self.deltas, []
         return deltas
@@ -185,9 +184,9 @@ class Dispatcher:
         self._inflight: dict[str, _Inflight] = {}
         self._streams: dict[str, asyncio.Task] = {}
         self._seen: dict[str, float] = {}  # worker -> when its stream last delivered anything
+        self._watchdog: asyncio.Task | None = None
         self.coalesced_batches = 0
         self.resumes: Counter[str] = Counter()  # by reason
-        self.retries: Counter[str] = Counter()  # attempts again before any token, by reason
 
     # -- a request ---------------------------------------------------------------------------
 
@@ -220,15 +219,15 @@ class Dispatcher:
                 avoid |= {decode.name} | ({prefill.name} if prefill is not None else set())
                 if not assembler.has_output:
                     failures += 1
-                    self.retries[exc.reason] += 1
                     logger.warning("request %s attempt %d failed: %s", request_id, failures, exc)
                     if failures >= self.max_attempts:
                         raise ClusterError(
                             f"request {request_id} failed on {failures} attempts: {exc}"
                         ) from None
                     continue
-                if assembler.produced() is None or resumes >= self.max_resumes:
-                    why = "n > 1" if assembler.produced() is None else f"{resumes} resumes"
+                produced = assembler.produced()
+                if produced is None or resumes >= self.max_resumes:
+                    why = "n > 1" if produced is None else f"{resumes} resumes"
                     raise ClusterError(
                         f"request {request_id} failed mid-stream ({why}): {exc}"
                     ) from None
@@ -237,7 +236,7 @@ class Dispatcher:
                 logger.warning(
                     "request %s resumes after %d tokens (%s): %s",
                     request_id,
-                    len(assembler.produced() or ()),
+                    len(produced),
                     exc.reason,
                     exc,
                 )
@@ -259,14 +258,10 @@ class Dispatcher:
                     placed.outstanding += 1
                     decode = workers[0] = placed
             while True:
-                deltas = await inflight.take(self.stall_timeout_s / 4)
-                if deltas is None:
-                    self._check_alive(decode)
-                    continue
-                for d in deltas:
+                for d in await inflight.take():
                     if d.error is not None:
                         if d.retryable:
-                            raise _Retry(d.error, _reason(d.error))
+                            raise _Retry(d.error, inflight.reason)
                         raise ClusterError(d.error)
                     stopped = assembler.apply(d)  # a stop string: the worker does not know
                     finished = assembler.output.finished
@@ -284,13 +279,6 @@ class Dispatcher:
             if not finished:
                 for w in workers:
                     _quietly(w.handle.abort, irid)
-
-    def _check_alive(self, worker: WorkerRef) -> None:
-        """Raise _Retry when ``worker``'s stream has been silent (no delta, no heartbeat) for
-        longer than ``stall_timeout_s``: the process is hung or gone."""
-        silent = time.monotonic() - self._seen.get(worker.name, time.monotonic())
-        if silent > self.stall_timeout_s:
-            raise _Retry(f"worker {worker.name} silent for {silent:.1f} s", "stalled")
 
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
         inflight = self._expect(irid, worker)
@@ -374,6 +362,8 @@ class Dispatcher:
         if task is None or task.done():
             self._seen[worker.name] = time.monotonic()
             self._streams[worker.name] = asyncio.ensure_future(self._read(worker))
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.ensure_future(self._watch_streams())
         return inflight
 
     async def _read(self, worker: WorkerRef) -> None:
@@ -396,8 +386,27 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - the worker died
             why = f"worker {worker.name} died: {exc}"
             self._worker_failed(worker, exc)
+        self._seen.pop(worker.name, None)  # no stream to watch until one is started again
+        self._fail_inflight(worker.name, why, "worker_died")
+
+    async def _watch_streams(self) -> None:
+        """Every stall_timeout_s / 4: a worker whose stream has been silent (no delta, not even
+        its heartbeat) for longer than ``stall_timeout_s`` is hung or gone, and every request
+        of this router running there fails retryably (it resumes elsewhere)."""
+        while True:
+            await asyncio.sleep(self.stall_timeout_s / 4)
+            now = time.monotonic()
+            for name, seen in list(self._seen.items()):
+                if now - seen > self.stall_timeout_s:
+                    self._fail_inflight(
+                        name, f"worker {name} silent for {now - seen:.1f} s", "stalled"
+                    )
+
+    def _fail_inflight(self, worker: str, why: str, reason: str) -> None:
+        """End every in-flight attempt of this router on ``worker`` with a retryable error."""
         for rid, inflight in list(self._inflight.items()):
-            if inflight.worker == worker.name:
+            if inflight.worker == worker:
+                inflight.reason = reason
                 inflight.push(Delta(rid, error=why, retryable=True))
 
     def _worker_failed(self, worker: WorkerRef, exc: BaseException) -> None:
@@ -407,19 +416,12 @@ class Dispatcher:
             self.members.forget(worker.name, str(exc).splitlines()[0])
 
     async def aclose(self) -> None:
-        for task in self._streams.values():
+        tasks = [*self._streams.values(), *([self._watchdog] if self._watchdog else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._streams.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._streams.clear()
-
-
-def _reason(error: str) -> str:
-    """A metric label for a retryable error delta."""
-    if "KV transfer" in error:
-        return "transfer_failed"
-    if "died" in error or "stream ended" in error:
-        return "worker_died"
-    return "worker_failed"
+        self._watchdog = None
 
 
 def _quietly(method, *args) -> None:

@@ -360,16 +360,16 @@ def _sampling_params(
         )
     except ValueError as exc:
         message = str(exc)
-        name = message.split(" ", 1)[0]
-        param = names.get(name, name) if name in SamplingParams.__dataclass_fields__ else None
+        name = param_named(message)
+        param = names.get(name, name) if name is not None else None
         if param is not None and param != name:
             message = param + message[len(name) :]
         raise bad_request(message, param=param) from None
 
 
 def param_named(message: str) -> str | None:
-    """The sampling parameter an engine's "NAME must be ..." error names, if any (the engine
-    checks what needs the model, e.g. top_k against the vocabulary)."""
+    """The sampling parameter a "NAME must be ..." error names, if any: SamplingParams' own
+    checks, and the engine's that need the model (top_k against the vocabulary)."""
     name = message.split(" ", 1)[0]
     if name in SamplingParams.__dataclass_fields__ and message.startswith(f"{name} must be"):
         return name

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from cluster_checks import assert_idle
 from hf_oracle import hf_greedy_ids
 
 from engine import SamplingParams
@@ -89,17 +90,6 @@ def worker(cluster, name):
 
 async def stats(cluster, name):
     return await worker(cluster, name).handle.stats.remote()
-
-
-def assert_idle(cluster, timeout=20.0):
-    """Every worker idle with free + cached + in use == total and nothing in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        report = cluster.check_idle()
-        if all(v is None for v in report.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert all(v is None for v in report.values()), report
 
 
 def test_greedy_matches_colocated_and_transformers(cluster, prompts, hf) -> None:

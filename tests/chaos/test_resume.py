@@ -21,6 +21,7 @@ import signal
 import time
 
 import pytest
+from cluster_checks import assert_idle
 from hf_oracle import hf_greedy_ids
 
 from engine import SamplingParams
@@ -136,16 +137,6 @@ def _stop(cluster, pool):
     return name, fault
 
 
-def _assert_idle(cluster, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        report = cluster.check_idle()
-        if all(v is None for v in report.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert all(v is None for v in report.values()), report
-
-
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_dead_or_hung_worker_loses_no_greedy_request(setup, prompts, expected_greedy, how):
     cluster, mode, pool = setup
@@ -160,7 +151,7 @@ def test_a_dead_or_hung_worker_loses_no_greedy_request(setup, prompts, expected_
     assert took < 60  # a hang is noticed after STALL_S, not after a transfer timeout
     cluster.refresh()
     assert (victim in {w.name for w in cluster.workers}) == (how == "stop")
-    _assert_idle(cluster)  # a stopped worker, continued, aborted what moved away
+    assert_idle(cluster, timeout=30.0)  # a stopped worker, continued, aborted what moved away
 
 
 def test_seeded_sampling_continues_exactly_after_a_kill(setup, prompts) -> None:
@@ -181,4 +172,4 @@ def test_seeded_sampling_continues_exactly_after_a_kill(setup, prompts) -> None:
     outs, _, resumes = asyncio.run(_stream_with_fault(cluster, prompts, SEEDED, fault, mode))
     assert resumes.get("worker_died", 0) >= 1, resumes
     assert [list(o.outputs[0].token_ids) for o in outs] == reference
-    _assert_idle(cluster)
+    assert_idle(cluster, timeout=30.0)
