@@ -17,7 +17,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    args.argv = argv
     if not hasattr(args, "handler"):
         # `tandem` or `tandem model` alone: show the relevant help.
         getattr(args, "help_parser", parser).print_help(sys.stderr)
@@ -143,14 +142,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cluster import serve
 
     if args.detach:
-        return serve.run_detached(args, args.argv[1:])
+        return serve.run_detached(args)
     return serve.run_serve(args)
 
 
 def _add_stop(subparsers: argparse._SubParsersAction) -> None:
     stop = subparsers.add_parser("stop", help="stop a `tandem serve --detach`")
     stop.add_argument("--port", type=int, default=8000)
-    stop.add_argument("--timeout", type=float, default=60.0)
+    stop.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait after SIGTERM (the server drains) before stopping it at once",
+    )
+    stop.add_argument(
+        "--kill-after",
+        type=float,
+        default=30.0,
+        help="seconds to wait after that before SIGKILL of its process group",
+    )
     stop.set_defaults(handler=lambda args: __import__("cluster.serve").serve.run_stop(args))
 
 

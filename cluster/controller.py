@@ -2,10 +2,18 @@
 
 It starts every worker actor (so the workers belong to it, not to a gateway process: a gateway
 can die and restart without taking them down), keeps the one membership table (each worker's
-handle, role, KV endpoint, prefix-index id and state: starting -> active -> draining -> dead)
-and publishes each new version to the routers that long-poll ``watch``. A worker is marked dead
-when its health check or a router's report finds its actor gone; the controller then removes it
-from the global prefix index, so its entries stop counting for every router at once.
+handle, role, KV endpoint, prefix-index id and state) and publishes each new version to the
+routers that long-poll ``watch``.
+
+Health (``HealthConfig``): every ``interval_s`` each worker's ``health()`` is called under its own
+``timeout_s`` (one hung worker never delays the others' checks). A worker that misses
+``suspect_after`` checks in a row, or whose engine step has run longer than ``hang_after_s``, is
+SUSPECT: routers send it nothing new (what it runs may finish, or resume elsewhere when its
+stream stalls). It is ACTIVE again when it answers; SUSPECT for ``dead_after_s`` makes it DEAD,
+and its actor is killed (it cannot come back with half-served requests). A dead actor
+(``RayActorError``) is DEAD at once. A router that sees a worker fail or go silent reports it
+(``report_dead``, ``report_unresponsive``) and the controller checks at once. A dead worker is
+removed from the global prefix index, so its entries stop counting for every router.
 
 Drain, scale, rebalance and migration orchestration (the operator API) build on this actor.
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,11 +52,22 @@ class WorkerSpec:
     cpu_threads: int | None = None  # CPU: torch threads per worker (its share of the cores)
 
 
-class Controller:
-    health_interval_s = 1.0
+@dataclass
+class HealthConfig:
+    interval_s: float = 1.0  # between checks of every worker
+    timeout_s: float = 2.0  # a check not answered within this is a miss
+    suspect_after: int = 2  # misses in a row that make a worker SUSPECT
+    hang_after_s: float = 30.0  # an engine step running this long: SUSPECT (a hung thread)
+    dead_after_s: float = 60.0  # SUSPECT this long: DEAD, and its actor is killed
 
-    def __init__(self, spec: WorkerSpec) -> None:
+
+class Controller:
+    def __init__(self, spec: WorkerSpec, health: HealthConfig | None = None) -> None:
         self.spec = spec
+        self.health = health or HealthConfig()
+        self._missed: dict[str, int] = {}  # consecutive missed health checks
+        self._suspect_since: dict[str, float] = {}
+        self.transitions: list[tuple[float, str, str, str]] = []  # (time, worker, state, why)
         self._workers: dict[str, WorkerInfo] = {}
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
         self.version = 0
@@ -176,13 +196,31 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - dead or hung
             await self._mark_dead(name, why or str(exc))
 
+    async def report_unresponsive(self, name: str, why: str = "") -> None:
+        """A router saw ``name`` go silent (its stream or its stats): check it now; a worker
+        that does not answer within ``timeout_s`` is SUSPECT at once."""
+        info = self._workers.get(name)
+        if info is None or info.state not in (WorkerState.ACTIVE, WorkerState.SUSPECT):
+            return
+        await self._check_one(info, miss_is_suspect=True, why=why)
+
+    def _set_state(self, name: str, state: WorkerState, why: str) -> None:
+        info = self._workers[name]
+        if info.state == state:
+            return
+        logger.warning("worker %s: %s -> %s (%s)", name, info.state.name, state.name, why)
+        self._workers[name] = replace(info, state=state)
+        self.transitions.append((time.time(), name, state.name, why))
+        del self.transitions[:-1000]
+        self._publish()
+
     async def _mark_dead(self, name: str, why: str) -> None:
         info = self._workers.get(name)
         if info is None or info.state == WorkerState.DEAD:
             return
-        logger.warning("worker %s is dead: %s", name, why)
-        self._workers[name] = replace(info, state=WorkerState.DEAD)
-        self._publish()
+        self._missed.pop(name, None)
+        self._suspect_since.pop(name, None)
+        self._set_state(name, WorkerState.DEAD, why)
         if self.spec.index_url and info.index_id:
             from engine.prefix_index import PrefixIndex
 
@@ -190,30 +228,76 @@ class Controller:
                 index = PrefixIndex(self.spec.index_url, self.spec.index_namespace)
                 await asyncio.to_thread(index.remove_worker, info.index_id)
 
-    async def _check_health(self) -> None:
+    async def _check_one(self, info: WorkerInfo, *, miss_is_suspect: bool = False, why="") -> None:
+        """One health check of one worker, and the state change it implies."""
         from ray.exceptions import RayActorError
 
+        h = self.health
+        name = info.name
+        try:
+            report = await asyncio.wait_for(info.handle.health.remote(), h.timeout_s)
+        except RayActorError as exc:
+            await self._mark_dead(name, str(exc).splitlines()[0])
+            return
+        except Exception as exc:  # noqa: BLE001 - a timeout, or the call failed: a miss
+            if self._workers.get(name) is not info:
+                return  # the table changed meanwhile (e.g. killed): nothing to judge
+            self._missed[name] = self._missed.get(name, 0) + 1
+            missed = self._missed[name]
+            if miss_is_suspect or missed >= h.suspect_after:
+                reason = why or f"{missed} health checks unanswered ({type(exc).__name__})"
+                await self._suspect(name, reason)
+            return
+        if self._workers.get(name) is not info:
+            return
+        self._missed.pop(name, None)
+        age = float(report.get("step_age_s", 0.0))
+        if age > h.hang_after_s:
+            await self._suspect(name, f"an engine step running for {age:.1f} s")
+        elif info.state == WorkerState.SUSPECT:
+            self._suspect_since.pop(name, None)
+            self._set_state(name, WorkerState.ACTIVE, "answers again")
+
+    async def _suspect(self, name: str, why: str) -> None:
+        info = self._workers[name]
+        if info.state == WorkerState.ACTIVE:
+            self._suspect_since[name] = time.monotonic()
+            self._set_state(name, WorkerState.SUSPECT, why)
+        elif info.state == WorkerState.SUSPECT:
+            since = self._suspect_since.setdefault(name, time.monotonic())
+            if time.monotonic() - since > self.health.dead_after_s:
+                await self._kill_actor(info)
+                await self._mark_dead(
+                    name, f"unresponsive for {time.monotonic() - since:.0f} s: {why}"
+                )
+
+    async def _check_health(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
-            live = [w for w in self._workers.values() if w.state != WorkerState.DEAD]
-            results = await asyncio.gather(
-                *(w.handle.ready.remote() for w in live), return_exceptions=True
-            )
-            for w, r in zip(live, results, strict=True):
-                if isinstance(r, RayActorError):
-                    await self._mark_dead(w.name, str(r).splitlines()[0])
+            await asyncio.sleep(self.health.interval_s)
+            live = [
+                w
+                for w in self._workers.values()
+                if w.state in (WorkerState.ACTIVE, WorkerState.SUSPECT, WorkerState.DRAINING)
+            ]
+            await asyncio.gather(*(self._check_one(w) for w in live), return_exceptions=True)
+
+    async def _kill_actor(self, info: WorkerInfo) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(info.handle, no_restart=True)
+
+    def worker_states(self) -> dict[str, str]:
+        return {n: w.state.name.lower() for n, w in self._workers.items()}
 
     # -- operations --------------------------------------------------------------------------
 
     async def kill(self, name: str) -> None:
         """Kill one worker's actor (fault tests; drain comes with the operator API)."""
-        import ray
-
         info = self._workers.get(name)
         if info is None:
             raise ValueError(f"no worker named {name!r}")
-        with contextlib.suppress(Exception):
-            ray.kill(info.handle, no_restart=True)
+        await self._kill_actor(info)
         await self._mark_dead(name, "killed")
 
     async def shutdown(self) -> None:

@@ -9,20 +9,26 @@ reserve -> prefill -> stream -> retry) with least-loaded placement, for tests an
 gateway uses the full router (router/service.py) over the same membership.
 
 ``LocalCluster.attach(...)`` joins a running cluster through its controller.
+
+A new local Ray (no ``ray_address``) listens on 127.0.0.1 only and asks every client for its
+token (``init_local_ray``); a configured address is the operator's cluster, bound and
+authenticated as they set it up. docs/security.md lists every port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from cluster.controller import Controller, WorkerSpec
+from cluster.controller import Controller, HealthConfig, WorkerSpec
 from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -42,6 +48,72 @@ __all__ = [
 ]
 
 CONTROLLER = "controller"
+# Secrets `tandem serve` takes from the environment: never copied into a Ray runtime_env.
+SECRET_ENV = frozenset({"TANDEM_API_KEY", "TANDEM_REDIS_URL"})
+
+
+def init_local_ray(**options: Any) -> None:
+    """Start a new single-node Ray of our own: every Ray server on 127.0.0.1, token auth on.
+
+    Token auth is forced (``RAY_AUTH_MODE=token`` for this process and the Ray processes it
+    starts), whatever this Ray version's default or the caller's environment says. The token is
+    Ray's own file, ``~/.ray/auth_token``, made readable by its owner alone (Ray writes it with
+    the umask's mode); ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` are the operator's choice.
+    Loopback: Ray's GCS, raylet, object manager, agents and workers bind the node address,
+    127.0.0.1 here (``_loopback_stays_loopback``).
+    """
+    import ray
+
+    _force_token_auth()
+    with _loopback_stays_loopback():
+        # "local": a new Ray of our own, never a cluster another process left running
+        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
+
+
+@contextlib.contextmanager
+def _loopback_stays_loopback() -> Iterator[None]:
+    """Around a ``ray.init``: Ray's multi-machine mode (its default on Linux) replaces a node or
+    GCS address of 127.0.0.1 with this machine's IP, where a loopback-only Ray does not listen;
+    without it (Ray's default on macOS and Windows) loopback stays loopback. Addresses of other
+    machines are never rewritten, so joining a multi-node cluster is unchanged."""
+    from ray._private import ray_constants
+
+    multi_machine = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_machine
+
+
+def _force_token_auth() -> None:
+    try:
+        from ray._raylet import AuthenticationMode, Config, get_authentication_mode
+    except ImportError:  # Ray < 2.52 has no token auth: loopback is all the protection
+        logger.warning("this Ray has no token auth (2.52+ has): its ports take any local client")
+        return
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        logger.warning(
+            "RAY_AUTH_MODE=%s ignored: a local tandem Ray always asks for its token",
+            os.environ["RAY_AUTH_MODE"],
+        )
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")  # Ray read its config at import: make it see the mode
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        raise RuntimeError("could not turn on Ray's token auth (RAY_AUTH_MODE=token)")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:  # a new token, created 0600 (ray.init would write it with the umask's mode)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:
+            logger.warning("%s was readable by others: now 0600", path)
+            path.chmod(0o600)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
 
 
 @dataclass
@@ -59,6 +131,8 @@ class ClusterConfig:
     reserve_timeout_s: float = 30.0
     max_resumes: int = 2  # a request continues elsewhere this often after its worker failed
     stall_timeout_s: float = 10.0  # a worker's stream silent this long: hung
+    hang_timeout_s: float = 60.0  # one engine step running this long: its thread is stuck
+    dead_after_s: float = 60.0  # a worker suspect (unresponsive) this long is killed
     ray_address: str | None = None
     namespace: str = "tandem"  # Ray namespace of the named actors (gateways attach by it)
     index_url: str | None = None  # Redis of the global prefix index (None: workers publish nothing)
@@ -92,24 +166,32 @@ class LocalCluster:
         # Actor names are "<cluster id>/<name>": unique per cluster, so clusters sharing a Ray
         # namespace or a prefix index never mix; a gateway attaches by the id.
         self.cluster_id = secrets.token_hex(3)
+        # The job's runtime_env is stored in Ray's job table and shown by its dashboard: settings
+        # only, never a secret.
         env = {"NCCL_NVLS_ENABLE": "0"}
         env.update(
-            {k: v for k, v in os.environ.items() if k.startswith(("TANDEM_", "TRITON_", "NCCL_"))}
+            {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith(("TANDEM_", "TRITON_", "NCCL_")) and k not in SECRET_ENV
+            }
         )
         workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
         self._owns_ray = not ray.is_initialized()
         self._owns_workers = True
         if self._owns_ray:
-            ray.init(
-                # "local": a new Ray of our own, never a cluster another process left running
-                address=cfg.ray_address or "local",
-                num_cpus=None if cfg.ray_address else max(os.cpu_count() or 1, workers),
-                include_dashboard=False,
-                runtime_env={"env_vars": env},
-                logging_level=logging.WARNING,
-                log_to_driver=os.environ.get("TANDEM_WORKER_LOGS", "1") != "0",
-                namespace=cfg.namespace,
-            )
+            options = {
+                "include_dashboard": False,
+                "runtime_env": {"env_vars": env},
+                "logging_level": logging.WARNING,
+                "log_to_driver": os.environ.get("TANDEM_WORKER_LOGS", "1") != "0",
+                "namespace": cfg.namespace,
+            }
+            if cfg.ray_address:  # the operator's cluster: its binding and its auth
+                with _loopback_stays_loopback():
+                    ray.init(address=cfg.ray_address, **options)
+            else:
+                init_local_ray(num_cpus=max(os.cpu_count() or 1, workers), **options)
         resources = ray.cluster_resources()
         spec = WorkerSpec(
             model_dir=self.model_dir,
@@ -136,7 +218,9 @@ class LocalCluster:
                 num_cpus=0,
                 max_concurrency=1000,
             )
-            .remote(spec)
+            .remote(
+                spec, HealthConfig(hang_after_s=cfg.hang_timeout_s, dead_after_s=cfg.dead_after_s)
+            )
         )
         t0 = time.perf_counter()
         table = ray.get(
@@ -155,12 +239,13 @@ class LocalCluster:
         import ray
 
         if not ray.is_initialized():
-            ray.init(
-                address=ray_address,
-                namespace=namespace,
-                logging_level=logging.WARNING,
-                include_dashboard=False,
-            )
+            with _loopback_stays_loopback():
+                ray.init(
+                    address=ray_address,
+                    namespace=namespace,
+                    logging_level=logging.WARNING,
+                    include_dashboard=False,
+                )
         ids = sorted(
             n.partition("/")[0]
             for n in ray.util.list_named_actors()
@@ -203,6 +288,7 @@ class LocalCluster:
         self.index_namespace = table.index_namespace
         self._dispatcher: Dispatcher | None = None
         self._dispatcher_loop: asyncio.AbstractEventLoop | None = None
+        self._follower: asyncio.Task | None = None
 
     @property
     def prefill(self) -> list[WorkerRef]:
@@ -233,12 +319,17 @@ class LocalCluster:
         loop = asyncio.get_running_loop()
         if self._dispatcher is None or self._dispatcher_loop is not loop:
             self._dispatcher_loop = loop
+            for w in self.members.all_workers:  # the old loop's streams are gone, and with
+                self.members.clear(w.name, "stream")  # them what they suspected
+            # like every router: follow the controller's table while this loop runs
+            self._follower = loop.create_task(self.members.follow())
             self._dispatcher = Dispatcher(
                 self.members,
                 self.tokenizer,
                 reserve_timeout_s=self.config.reserve_timeout_s,
                 max_resumes=self.config.max_resumes,
                 stall_timeout_s=self.config.stall_timeout_s,
+                hang_timeout_s=self.config.hang_timeout_s,
             )
         return self._dispatcher
 
@@ -336,6 +427,9 @@ class LocalCluster:
         if self._dispatcher is not None:
             await self._dispatcher.aclose()
             self._dispatcher = None
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
 
     # -- operations ------------------------------------------------------------------------------
 

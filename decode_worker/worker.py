@@ -23,7 +23,7 @@ import math
 import time
 from typing import Any
 
-from engine.kv_transfer import TransferEvent, TransferOutcome, make_receiver
+from engine.kv_transfer import KVLimits, TransferEvent, TransferOutcome, make_receiver
 from engine.kv_transfer.streamer import token_from_dict
 from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
 from engine.runtime import EngineWorker
@@ -43,7 +43,9 @@ class DecodeWorker(EngineWorker):
         token: str = "",
         host: str = "127.0.0.1",
         transfer_timeout_s: float = 60.0,
+        kv_limits: dict[str, Any] | None = None,
     ) -> None:
+        """``kv_limits``: KVLimits fields to change (listener caps, socket and NCCL timeouts)."""
         self.transfer_timeout_s = transfer_timeout_s
         self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
         self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
@@ -62,6 +64,7 @@ class DecodeWorker(EngineWorker):
             self._on_transfer_event,
             token=token,
             host=host,
+            limits=KVLimits(**(kv_limits or {})),
         )
 
     async def endpoint(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,7 @@ class _Group:
     first_token_time: float | None = None
     finished: bool = False
     dirty: set[int] = field(default_factory=set)
+    error: str | None = None  # it failed alone in a step (the message its client gets)
 
 
 class LLMEngine:
@@ -269,7 +271,14 @@ class LLMEngine:
             return []
         observer = self.step_observer
         hook = observer.begin_step(sched_out) if observer is not None else None
-        sampled = self.runner.execute(sched_out, hook)
+        faulted: list[_Group] = []
+        try:
+            sampled = self.runner.execute(sched_out, hook)
+        except Exception as exc:
+            if observer is not None:
+                raise  # its hooks already streamed layers of this step: no re-execution
+            sampled, culprits = self._isolate(sched_out.scheduled, exc)
+            faulted = self._fail_culprits(culprits, exc)
         if observer is not None:
             observer.end_step(sched_out, sampled)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
@@ -286,8 +295,55 @@ class LLMEngine:
             self._finish_seq(seq, request)
             touched[group.request_id] = group
         if self.output_kind == "delta":
-            return [d for g in touched.values() for d in self._make_deltas(g)]
-        return [self._make_output(g) for g in touched.values()]
+            errors = [Delta(g.request_id, error=g.error) for g in faulted]
+            return errors + [d for g in touched.values() for d in self._make_deltas(g)]
+        return [self._make_output(g) for g in (*faulted, *touched.values())]
+
+    def _isolate(
+        self, chunks: list, exc: Exception
+    ) -> tuple[dict[str, SampledToken], list[Request]]:
+        """The step's forward pass raised: find out whether one request causes it. The chunks
+        are run again in halves (a chunk's KV writes and draws are the same each time it runs:
+        its blocks are its own, its seeded draws a function of its position): the half that
+        fails is split again until one request fails alone; the others' tokens are kept. When
+        both halves of a split fail the fault is the engine's, not one request's, and it is
+        raised. Returns (tokens of the chunks that ran, the culprit requests)."""
+        sampled: dict[str, SampledToken] = {}
+        failing = chunks
+        while len(failing) > 1:
+            half = len(failing) // 2
+            failed = []
+            for part in (failing[:half], failing[half:]):
+                try:
+                    sampled.update(self.runner.execute(SchedulerOutput(scheduled=part), None))
+                except Exception:  # noqa: BLE001 - narrowing down
+                    failed.append(part)
+            if len(failed) == 2:
+                raise exc
+            if not failed:  # it does not fail again: a transient fault, nothing to blame
+                return sampled, []
+            failing = failed[0]
+        return sampled, [failing[0].request]
+
+    def _fail_culprits(self, culprits: list[Request], exc: Exception) -> list[_Group]:
+        """End the groups of ``culprits`` with an error (their blocks are freed); the message
+        names an error id, the traceback goes to the log under it."""
+        groups = []
+        for request in culprits:
+            group, _ = self._seq_owner[request.request_id]
+            error_id = secrets.token_hex(4)
+            logger.error(
+                "request %s failed alone in the engine (error id %s)",
+                group.request_id,
+                error_id,
+                exc_info=exc,
+            )
+            self.abort_request(group.request_id)
+            group.error = (
+                f"the request failed in the engine ({type(exc).__name__}, error id {error_id})"
+            )
+            groups.append(group)
+        return groups
 
     def _on_token(self, seq: _Sequence, token: SampledToken) -> None:
         request, out = seq.request, seq.output

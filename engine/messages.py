@@ -25,12 +25,19 @@ from engine.sampling_params import SamplingParams
 
 
 class WorkerState(enum.IntEnum):
-    """A worker's life in the controller's membership table (ordered: only moves forward)."""
+    """A worker's life in the controller's membership table::
+
+        STARTING -> ACTIVE <-> SUSPECT -> DEAD        (DRAINING -> DEAD: the operator's)
+
+    SUSPECT: it missed health checks or its engine step runs too long; no new requests go to
+    it, what it runs may still finish; it is ACTIVE again when it answers, DEAD (and killed)
+    when it stays silent past the controller's ``dead_after_s``."""
 
     STARTING = 0
     ACTIVE = 1
-    DRAINING = 2
-    DEAD = 3
+    SUSPECT = 2
+    DRAINING = 3
+    DEAD = 4
 
 
 # -- reservation (decode worker) ------------------------------------------------------------------
@@ -123,11 +130,14 @@ class Delta:
 @dataclass(frozen=True)
 class StreamBatch:
     """One message per engine step per client: every delta of that client's requests.
-    ``coalesced`` counts the steps merged in because the reader was behind."""
+    ``coalesced`` counts the steps merged in because the reader was behind. An empty one is a
+    heartbeat; its ``step_age_s`` says how long the engine step running now has been running
+    (a live process with a hung engine thread still sends heartbeats, with a growing age)."""
 
     worker: str
     deltas: list[Delta]
     coalesced: int = 0
+    step_age_s: float = 0.0
 
 
 def aborted(request_id: str) -> Delta:

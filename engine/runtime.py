@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 import traceback
@@ -101,6 +102,7 @@ class EngineWorker:
         self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
         self._closed = False
         self.steps = 0
+        self._step_started: float | None = None  # monotonic start of the step running now
         self._publisher = None
         if index is not None:
             from engine.prefix_index import IndexPublisher, PrefixIndex
@@ -134,13 +136,22 @@ class EngineWorker:
                 self._drain_inbox(block=not self._has_work())
                 self._on_tick()
                 if self._has_work():
+                    self._step_started = time.monotonic()
                     deltas = self.engine.step()
+                    self._step_started = None
                     self.steps += 1
                     self._emit(deltas)
                     self._publish_blocks()
-            except Exception:  # noqa: BLE001 - a bug must not kill the thread silently
-                logger.error("engine thread of %s:\n%s", self.name, traceback.format_exc())
-                self._fail_everything(traceback.format_exc(limit=3))
+            except Exception as exc:  # noqa: BLE001 - a bug must not kill the thread silently
+                self._step_started = None
+                error_id = secrets.token_hex(4)
+                logger.error(
+                    "engine thread of %s (error id %s):\n%s",
+                    self.name,
+                    error_id,
+                    traceback.format_exc(),
+                )
+                self._fail_everything(f"{type(exc).__name__}, error id {error_id}")
                 time.sleep(0.1)  # a persistent fault must not flood the log
 
     def _drain_inbox(self, block: bool) -> None:
@@ -215,7 +226,9 @@ class EngineWorker:
         self._owner.pop(request_id, None)
 
     def _fail_everything(self, message: str) -> None:
-        """Last resort after an engine exception: end every request with an error."""
+        """Last resort after an engine fault that is not one request's (the engine isolates
+        those: LLMEngine._isolate): end every request with an error. ``message`` names the
+        error id the traceback is logged under; no traceback goes to a client."""
         for rid in list(self._owner):
             self.engine.abort_request(rid)
             self._fail(rid, f"engine failure in {self.name}: {message}")
@@ -245,7 +258,8 @@ class EngineWorker:
     async def outputs(self, client: str) -> AsyncIterator[StreamBatch]:
         """Every delta of ``client``'s requests, one StreamBatch per engine step (merged when
         the reader is behind), and an empty one after ``heartbeat_s`` without any: the reader
-        tells a live worker from a hung one by them. Runs until the worker shuts down; a reader
+        tells a live worker from a hung one by them (and a hung engine thread by their
+        ``step_age_s``). Runs until the worker shuts down; a reader
         that goes away and is not replaced within ``orphan_grace_s`` has its client's requests
         aborted."""
         self._loop = asyncio.get_running_loop()
@@ -256,7 +270,7 @@ class EngineWorker:
                 try:
                     await asyncio.wait_for(ch.ready.wait(), self.heartbeat_s)
                 except TimeoutError:
-                    yield StreamBatch(self.name, [], 0)
+                    yield StreamBatch(self.name, [], 0, self._step_age())
                     continue
                 deltas, merged = ch.take()
                 if deltas:
@@ -298,6 +312,16 @@ class EngineWorker:
             "index_id": self._publisher.worker if self._publisher is not None else "",
             "endpoint": "",
         }
+
+    async def health(self) -> dict[str, Any]:
+        """Cheap liveness, answered on the event loop without the engine thread: how long the
+        step running now has been running (0 when none is). A hung engine thread shows here as
+        a growing age; a hung or dead process does not answer at all."""
+        return {"name": self.name, "steps": self.steps, "step_age_s": self._step_age()}
+
+    def _step_age(self) -> float:
+        started = self._step_started
+        return time.monotonic() - started if started is not None else 0.0
 
     async def stats(self) -> dict[str, Any]:
         stats = await self.call(self._stats)

@@ -19,9 +19,10 @@ A request's life here (the decode worker's module has the other half)::
        over NCCL, own CUDA stream) sends it while layer L + 1 computes
     5. the step that completes the prompt samples the first token and queues ``done`` behind
        the last layer; ``prefill`` returns that token to its caller
-    6. the request ends here: its prompt blocks stay in this worker's prefix cache; an abort or
-       a broken channel aborts the transfer (the decode worker frees its side on ``abort`` or
-       when the channel drops) and ``prefill`` returns the error
+    6. the request ends here: its prompt blocks stay in this worker's prefix cache; an abort,
+       a broken channel or a full channel queue (KVLimits.max_pending_bytes) aborts the
+       transfer (the decode worker frees its side on ``abort`` or when the channel drops) and
+       ``prefill`` returns the error (``PrefillFailed``: the caller retries elsewhere)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from engine.kv_transfer import KVConnector
+from engine.kv_transfer import KVConnector, KVLimits
 from engine.kv_transfer.streamer import KVStreamer, token_from_dict
 from engine.messages import PrefillDone, PrefillFailed, PrefillResult
 from engine.runtime import EngineWorker
@@ -50,12 +51,18 @@ class PrefillWorker(EngineWorker):
         token: str = "",
         max_channels: int = 8,
         index: dict[str, Any] | None = None,
+        kv_limits: dict[str, Any] | None = None,
     ) -> None:
+        """``kv_limits``: KVLimits fields to change (its queue cap, socket and NCCL timeouts)."""
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._gates: dict[str, threading.Event] = {}
         super().__init__(engine_config, name, index)
         self.connector = KVConnector(
-            self.kv_spec(), self._on_channel_failure, token=token, max_channels=max_channels
+            self.kv_spec(),
+            self._on_channel_failure,
+            token=token,
+            max_channels=max_channels,
+            limits=KVLimits(**(kv_limits or {})),
         )
         kv_caches = self.engine.runner.kv_caches
         self.streamer = KVStreamer(self.connector, kv_caches, self.engine.cfg.block_size)
@@ -159,4 +166,5 @@ class PrefillWorker(EngineWorker):
         stats = super()._stats()
         stats["kv_channels"] = self.connector.num_channels
         stats["kv_bytes_sent"] = self.connector.bytes_sent
+        stats["kv_pending_bytes"] = self.connector.pending_bytes
         return stats

@@ -79,7 +79,8 @@ class Backend(Protocol):
         """Admit and start one request. Raises Overloaded, InvalidRequest or BackendError."""
 
     async def healthy(self) -> bool:
-        """True only while the workers answer (GET /health)."""
+        """True while a request can be placed (GET /health); cheap: from the state the backend
+        keeps, never a call to every worker."""
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         """One dict per worker for /metrics; keys (absent ones are skipped): name, role,
@@ -88,10 +89,14 @@ class Backend(Protocol):
         kv_transfer_seconds."""
 
     def router_stats(self) -> RouterStats:
-        """Counters of the router (monotonic, for /metrics)."""
+        """Counters of the router (monotonic) and the workers' states, for /metrics and
+        /health."""
 
 
 @dataclass
 class RouterStats:
     decisions: dict[str, int] = field(default_factory=dict)  # placements by reason
     index_unavailable: int = 0  # lookups that fell back to load-only routing (Redis down)
+    resumes: dict[str, int] = field(default_factory=dict)  # requests continued elsewhere, by why
+    worker_states: dict[str, str] = field(default_factory=dict)  # as this router acts on them
+    missed_polls: dict[str, int] = field(default_factory=dict)  # consecutive, per worker

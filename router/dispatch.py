@@ -13,7 +13,7 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
        per engine step for every request of this router on D); the request's queue takes its
        own, the text is built here (detokenization and stop strings: off the engine thread)
     5. a retryable failure (transfer failed, worker died, worker silent for ``stall_timeout_s``:
-       no delta and no heartbeat) -> run again on other workers. Before any token that is a
+       no delta and no heartbeat, or one engine step older than ``hang_timeout_s``) -> run again on other workers. Before any token that is a
        new attempt, up to ``max_attempts``; after tokens it is a *resume*, up to
        ``max_resumes``: the request continues from its snapshot (prompt + the tokens it
        produced, carried as output and recomputed there), and its client's stream goes on with
@@ -173,6 +173,7 @@ class Dispatcher:
         max_attempts: int = 2,
         max_resumes: int = 2,
         stall_timeout_s: float = 10.0,
+        hang_timeout_s: float = 60.0,
     ) -> None:
         self.members = members
         self.tokenizer = tokenizer
@@ -181,9 +182,11 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.max_resumes = max_resumes
         self.stall_timeout_s = stall_timeout_s
+        self.hang_timeout_s = hang_timeout_s
         self._inflight: dict[str, _Inflight] = {}
         self._streams: dict[str, asyncio.Task] = {}
         self._seen: dict[str, float] = {}  # worker -> when its stream last delivered anything
+        self._step_age: dict[str, tuple[float, float]] = {}  # worker -> (its step's age, when)
         self._watchdog: asyncio.Task | None = None
         self.coalesced_batches = 0
         self.resumes: Counter[str] = Counter()  # by reason
@@ -288,7 +291,7 @@ class Dispatcher:
             raise RequestError(str(exc).splitlines()[-1]) from None
         except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
             self._worker_failed(worker, exc)
-            raise _Retry(f"worker {worker.name} failed: {exc}", "worker_died") from None
+            raise _Retry(f"worker {worker.name} failed: {_brief(exc)}", "worker_died") from None
         return inflight
 
     async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef):
@@ -347,7 +350,7 @@ class Dispatcher:
         try:
             res = await pref
         except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
-            res = PrefillFailed(f"prefill worker failed: {exc}")
+            res = PrefillFailed(f"prefill worker failed: {_brief(exc)}")
         trace(irid, "router.prefilled")
         if isinstance(res, PrefillFailed):
             _quietly(d.handle.fail_transfer, irid, res.message)
@@ -375,7 +378,11 @@ class Dispatcher:
         try:
             async for ref in stream:
                 batch = await ref
-                self._seen[worker.name] = time.monotonic()
+                now = time.monotonic()
+                self._seen[worker.name] = now
+                self._step_age[worker.name] = (batch.step_age_s, now)
+                if batch.step_age_s < self.hang_timeout_s:
+                    self.members.clear(worker.name, "stream")
                 self.coalesced_batches += batch.coalesced
                 for d in batch.deltas:
                     inflight = self._inflight.get(d.request_id)
@@ -384,23 +391,33 @@ class Dispatcher:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the worker died
-            why = f"worker {worker.name} died: {exc}"
+            why = f"worker {worker.name} died: {_brief(exc)}"
             self._worker_failed(worker, exc)
         self._seen.pop(worker.name, None)  # no stream to watch until one is started again
+        self._step_age.pop(worker.name, None)
         self._fail_inflight(worker.name, why, "worker_died")
 
     async def _watch_streams(self) -> None:
         """Every stall_timeout_s / 4: a worker whose stream has been silent (no delta, not even
-        its heartbeat) for longer than ``stall_timeout_s`` is hung or gone, and every request
-        of this router running there fails retryably (it resumes elsewhere)."""
+        its heartbeat) for longer than ``stall_timeout_s`` (its process is hung or gone), or
+        whose heartbeats say one engine step has run for longer than ``hang_timeout_s`` (its
+        engine thread is stuck), is suspect (nothing new goes there until its stream shows
+        progress again) and every request of this router running there fails retryably (it
+        resumes elsewhere)."""
         while True:
             await asyncio.sleep(self.stall_timeout_s / 4)
             now = time.monotonic()
             for name, seen in list(self._seen.items()):
+                age, when = self._step_age.get(name, (0.0, now))
+                step_age = age + (now - when) if age > 0 else 0.0
                 if now - seen > self.stall_timeout_s:
-                    self._fail_inflight(
-                        name, f"worker {name} silent for {now - seen:.1f} s", "stalled"
-                    )
+                    why = f"worker {name} silent for {now - seen:.1f} s"
+                elif step_age > self.hang_timeout_s:
+                    why = f"worker {name} stuck in one engine step for {step_age:.1f} s"
+                else:
+                    continue
+                self.members.suspect(name, "stream", why)
+                self._fail_inflight(name, why, "stalled")
 
     def _fail_inflight(self, worker: str, why: str, reason: str) -> None:
         """End every in-flight attempt of this router on ``worker`` with a retryable error."""
@@ -420,8 +437,17 @@ class Dispatcher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for name in self._streams:  # what these streams suspected, nobody will clear now
+            self.members.clear(name, "stream")
         self._streams.clear()
         self._watchdog = None
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception as a client may see it: its type and first line (a Ray error's text goes
+    on with the remote traceback; that stays in the logs)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _quietly(method, *args) -> None:

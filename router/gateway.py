@@ -2,21 +2,30 @@
 
 One completion request through it::
 
-    1. auth middleware        Bearer key (hmac.compare_digest) on every route but /health: 401
-    2. admission              a free slot of ``max_concurrent`` or 429 + Retry-After at once
-    3. body                   Content-Length and the bytes actually read <= max_body_bytes: 413
-    4. protocol               parse, template + tokenize (one worker thread, off the event
-                              loop), SamplingParams, context check: 400s (router/protocol.py)
+    1. auth middleware        Bearer key (hmac.compare_digest) on every route but /health: 401;
+                              request headers over ``max_header_bytes``: 431
+    2. body                   read before any slot is taken, within ``body_timeout_s`` (408);
+                              Content-Length and the bytes actually read <= max_body_bytes: 413
+    3. admission              ``n`` free slots of ``max_concurrent`` (a request of n samples
+                              is n requests' work) or 429 + Retry-After at once; while the
+                              gateway drains (shutting down): 503 + Retry-After
+    4. protocol               template + tokenize (one worker thread, off the event loop),
+                              SamplingParams, context check: 400s (router/protocol.py)
     5. backend.open           placement known: Overloaded -> 429/503 + Retry-After,
                               InvalidRequest -> 400, BackendError -> 500
     6a. stream                SSE frames; an error after the first byte goes in-band, then
-                              [DONE]; the client going away cancels the stream
+                              [DONE]; the client going away, or not reading for
+                              ``write_timeout_s`` (a send that does not complete), ends it
     6b. no stream             outputs collected while a watcher waits for http.disconnect
     7. close                  Generation.aclose() and the slot's release, always, shielded from
                               cancellation, once the response ends or the client is gone
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/v1/models/{model}, /health, /metrics. Every error is OpenAI JSON (``protocol.APIError``).
+Shutdown (``drain``): new requests get 503 + Retry-After; those in flight have until the
+deadline to finish, then each ends with an error (in-band for a stream, a 503 otherwise).
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize (these two take a
+slot each: the tokenizer thread is bounded as the rest); GET /v1/models, /v1/models/{model},
+/health, /metrics. Every error is OpenAI JSON (``protocol.APIError``).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import protocol
 from router.backend import Backend, BackendError, Generation, InvalidRequest, Overloaded
@@ -58,20 +67,30 @@ def create_app(
     api_keys: Sequence[str] = (),
     max_body_bytes: int = 8 << 20,
     max_concurrent: int = 256,
+    body_timeout_s: float = 30.0,
+    write_timeout_s: float = 30.0,
+    max_header_bytes: int = 16 << 10,
 ) -> FastAPI:
     """The gateway app over ``backend``. ``api_keys`` empty: no auth. ``max_body_bytes``: larger
-    bodies get 413. ``max_concurrent``: completion requests in flight at once (from admission
-    to the end of the response); more get 429 with Retry-After: 1, never a queue."""
-    if max_concurrent < 1 or max_body_bytes < 1:
+    bodies get 413. ``max_concurrent``: sequences in flight at once (a request of ``n``
+    samples counts n, from admission to the end of the response); more get 429 with
+    Retry-After: 1, never a queue. ``body_timeout_s``: the whole body must arrive within it
+    (408). ``write_timeout_s``: a streamed frame the client does not take within it ends the
+    stream. ``max_header_bytes``: larger request headers get 431. ``app.state.gateway.drain``
+    shuts it down gracefully."""
+    if min(max_concurrent, max_body_bytes, max_header_bytes) < 1:
         raise ValueError(
-            f"max_concurrent and max_body_bytes must be >= 1, got {max_concurrent} and "
-            f"{max_body_bytes}"
+            f"max_concurrent, max_body_bytes and max_header_bytes must be >= 1, got "
+            f"{max_concurrent}, {max_body_bytes} and {max_header_bytes}"
         )
-    gateway = _Gateway(backend, max_body_bytes, max_concurrent)
+    if body_timeout_s <= 0 or write_timeout_s <= 0:
+        raise ValueError("body_timeout_s and write_timeout_s must be > 0")
+    gateway = _Gateway(backend, max_body_bytes, max_concurrent, body_timeout_s, write_timeout_s)
     app = FastAPI(title="tandem", version="0.1.0")
     app.state.gateway = gateway
     if api_keys:
         app.add_middleware(_AuthMiddleware, keys=list(api_keys), metrics=gateway.metrics)
+    app.add_middleware(_HeaderLimit, limit=max_header_bytes)
     _install_error_handlers(app, gateway.metrics)
     app.post("/v1/completions")(gateway.completions)
     app.post("/v1/chat/completions")(gateway.chat_completions)
@@ -120,6 +139,29 @@ class _AuthMiddleware:
         for key in self.keys:  # every key, so timing says nothing about which one is close
             ok |= hmac.compare_digest(token, key)
         return ok
+
+
+class _HeaderLimit:
+    """431 for requests whose headers total more than ``limit`` bytes (h11 also refuses them
+    while parsing; httptools' parser has no limit of its own, so this is where it holds)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.limit:
+                err = APIError(
+                    431,
+                    f"the request headers total {size} bytes, more than {self.limit}",
+                    code="request_header_fields_too_large",
+                    reason="too_large",
+                )
+                await _error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -182,38 +224,54 @@ async def _shielded(coro: Awaitable[None]) -> None:
 
 
 class _Slots:
-    """The gateway's concurrency bound: take a slot or be refused, never wait."""
+    """The gateway's concurrency bound: take slots or be refused, never wait."""
 
     def __init__(self, limit: int, metrics: GatewayMetrics) -> None:
         self.limit = limit
         self.in_use = 0
         self._gauge = metrics.in_flight
 
-    def try_take(self) -> bool:
-        if self.in_use >= self.limit:
+    def try_take(self, count: int = 1) -> bool:
+        if self.in_use + count > self.limit:
             return False
-        self.in_use += 1
-        self._gauge.inc()
+        self.in_use += count
+        self._gauge.inc(count)
         return True
 
-    def give_back(self) -> None:
-        self.in_use -= 1
-        self._gauge.dec()
+    def give_back(self, count: int = 1) -> None:
+        self.in_use -= count
+        self._gauge.dec(count)
 
 
 class _Call:
-    """One admitted completion request: owns a slot and, once opened, a Generation."""
+    """One admitted request: owns its slots and, once opened, a Generation. ``stop`` ends it
+    early with an error (the gateway shutting down): a stream gets it in-band."""
 
-    def __init__(self, slots: _Slots) -> None:
+    def __init__(self, slots: _Slots, count: int, calls: set[_Call]) -> None:
         self._slots = slots
+        self._count = count
+        self._calls = calls
+        calls.add(self)
         self.generation: Generation | None = None
+        self.stopped: APIError | None = None
+        self.stop_event = asyncio.Event()
+        self.stream_scope: anyio.CancelScope | None = None  # set while a stream is written
         self._closed = False
 
+    def stop(self, err: APIError) -> None:
+        if self.stopped is None:
+            self.stopped = err
+            self.stop_event.set()
+            if self.stream_scope is not None:
+                self.stream_scope.cancel()
+
     async def close(self) -> None:
-        """Abort the generation (a no-op if it finished) and free the slot; idempotent. Runs to
-        the end even when the caller is being cancelled (the usual case: a client went away)."""
+        """Abort the generation (a no-op if it finished) and free the slots; idempotent. Runs
+        to the end even when the caller is being cancelled (the usual case: a client went
+        away)."""
         if not self._closed:
             self._closed = True
+            self._calls.discard(self)
             await _shielded(self._release())
 
     async def _release(self) -> None:
@@ -223,34 +281,61 @@ class _Call:
         except Exception:
             logger.warning("Generation.aclose failed", exc_info=True)
         finally:
-            self._slots.give_back()
+            self._slots.give_back(self._count)
 
 
 class _SSEResponse(StreamingResponse):
-    """Server-sent events that always end with ``on_close``: the stream finishing, failing, the
-    client disconnecting (seen on receive, or as OSError on send) or the task being cancelled."""
+    """Server-sent events that always end with the call's ``close``: the stream finishing,
+    failing, the client disconnecting (seen on receive, or as OSError on send), a frame not
+    taken within ``write_timeout_s``, the task being cancelled, or the call being stopped (its
+    error then goes out in-band before the end)."""
 
     media_type = "text/event-stream"
 
     def __init__(
         self,
         content: AsyncIterator[bytes],
-        on_close: Callable[[], Awaitable[None]],
+        call: _Call,
         headers: dict[str, str],
+        write_timeout_s: float,
     ) -> None:
         super().__init__(content, headers={**headers, "Cache-Control": "no-cache"})
-        self._on_close = on_close
+        self._call = call
+        self._write_timeout_s = write_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = {"start": False, "end": False}
+
+        async def timed_send(message: Message) -> None:
+            with anyio.fail_after(self._write_timeout_s):
+                await send(message)
+            sent["start"] = True
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["end"] = True
+
+        async def stream() -> None:
+            # ASGI 2.4 servers: OSError when the client is gone; TimeoutError: it stopped
+            # reading
+            with contextlib.suppress(OSError, TimeoutError):
+                with anyio.CancelScope() as cancel:
+                    self._call.stream_scope = cancel
+                    if self._call.stopped is None:
+                        await self.stream_response(timed_send)
+                err = self._call.stopped
+                if err is not None and not sent["start"]:
+                    await _error_response(err)(scope, receive, timed_send)
+                elif err is not None and not sent["end"]:
+                    end = protocol.sse(err.body()) + protocol.SSE_DONE
+                    await timed_send({"type": "http.response.body", "body": end})
+
         try:
             async with anyio.create_task_group() as tg:
 
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # ASGI 2.4 servers: the client is gone
-                        await self.stream_response(send)
+                async def stream_then_stop() -> None:
+                    await stream()
                     tg.cancel_scope.cancel()
 
-                tg.start_soon(stream)
+                tg.start_soon(stream_then_stop)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
@@ -260,7 +345,7 @@ class _SSEResponse(StreamingResponse):
         try:
             await self.body_iterator.aclose()  # type: ignore[union-attr]
         finally:
-            await self._on_close()
+            await self._call.close()
 
 
 async def _client_gone(request: Request) -> None:
@@ -286,11 +371,22 @@ _CHAT = _Kind("chatcmpl", "chat.completion.chunk", "messages")
 
 
 class _Gateway:
-    def __init__(self, backend: Backend, max_body_bytes: int, max_concurrent: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        max_body_bytes: int,
+        max_concurrent: int,
+        body_timeout_s: float = 30.0,
+        write_timeout_s: float = 30.0,
+    ) -> None:
         self.backend = backend
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.metrics = GatewayMetrics(backend.model_name)
         self.slots = _Slots(max_concurrent, self.metrics)
+        self.calls: set[_Call] = set()
+        self.draining = False
         self.texts = protocol.TokenTexts(backend.tokenizer)
         self.created = int(time.time())
         # HF fast tokenizers are not safe to call from several threads at once: one thread.
@@ -305,19 +401,20 @@ class _Gateway:
     async def _generate(self, request: Request, kind: _Kind) -> Response:
         arrival = time.monotonic()
         request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
-        if not self.slots.try_take():
-            raise APIError(
-                429,
-                f"the gateway is at its limit of {self.slots.limit} requests in flight",
-                type="rate_limit_error",
-                code="too_many_requests",
-                headers={"Retry-After": "1", "x-request-id": request_id},
-                reason="concurrency_limit",
-            )
-        call = _Call(self.slots)
+        try:
+            body = await self._read_body(request)
+            if kind is _CHAT:
+                req = protocol.parse_body(protocol.ChatCompletionRequest, body)
+            else:
+                req = protocol.parse_body(protocol.CompletionRequest, body)
+            self._check_model(req.model)
+            call = self._admit(req.n)
+        except APIError as exc:
+            exc.headers.setdefault("x-request-id", request_id)
+            raise
         handed_off = False
         try:
-            response = await self._start(request, kind, request_id, arrival, call)
+            response = await self._start(request, kind, req, request_id, arrival, call)
             handed_off = isinstance(response, _SSEResponse)  # it closes the call when it ends
             return response
         except APIError as exc:
@@ -327,21 +424,49 @@ class _Gateway:
             if not handed_off:
                 await call.close()
 
+    def _admit(self, count: int = 1) -> _Call:
+        """``count`` slots, or 503 while draining / 429 when the gateway is full."""
+        if self.draining:
+            raise _shutting_down()
+        if not self.slots.try_take(count):
+            raise APIError(
+                429,
+                f"the gateway is at its limit of {self.slots.limit} sequences in flight"
+                + (f" (this request needs {count})" if count > 1 else ""),
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+                reason="concurrency_limit",
+            )
+        return _Call(self.slots, count, self.calls)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Shut down gracefully: refuse new requests (503 + Retry-After), give those in flight
+        ``timeout_s`` to finish, then end the rest with an error. Returns how many were
+        ended that way."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.calls)
+        for call in left:
+            call.stop(_shutting_down("the server shut down before the request finished"))
+        for _ in range(100):  # let them write their error and close
+            if not self.calls:
+                break
+            await asyncio.sleep(0.02)
+        return len(left)
+
     async def _start(
-        self, request: Request, kind: _Kind, request_id: str, arrival: float, call: _Call
+        self, request: Request, kind: _Kind, req: Any, request_id: str, arrival: float, call: _Call
     ) -> Response:
-        body = await self._read_body(request)
         if kind is _CHAT:
-            req = protocol.parse_body(protocol.ChatCompletionRequest, body)
-            self._check_model(req.model)
             params = protocol.chat_sampling_params(req)
             ids = await self._tokenize(
                 protocol.chat_prompt, req.messages, req.add_generation_prompt
             )
             text = None
         else:
-            req = protocol.parse_body(protocol.CompletionRequest, body)
-            self._check_model(req.model)
             params = protocol.completion_sampling_params(req)
             text, ids = await self._tokenize(protocol.completion_prompt, req)
         protocol.check_context(
@@ -375,8 +500,8 @@ class _Gateway:
         timer = self.metrics.timer(arrival)
         if req.stream:
             frames = self._stream(call, kind, shape, params.n, req.include_usage, timer)
-            return _SSEResponse(frames, call.close, headers)
-        out = await self._collect(request, call.generation, timer)
+            return _SSEResponse(frames, call, headers, self.write_timeout_s)
+        out = await self._collect(request, call, timer)
         if out is None:  # the client went away; nobody reads this
             return Response(status_code=499, headers=headers)
         build = protocol.chat_response if kind is _CHAT else protocol.completion_response
@@ -394,13 +519,21 @@ class _Gateway:
             raise too_large
         chunks, size = [], 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise too_large
-                chunks.append(chunk)
+            with anyio.fail_after(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise too_large
+                    chunks.append(chunk)
         except ClientDisconnect:
             raise APIError(400, "the client disconnected while sending", reason=None) from None
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                code="request_timeout",
+                reason="body_timeout",
+            ) from None
         return b"".join(chunks)
 
     def _check_model(self, model: str | None) -> None:
@@ -419,20 +552,23 @@ class _Gateway:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, fn, *args, self.backend.tokenizer)
 
-    async def _collect(
-        self, request: Request, generation: Generation, timer: RequestTimer
-    ) -> Any | None:
-        """The final output, or None when the client disconnected first."""
-        collect = asyncio.ensure_future(_final_output(generation, timer))
+    async def _collect(self, request: Request, call: _Call, timer: RequestTimer) -> Any | None:
+        """The final output, or None when the client disconnected first; the call's error
+        when it is stopped first."""
+        collect = asyncio.ensure_future(_final_output(call.generation, timer))
         gone = asyncio.ensure_future(_client_gone(request))
+        stopped = asyncio.ensure_future(call.stop_event.wait())
+        tasks = (collect, gone, stopped)
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (collect, gone):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(collect, gone, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         if not collect.cancelled() and collect.exception() is None:
             return collect.result()
+        if call.stopped is not None:
+            raise call.stopped
         if collect.cancelled():
             return None
         raise collect.exception()  # type: ignore[misc]
@@ -497,6 +633,13 @@ class _Gateway:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         req = protocol.parse_body(protocol.TokenizeRequest, await self._read_body(request))
         self._check_model(req.model)
+        call = self._admit()
+        try:
+            return await self._tokenize_request(req)
+        finally:
+            await call.close()
+
+    async def _tokenize_request(self, req: Any) -> dict[str, Any]:
         if (req.prompt is None) == (req.messages is None):
             raise protocol.bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
         if req.messages is not None:
@@ -516,23 +659,53 @@ class _Gateway:
             raise protocol.bad_request("this model has no tokenizer", param="tokens")
         if req.tokens:
             protocol.check_token_ids(req.tokens, tokenizer, "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        call = self._admit()
+        try:  # decoding a body's worth of ids is real work: off the event loop, bounded
+            return {"prompt": await self._tokenize(_decode, req.tokens)}
+        finally:
+            await call.close()
 
     async def health(self) -> Response:
+        """200 while a request can be placed, else 503 (also while draining); answered from
+        the router's state (no worker is called), with each worker's state."""
         try:
-            ok = await asyncio.wait_for(self.backend.healthy(), HEALTH_TIMEOUT_S)
+            ok = not self.draining and await asyncio.wait_for(
+                self.backend.healthy(), HEALTH_TIMEOUT_S
+            )
+            workers = self.backend.router_stats().worker_states
         except Exception:
             logger.warning("health check failed", exc_info=True)
-            ok = False
+            ok, workers = False, {}
         if ok:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", "workers": workers})
         err = APIError(
-            503, "the cluster is not healthy", type="service_unavailable_error", reason=None
+            503,
+            "no worker can take requests now",
+            type="service_unavailable_error",
+            reason=None,
+            headers={"Retry-After": "1"},
         )
-        return _error_response(err)
+        body = err.body()
+        body["workers"] = workers
+        return JSONResponse(body, status_code=503, headers=err.headers)
 
     async def scrape(self) -> Response:
         return Response(await self.metrics.render(self.backend), media_type=CONTENT_TYPE_LATEST)
+
+
+def _decode(token_ids: list[int], tokenizer: Any) -> str:
+    return tokenizer.decode(token_ids)
+
+
+def _shutting_down(message: str = "the server is shutting down") -> APIError:
+    return APIError(
+        503,
+        message,
+        type="service_unavailable_error",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+        reason="shutting_down",
+    )
 
 
 async def _final_output(generation: Generation, timer: RequestTimer) -> Any:

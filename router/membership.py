@@ -4,7 +4,11 @@ Membership has one owner, the controller (cluster/controller.py, a named detache
 Each router follows it: ``follow()`` long-polls ``controller.watch(version)`` and applies every
 newer table. A router that sees a worker die (a call raises ``RayActorError``) stops routing
 to it at once (``forget``) and tells the controller, which confirms and publishes the change.
-Only ACTIVE workers are routed to; a DRAINING one keeps serving what it has.
+A router that sees a worker go silent (its output stream, or its stats polls) stops sending it
+new requests at once (``suspect``; undone by ``clear`` when it is heard from again) and tells
+the controller, which checks and publishes SUSPECT, ACTIVE again, or DEAD.
+Only ACTIVE workers that this router does not suspect are routed to; a DRAINING or SUSPECT one
+keeps serving what it has.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class MembershipView:
         self.version = -1
         self._workers: dict[str, WorkerRef] = {}
         self._forgotten: set[str] = set()
+        self._suspects: dict[str, set[str]] = {}  # worker -> why this router suspects it
         self.table = table
         self.apply(table)
 
@@ -53,6 +58,8 @@ class MembershipView:
         workers = {}
         for info in table.workers:
             ref = self._workers.get(info.name) or _ref(info)
+            if ref.state == WorkerState.SUSPECT and info.state == WorkerState.ACTIVE:
+                self._suspects.pop(info.name, None)  # the controller found it answering
             ref.state, ref.endpoint, ref.handle = info.state, info.endpoint, info.handle
             ref.index_id, ref.pid = info.index_id, info.pid
             workers[info.name] = ref
@@ -62,7 +69,10 @@ class MembershipView:
         return [
             w
             for w in self._workers.values()
-            if w.role == role and w.state == WorkerState.ACTIVE and w.name not in self._forgotten
+            if w.role == role
+            and w.state == WorkerState.ACTIVE
+            and w.name not in self._forgotten
+            and w.name not in self._suspects
         ]
 
     @property
@@ -86,6 +96,11 @@ class MembershipView:
             if w.state != WorkerState.DEAD and w.name not in self._forgotten
         ]
 
+    @property
+    def all_workers(self) -> list[WorkerRef]:
+        """Every worker of the table, the dead ones included."""
+        return list(self._workers.values())
+
     def get(self, name: str) -> WorkerRef | None:
         return self._workers.get(name)
 
@@ -98,6 +113,44 @@ class MembershipView:
         if self.controller is not None:
             with contextlib.suppress(Exception):
                 self.controller.report_dead.remote(name, why)
+
+    def suspect(self, name: str, reason: str, why: str = "") -> None:
+        """Send ``name`` nothing new while ``reason`` ("stream", "stats") holds; the controller
+        hears of it (it checks the worker and publishes the state for every router)."""
+        reasons = self._suspects.setdefault(name, set())
+        if reason in reasons:
+            return
+        reasons.add(reason)
+        logger.warning("worker %s is suspect, no new requests: %s", name, why or reason)
+        if self.controller is not None:
+            with contextlib.suppress(Exception):
+                self.controller.report_unresponsive.remote(name, why or reason)
+
+    def clear(self, name: str, reason: str) -> None:
+        """``name`` was heard from again on the channel that made it suspect (or that channel
+        is closed: its suspicion goes with it)."""
+        reasons = self._suspects.get(name)
+        if reasons is None or reason not in reasons:
+            return
+        reasons.discard(reason)
+        if not reasons:
+            del self._suspects[name]
+            logger.warning("worker %s answers again", name)
+
+    def state_of(self, name: str) -> str:
+        """The state this router acts on: the table's, or "suspect"/"dead" from what this
+        router saw itself."""
+        w = self._workers.get(name)
+        if w is None or w.state == WorkerState.DEAD or name in self._forgotten:
+            return "dead"
+        if name in self._suspects and w.state == WorkerState.ACTIVE:
+            return "suspect"
+        return w.state.name.lower()
+
+    def routable(self) -> bool:
+        """Some request can be placed now: an ACTIVE, unsuspected colocated worker, or such a
+        prefill and decode pair."""
+        return bool(self.colocated or (self.prefill and self.decode))
 
     async def follow(self, poll_s: float = 10.0) -> None:
         """Apply every newer table the controller publishes (runs until cancelled)."""

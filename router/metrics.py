@@ -172,6 +172,9 @@ class RequestTimer:
             self._m.finished(o.finish_reason)
 
 
+WORKER_STATES = ("starting", "active", "suspect", "draining", "dead")
+
+
 class BackendCollector:
     """One scrape's view of the backend: router counters and per-worker series."""
 
@@ -195,12 +198,33 @@ class BackendCollector:
             "Prefix-index lookups that fell back to load-only routing.",
             labels=["model_name"],
         )
-        if self._router is not None:
-            for reason, count in sorted(self._router.decisions.items()):
+        resumes = CounterMetricFamily(
+            "tandem:request_resumes",
+            "Requests continued on another worker after theirs failed mid-stream, by reason.",
+            labels=["model_name", "reason"],
+        )
+        state = GaugeMetricFamily(
+            "tandem:worker_state",
+            "1 for each worker's current state as this router acts on it.",
+            labels=["model_name", "worker", "state"],
+        )
+        missed = GaugeMetricFamily(
+            "tandem:worker_missed_polls",
+            "Consecutive health polls a worker did not answer in time.",
+            labels=["model_name", "worker"],
+        )
+        router = self._router
+        if router is not None:
+            for reason, count in sorted(router.decisions.items()):
                 decisions.add_metric([self._model, reason], count)
-            unavailable.add_metric([self._model], self._router.index_unavailable)
-        yield decisions
-        yield unavailable
+            unavailable.add_metric([self._model], router.index_unavailable)
+            for reason, count in sorted(router.resumes.items()):
+                resumes.add_metric([self._model, reason], count)
+            for worker, st in sorted(router.worker_states.items()):
+                for s in WORKER_STATES:
+                    state.add_metric([self._model, worker, s], float(s == st))
+                missed.add_metric([self._model, worker], router.missed_polls.get(worker, 0))
+        yield from (decisions, unavailable, resumes, state, missed)
 
     def _worker_metrics(self) -> Iterator[Metric]:
         w = ["model_name", "worker"]

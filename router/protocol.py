@@ -40,6 +40,11 @@ from engine.tokenizer import apply_chat_template, encode_prompt
 MAX_N = 128
 """Largest ``n`` the gateway forwards (each sample is a sequence on a worker)."""
 
+MIN_REPETITION_PENALTY = 0.01
+"""Smallest ``repetition_penalty`` accepted. Positive logits are divided by it: far below this
+it means nothing useful, and near 1e-37 and below the logits overflow float32 to inf and the
+draw fails (found by tests/test_fuzz.py: ``1e-300`` was a 500)."""
+
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 """Accepted message roles and what the chat template sees (OpenAI's ``developer`` is ``system``)."""
 
@@ -334,6 +339,13 @@ def _sampling_params(
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", param="n")
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string", param="cache_salt")
+    penalty = req.repetition_penalty
+    if penalty is not None and 0 < penalty < MIN_REPETITION_PENALTY:
+        raise bad_request(
+            f"repetition_penalty must be >= {MIN_REPETITION_PENALTY} (1 disables it), got "
+            f"{penalty!r}",
+            param="repetition_penalty",
+        )
     given = {
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -57,9 +57,11 @@ class ClusterBackend:
         model_name: str = "",
         stats_interval_s: float = 0.25,
         stats_timeout_s: float = 2.0,
+        suspect_after_polls: int = 3,
         reserve_timeout_s: float = 30.0,
         max_resumes: int = 2,
         stall_timeout_s: float = 10.0,
+        hang_timeout_s: float = 60.0,
     ) -> None:
         self.members = members
         table = members.table
@@ -75,13 +77,16 @@ class ClusterBackend:
             reserve_timeout_s=reserve_timeout_s,
             max_resumes=max_resumes,
             stall_timeout_s=stall_timeout_s,
+            hang_timeout_s=hang_timeout_s,
         )
         self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
+        self.suspect_after_polls = suspect_after_polls
+        self.hang_after_s = hang_timeout_s  # one engine step this old: its thread is stuck
         self._stats = RouterStats(decisions=collections.Counter())
         self._queued: collections.Counter[str] = collections.Counter()
         self._polled: dict[str, dict[str, Any]] = {}
-        # consecutive stats polls a worker did not answer in time (health: the next step marks
-        # such a worker suspect)
+        # consecutive stats polls a worker did not answer in time; ``suspect_after_polls`` of
+        # them and this router sends it nothing new until it answers again
         self.missed_polls: collections.Counter[str] = collections.Counter()
         self._poller: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
@@ -163,11 +168,9 @@ class ClusterBackend:
         return generation
 
     async def healthy(self) -> bool:
-        """Every worker answered its stats in time."""
-        try:
-            return not await self._poll()
-        except Exception:  # noqa: BLE001 - e.g. membership mid-change
-            return False
+        """Cheap, from state (no worker is called): some request can be placed now."""
+        self._ensure_poller()
+        return self.members.routable()
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         """Fresh for each scrape (the routing poll's view may be a poll interval old)."""
@@ -176,7 +179,14 @@ class ClusterBackend:
         return list(self._polled.values())
 
     def router_stats(self) -> RouterStats:
-        return RouterStats(dict(self._stats.decisions), self._stats.index_unavailable)
+        members = self.members
+        return RouterStats(
+            dict(self._stats.decisions),
+            self._stats.index_unavailable,
+            resumes=dict(self.dispatcher.resumes),
+            worker_states={w.name: members.state_of(w.name) for w in members.all_workers},
+            missed_polls=dict(self.missed_polls),
+        )
 
     async def aclose(self) -> None:
         for task in (self._poller, self._follower):
@@ -265,36 +275,54 @@ class ClusterBackend:
             del self._queued[worker]
 
     async def _poll(self) -> list[str]:
-        """Every worker's stats, each under its own ``stats_timeout_s``: a slow or hung worker
-        keeps its last view and counts a missed poll (``missed_polls``), the others are seen as
-        they are. A worker whose actor is dead is no longer routed to, at once, and the
-        controller is told (it marks it dead and removes it from the prefix index, so its
-        entries stop counting for every router). Returns the workers that did not answer."""
+        """Every worker's health and stats, each call under its own ``stats_timeout_s``. A
+        worker whose ``health()`` (answered without its engine thread) does not come back in
+        time, or reports an engine step older than ``hang_after_s``, misses a poll
+        (``missed_polls``); after ``suspect_after_polls`` in a row it is suspect: nothing new
+        goes there until it answers again. Its stats may lag behind a long step without that
+        counting against it (it keeps its last view). A worker whose actor is dead is no longer
+        routed to, at once. The controller hears of both (it checks, publishes the state for
+        every router, and removes a dead worker from the prefix index). Returns the workers
+        that missed this poll."""
         from ray.exceptions import RayActorError
 
-        async def one(w: WorkerRef):
+        async def call(method):
             try:
-                return await asyncio.wait_for(w.handle.stats.remote(), self.stats_timeout_s)
+                return await asyncio.wait_for(method.remote(), self.stats_timeout_s)
             except Exception as exc:  # noqa: BLE001 - reported per worker below
                 return exc
 
         workers = list(self.members.workers)
-        results = await asyncio.gather(*(one(w) for w in workers))
+        results = await asyncio.gather(
+            *(call(m) for w in workers for m in (w.handle.health, w.handle.stats))
+        )
         names = {w.name for w in workers}
         self._polled = {k: v for k, v in self._polled.items() if k in names}
         silent = []
-        for w, r in zip(workers, results, strict=True):
-            if isinstance(r, dict):
-                self._polled[w.name] = r
+        for i, w in enumerate(workers):
+            health, stats = results[2 * i], results[2 * i + 1]
+            if isinstance(stats, dict):
+                self._polled[w.name] = stats
+            dead = next((r for r in (health, stats) if isinstance(r, RayActorError)), None)
+            if dead is not None:
+                silent.append(w.name)
+                self.members.forget(w.name, str(dead).splitlines()[0])
+                self._polled.pop(w.name, None)
+                continue
+            if isinstance(health, dict) and health.get("step_age_s", 0.0) <= self.hang_after_s:
                 self.missed_polls.pop(w.name, None)
+                self.members.clear(w.name, "stats")
                 continue
             silent.append(w.name)
-            if isinstance(r, RayActorError):
-                self.members.forget(w.name, str(r).splitlines()[0])
-                self._polled.pop(w.name, None)
-            else:
-                self.missed_polls[w.name] += 1
-                logger.debug("stats of %s: %r", w.name, r)
+            self.missed_polls[w.name] += 1
+            logger.debug("health of %s: %r", w.name, health)
+            if self.missed_polls[w.name] >= self.suspect_after_polls:
+                why = (
+                    f"an engine step running for {health['step_age_s']:.1f} s"
+                    if isinstance(health, dict)
+                    else f"{self.missed_polls[w.name]} health polls unanswered"
+                )
+                self.members.suspect(w.name, "stats", why)
         return silent
 
     def _ensure_poller(self) -> None:

@@ -165,3 +165,58 @@ def test_abort_at_every_stage_frees_everything(tiny_dir, prompts):
     assert seen["survivor"].outputs[0].finish_reason == "length"
     assert len(seen["survivor"].outputs[0].token_ids) == 30
     engine.block_manager.check_invariant(expect_idle=True)
+
+
+def _poison(engine, monkeypatch, bad: list[int] | None) -> None:
+    """The sampler raises whenever the row of prompt ``bad`` is in the batch (None: always)."""
+    real = engine.runner.sampler
+
+    class Poisoned:
+        def __call__(self, logits, rows):
+            if bad is None or any(list(r.prompt_token_ids) == bad for r in rows):
+                raise RuntimeError("poisoned row")
+            return real(logits, rows)
+
+    monkeypatch.setattr(engine.runner, "sampler", Poisoned())
+
+
+def test_a_request_that_breaks_the_step_fails_alone(tiny_dir, prompts, monkeypatch):
+    """A fault one request causes ends that request alone, with an error that names an error id
+    (no traceback) and its blocks freed; the requests batched with it get exactly their
+    uninterrupted tokens."""
+    llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    engine = llm.engine
+    engine.output_kind = "delta"
+    bad = [*prompts[1], 7]
+    _poison(engine, monkeypatch, bad)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"good-{i}", p, params)
+    engine.add_request("bad", bad, params)
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.error is not None:
+                errors[d.request_id] = d.error
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    assert list(errors) == ["bad"] and tokens["bad"] == []
+    assert "RuntimeError" in errors["bad"] and "error id" in errors["bad"]
+    assert "Traceback" not in errors["bad"] and "poisoned" not in errors["bad"]
+    assert [tokens[f"good-{i}"] for i in range(len(prompts))] == expected
+    engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_a_fault_of_every_batch_is_the_engines(tiny_dir, prompts, monkeypatch):
+    """When both halves of a failing batch fail, no one request is to blame: it is raised
+    (the worker then ends every request), not pinned on one of them."""
+    llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=64)
+    engine = llm.engine
+    engine.output_kind = "delta"
+    _poison(engine, monkeypatch, None)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    with pytest.raises(RuntimeError, match="poisoned"):
+        engine.step()
+    assert engine.num_unfinished_requests == len(prompts)  # nothing was blamed

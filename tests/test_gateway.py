@@ -163,7 +163,13 @@ class FakeBackend:
         ]
 
     def router_stats(self) -> RouterStats:
-        return RouterStats(decisions={"prefix_hit": 3, "least_loaded": 1}, index_unavailable=2)
+        return RouterStats(
+            decisions={"prefix_hit": 3, "least_loaded": 1},
+            index_unavailable=2,
+            resumes={"stalled": 1, "worker_died": 2},
+            worker_states={"prefill-0": "active", "decode-1": "suspect"},
+            missed_polls={"decode-1": 3},
+        )
 
 
 @pytest.fixture()
@@ -776,9 +782,13 @@ async def test_models_tokenize_detokenize(app, tokenizer) -> None:
 
 async def test_health(app, backend) -> None:
     async with http(app) as c:
-        assert (await c.get("/health")).status_code == 200
+        r = await c.get("/health")
+        assert r.status_code == 200
+        assert r.json()["workers"] == {"prefill-0": "active", "decode-1": "suspect"}
         backend.is_healthy = False
-        assert (await c.get("/health")).status_code == 503
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "service_unavailable_error"
         backend.is_healthy = RuntimeError("ray is gone")
         assert (await c.get("/health")).status_code == 503
 
@@ -809,6 +819,12 @@ async def test_metrics(app) -> None:
     assert metric_value(t, f"tandem:gateway_requests_in_flight{{{m}}}") == 0
     assert metric_value(t, f'tandem:routing_decisions_total{{{m},reason="prefix_hit"}}') == 3
     assert metric_value(t, f"tandem:prefix_index_unavailable_total{{{m}}}") == 2
+    assert metric_value(t, f'tandem:request_resumes_total{{{m},reason="worker_died"}}') == 2
+    state = 'tandem:worker_state{{{},state="{}",worker="decode-1"}}'
+    assert metric_value(t, state.format(m, "suspect")) == 1
+    assert metric_value(t, state.format(m, "active")) == 0
+    assert metric_value(t, f'tandem:worker_missed_polls{{{m},worker="decode-1"}}') == 3
+    assert metric_value(t, f'tandem:worker_missed_polls{{{m},worker="prefill-0"}}') == 0
     assert metric_value(t, f'tandem:num_requests_running{{{m},worker="decode-1"}}') == 3
     assert metric_value(t, f'tandem:num_requests_waiting{{{m},worker="prefill-0"}}') == 2
     assert metric_value(t, f'tandem:kv_cache_usage_perc{{{m},worker="prefill-0"}}') == 0.25
@@ -820,3 +836,157 @@ async def test_metrics(app) -> None:
     assert metric_value(t, received) == 4096
     assert metric_value(t, f'tandem:kv_transfer_seconds_total{{{m},worker="prefill-0"}}') == 0.5
     assert 'prefix_cache_queries_total{worker="decode-1"}' not in t  # absent keys are skipped
+
+
+# ------------------------------------------------------------------------------------- bounds
+
+
+def _scope(path: str, raw: bytes, extra_headers: list | None = None) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("t", 80),
+        "client": ("127.0.0.1", 9),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+            *(extra_headers or []),
+        ],
+    }
+
+
+def _status(sent: list[dict]) -> int:
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def _body(sent: list[dict]) -> bytes:
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+async def test_a_slow_body_holds_no_slot_and_times_out(backend) -> None:
+    """The body is read before admission, under body_timeout_s: a client that trickles (or
+    stops) holds no slot while it sends, and gets a 408."""
+    app = create_app(backend, max_concurrent=1, body_timeout_s=0.3)
+    raw = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    stalled = asyncio.Event()
+    sent: list[dict] = []
+
+    async def receive():
+        if not stalled.is_set():
+            stalled.set()
+            return {"type": "http.request", "body": raw[:5], "more_body": True}
+        await asyncio.Event().wait()  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+
+    slow = asyncio.create_task(app(_scope("/v1/completions", raw), receive, send))
+    await stalled.wait()
+    async with http(app) as c:  # the one slot is free for a client that sends its body
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+    await asyncio.wait_for(slow, 2)
+    assert _status(sent) == 408
+    assert json.loads(_body(sent))["error"]["code"] == "request_timeout"
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_n_counts_against_the_concurrency_bound(backend) -> None:
+    app = create_app(backend, max_concurrent=3)
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4})
+        assert r.status_code == 429 and "needs 4" in r.json()["error"]["message"]
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        backend.delay = 0.02
+        held = asyncio.create_task(
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 20, "n": 2})
+        )
+        while not backend.opened or backend.opened[-1]["params"].n != 2:
+            await asyncio.sleep(0.005)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
+        assert r.status_code == 429  # 2 of 3 slots are taken
+        r = await c.post("/tokenize", json={"prompt": "hi"})
+        assert r.status_code == 200  # one slot is left
+        assert (await held).status_code == 200
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_a_client_that_stops_reading_ends_its_stream(backend) -> None:
+    """A streamed frame the client does not take within write_timeout_s (the server's send
+    blocks: its socket buffer is full) ends the stream and aborts the generation."""
+    app = create_app(backend, write_timeout_s=0.2)
+    backend.delay = 0.001
+    raw = json.dumps({"prompt": "hi", "max_tokens": 200, "stream": True}).encode()
+    delivered = False
+    frames = 0
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()  # never disconnects either
+
+    async def send(message):
+        nonlocal frames
+        if message["type"] == "http.response.body":
+            frames += 1
+            if frames > 3:
+                await asyncio.Event().wait()  # the client stopped reading
+
+    await asyncio.wait_for(app(_scope("/v1/completions", raw), receive, send), 3)
+    await asyncio.sleep(0.01)
+    assert backend.closed == [backend.opened[0]["id"]]
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_headers_over_the_limit_are_431(backend) -> None:
+    app = create_app(backend, max_header_bytes=1024)
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi"}, headers={"x-big": "a" * 2000})
+        assert r.status_code == 431
+        assert r.json()["error"]["code"] == "request_header_fields_too_large"
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+async def test_drain_refuses_new_requests_and_ends_the_rest_in_band(backend) -> None:
+    """Shutting down: new requests get 503 + Retry-After; one that finishes within the deadline
+    completes; those still running at the deadline end with an error, in-band for a stream;
+    every generation is closed and every slot given back."""
+    app = create_app(backend)
+    gateway = app.state.gateway
+    backend.delay = 0.01
+    async with http(app) as c:
+        short = asyncio.create_task(
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+        )
+        long_body = {"prompt": "hi", "max_tokens": 250}  # 2.5 s: past the deadline
+        stream = asyncio.create_task(c.post("/v1/completions", json={**long_body, "stream": True}))
+        plain = asyncio.create_task(c.post("/v1/completions", json=long_body))
+        while len(backend.opened) < 3:
+            await asyncio.sleep(0.005)
+        drained = asyncio.create_task(gateway.drain(0.5))
+        await asyncio.sleep(0.05)
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "shutting_down"
+        assert (await c.get("/health")).status_code == 503
+        assert (await short).status_code == 200  # finished within the deadline
+        assert await asyncio.wait_for(drained, 3) == 2
+        s = await stream
+        events = sse_events(s.text)
+        assert s.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "shutting_down"
+        p = await plain
+        assert p.status_code == 503 and p.json()["error"]["code"] == "shutting_down"
+    assert sorted(backend.closed) == sorted(o["id"] for o in backend.opened)
+    assert gateway.slots.in_use == 0 and not gateway.calls

@@ -38,29 +38,42 @@ class Method:
 class Handle:
     def __init__(self, name: str) -> None:
         self.dead = False
+        self.hung = False  # the process: nothing answers
+        self.step_age_s = 0.0  # the engine thread: a step running this long
         self.stats = Method(self._stats)
+        self.health = Method(self._health)
         self.ready = Method(self._ready)
         self.name = name
 
-    hung = False
-
-    def _stats(self):
+    def _answer(self, value):
         if self.dead:
             raise ray_exceptions.RayActorError()
         if self.hung:
             return asyncio.Event().wait()  # an awaitable that never completes
-        return {"name": self.name, "free_blocks": 100, "cached_blocks": 0, "running": 0}
+        return value
+
+    def _stats(self):
+        if self.step_age_s > 0:  # stats wait for the engine thread
+            return self._answer(asyncio.Event().wait())
+        stats = {"name": self.name, "free_blocks": 100, "cached_blocks": 0, "running": 0}
+        return self._answer(stats)
+
+    def _health(self):
+        return self._answer({"name": self.name, "steps": 1, "step_age_s": self.step_age_s})
 
     def _ready(self):
-        return {"name": self._stats()["name"]}
+        return self._answer({"name": self.name})
 
 
 class Controller:
-    """Stands in for the controller actor: ``report_dead`` reaches a real Controller."""
+    """Stands in for the controller actor: reports reach a real Controller."""
 
     def __init__(self, real) -> None:
         self.real = real
         self.report_dead = Method(lambda name, why: asyncio.ensure_future(real.report_dead(name)))
+        self.report_unresponsive = Method(
+            lambda name, why: asyncio.ensure_future(real.report_unresponsive(name, why))
+        )
 
 
 def table(tmp_path) -> Membership:
@@ -104,7 +117,7 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         req = await backend._route_request(ids, None)
         assert req.cached_blocks == {"prefill-0": 2, "prefill-1": 2}
         view.prefill[0].handle.dead = True
-        assert not await backend.healthy()  # a worker did not answer
+        assert await backend._poll() == ["prefill-0"]
         assert [w.name for w in view.prefill] == ["prefill-1"]  # this router: at once
         for _ in range(100):  # the controller confirms, marks it dead, clears its index entries
             await asyncio.sleep(0.01)
@@ -115,9 +128,15 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         assert index.lookup(hashes) == {"c/prefill-1": 2}  # for every router, not only this one
         req = await backend._route_request(ids, None)
         assert req.cached_blocks == {"prefill-1": 2}
-        assert await backend.healthy()  # what is left answers
+        assert await backend.healthy()  # a prefill and a decode worker are left
+        assert backend.router_stats().worker_states == {
+            "prefill-0": "dead",
+            "prefill-1": "active",
+            "decode-0": "active",
+        }
         view.prefill[0].handle.dead = True
-        assert not await backend.healthy()
+        await backend._poll()
+        assert not await backend.healthy()  # no prefill worker: nothing can be placed
         with pytest.raises(Overloaded, match="no live workers"):
             await backend.open("r", ids, SamplingParams())
         await backend.aclose()
@@ -129,22 +148,106 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
 
 
 def test_a_hung_worker_misses_polls_without_blinding_the_router(tmp_path) -> None:
-    """Each worker's stats poll has its own deadline: the others stay current."""
+    """Each worker's polls have their own deadline: the others stay current. A worker that
+    misses ``suspect_after_polls`` in a row gets nothing new until it answers again."""
+    from cluster.controller import Controller as RealController
+    from cluster.controller import HealthConfig, WorkerSpec
     from router.service import ClusterBackend
 
-    view = MembershipView(table(tmp_path))
+    members = table(tmp_path)
+    controller = RealController(WorkerSpec(str(tmp_path)), HealthConfig(timeout_s=0.05))
+    controller._workers = {w.name: w for w in members.workers}
+    view = MembershipView(members, Controller(controller))
     backend = ClusterBackend(view, tokenizer=object(), stats_timeout_s=0.1)
     hung = view.prefill[0]
     hung.handle.hung = True
 
     async def scenario():
-        for _ in range(3):
-            assert not await backend.healthy()
+        for i in range(3):
+            assert await backend._poll() == [hung.name]
+            assert (hung.name in {w.name for w in view.prefill}) == (i < 2)
         assert backend.missed_polls == {hung.name: 3}
         assert {"prefill-1", "decode-0"} <= set(backend._polled)
+        assert backend.router_stats().worker_states[hung.name] == "suspect"
+        assert await backend.healthy()  # prefill-1 and decode-0 still take requests
+        for _ in range(100):  # the controller checked it too and published SUSPECT
+            await asyncio.sleep(0.01)
+            if controller._workers[hung.name].state == WorkerState.SUSPECT:
+                break
+        assert controller._workers[hung.name].state == WorkerState.SUSPECT
         hung.handle.hung = False
-        assert await backend.healthy() and not backend.missed_polls
+        assert await backend._poll() == [] and not backend.missed_polls
+        assert hung.name in {w.name for w in view.prefill}  # this router sends to it again
         await backend.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_long_step_is_not_a_miss_but_a_hung_engine_thread_is(tmp_path) -> None:
+    """Stats wait for the engine thread; liveness does not: a step longer than the stats
+    deadline keeps the worker's last view without counting against it, a step older than
+    the hang deadline makes it suspect although its process answers."""
+    from router.service import ClusterBackend
+
+    view = MembershipView(table(tmp_path))
+    backend = ClusterBackend(view, tokenizer=object(), stats_timeout_s=0.1, hang_timeout_s=5.0)
+    busy = view.decode[0]
+
+    async def scenario():
+        assert await backend._poll() == []
+        busy.handle.step_age_s = 1.0  # a long step: stats time out, health answers
+        for _ in range(4):
+            assert await backend._poll() == []
+        assert backend._polled[busy.name]["free_blocks"] == 100  # the last view is kept
+        assert view.decode == [busy]
+        busy.handle.step_age_s = 6.0  # the engine thread is stuck
+        for _ in range(3):
+            assert await backend._poll() == [busy.name]
+        assert view.decode == [] and not await backend.healthy()
+        busy.handle.step_age_s = 0.0
+        await backend._poll()
+        assert view.decode == [busy] and await backend.healthy()
+        await backend.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path) -> None:
+    """ACTIVE -> SUSPECT after missed checks or a hung step, back to ACTIVE when it answers,
+    DEAD (and killed) when it stays silent past dead_after_s; each change is a new table."""
+    from cluster.controller import Controller as RealController
+    from cluster.controller import HealthConfig, WorkerSpec
+
+    members = table(tmp_path)
+    health = HealthConfig(timeout_s=0.05, suspect_after=2, hang_after_s=1.0, dead_after_s=0.3)
+    controller = RealController(WorkerSpec(str(tmp_path)), health)
+    controller._workers = {w.name: w for w in members.workers}
+    w = members.workers[0]
+    states = lambda: controller._workers[w.name].state  # noqa: E731
+
+    async def check():
+        await controller._check_one(controller._workers[w.name])
+
+    async def scenario():
+        w.handle.hung = True
+        await check()
+        assert states() == WorkerState.ACTIVE  # one miss is not enough
+        await check()
+        assert states() == WorkerState.SUSPECT and controller.version == 1
+        w.handle.hung = False
+        await check()
+        assert states() == WorkerState.ACTIVE and controller.version == 2
+        w.handle.step_age_s = 2.0  # answers, but its engine thread is stuck
+        await check()
+        assert states() == WorkerState.SUSPECT
+        await asyncio.sleep(0.35)
+        await check()
+        assert states() == WorkerState.DEAD  # suspect past dead_after_s
+        assert [t[2] for t in controller.transitions] == ["SUSPECT", "ACTIVE", "SUSPECT", "DEAD"]
+        other = members.workers[1]
+        other.handle.dead = True
+        await controller._check_one(controller._workers[other.name])
+        assert controller._workers[other.name].state == WorkerState.DEAD  # at once
 
     asyncio.run(scenario())
 

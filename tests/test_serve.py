@@ -9,9 +9,11 @@ same workers and shares the prefix index. The tests that stop Redis run last (fi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +97,9 @@ class Proc:
                 self.proc.wait()
 
 
+SHUTDOWN_S = 3.0
+
+
 @pytest.fixture(scope="module")
 def redis():
     from router.redis_server import RedisServer
@@ -132,6 +137,8 @@ def server(smollm2_dir, redis, env):
             KEY,
             "--max-concurrent",
             str(MAX_CONCURRENT),
+            "--shutdown-timeout",
+            str(SHUTDOWN_S),
             "--engine",
             "kv_cache_memory_gb=0.5",
         ],
@@ -418,3 +425,41 @@ def test_redis_down_routes_by_load_then_the_index_rebuilds(server, client, redis
     finally:
         redis.restart()  # empty: the workers notice and re-publish what they hold
     wait_for_hit(client, prefix, first, timeout=30)
+
+
+# ----------------------------------------------------------- shutdown (last: it stops the server)
+
+
+def test_sigterm_drains_refuses_new_requests_and_ends_the_rest_in_band(server) -> None:
+    """SIGTERM: new requests get 503 + Retry-After at once; a stream still running when
+    --shutdown-timeout passes ends with an in-band error and [DONE] (nothing is cut off
+    without a word); then the server exits 0 (the fixture checks the exit status)."""
+    url, proc = server["url"], server["proc"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+    body["ignore_eos"] = True
+    events: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(120)
+    t0 = time.monotonic()
+    proc.proc.send_signal(signal.SIGTERM)
+    proc.wait_for(r"SIGTERM: draining", 10)
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, headers=headers)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "shutting_down"
+    reader.join(60)
+    assert not reader.is_alive()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert SHUTDOWN_S - 0.5 < time.monotonic() - t0 < SHUTDOWN_S + 10
+    assert proc.proc.wait(120) == 0

@@ -7,7 +7,9 @@ prefix-cache hits: skipped here, still needed there) and returns a per-layer hoo
 gathers those positions into one contiguous buffer per decode worker right after layer L wrote
 its KV (on the compute stream, so a later step can never overwrite the blocks first) and queues
 it on that pair's channel, whose own thread sends it while layer L + 1 computes. ``end_step``
-queues ``done`` with the first sampled token behind the last layer.
+queues ``done`` with the first sampled token behind the last layer. A channel whose queue is
+full refuses a layer: its transfers fail through the connector's ``on_failure`` (retryable),
+and their ``done`` is not reported.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class KVStreamer:
             token = token_to_dict(sampled[rid])
             # The prompt tokens this worker served from its prefix cache (for the client's usage).
             token["num_cached_tokens"] = max(chunk.request.num_cached_tokens, 0)
-            self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token)
+            if not self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token):
+                continue  # refused earlier (a full channel queue): it is failing, not done
             trace(rid, "prefill.sampled")
             self.on_done(rid, token)

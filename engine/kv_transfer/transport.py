@@ -13,7 +13,8 @@ Everything on it is ordered, so both ends agree on what comes next (NCCL point-t
 both sides to post matching calls in the same order: each payload is announced by its header on
 the control channel first). The messages, in order::
 
-    hello  {kind, backend, spec, token[, nccl_id]}    -> reply {kind: "ready"} | {kind: "error"}
+    hello  {kind, backend, spec, token}               -> reply {kind: "ready"} | {kind: "error"}
+    nccl   {kind, nccl_id}                            NCCL backend only, right after "ready"
     layer  {kind, layer, entries, nbytes}  + payload  one layer of one step, for every transfer
                                                       of that step that goes to this decode
                                                       worker; entries = [[transfer_id, start, n]]
@@ -33,6 +34,21 @@ exactly one event: ``complete`` (every layer of every token arrived, then ``done
 (abort, a broken pair, an incomplete ``done``) or ``released`` (after ``cancel``). After any of
 the three the receiver never writes into that transfer's blocks again, so the caller may free
 or admit them.
+
+Everything is bounded (``KVLimits``; defaults in brackets)::
+
+    sender queue      layer bytes queued or in flight per channel [512 MiB]; a layer that would
+                      pass the cap is refused: its transfers fail (on_failure, retryable) and an
+                      abort follows them on the channel, the channel and its other transfers go on
+    socket writes     no progress for io_timeout_s [30 s] (a peer that stopped reading) breaks
+                      the channel; so does a read stalled inside a message; TCP keepalive
+                      [15 s idle, 3 probes] notices a dead host on an idle channel
+    handshake         the sender gives connect + the reply to hello handshake_timeout_s [10 s]
+    listener          one thread accepts and authenticates (no thread per connection): at most
+                      max_unauthenticated [16] connections await their hello, each for at most
+                      handshake_timeout_s, more are closed at once; only a connection whose
+                      hello passed gets a thread, up to max_pairs [64] pair channels
+    NCCL              init deadline, watchdog per pair, no thread blocked for good (nccl.py)
 """
 
 from __future__ import annotations
@@ -43,12 +59,14 @@ import itertools
 import json
 import logging
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from queue import SimpleQueue
 from typing import Any
 
@@ -61,7 +79,52 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_HEADER = 1 << 20
+_MAX_HELLO = 64 << 10  # what an unauthenticated connection may make the listener hold
 _LEN = struct.Struct(">I")
+_REFUSED_MEMORY = 4096  # transfers refused for a full queue that a sender remembers
+
+
+@dataclass(frozen=True)
+class KVLimits:
+    """How much a pair channel may hold and how long anything on it may wait: every thread of
+    the transport makes progress, ends, or is given up on within these."""
+
+    max_pending_bytes: int = 512 << 20
+    """Sender: layer payload bytes queued or in flight on one channel (NCCL: until the send has
+    completed on the GPU). A layer that would pass it is refused and its transfers fail,
+    retryably; a layer alone on an empty queue is always taken."""
+    io_timeout_s: float = 30.0
+    """A socket write, or a read inside a message, that makes no progress for this long breaks
+    the channel (a peer that stopped reading, a sender stalled mid-message)."""
+    keepalive_s: float | None = 15.0
+    """TCP keepalive on both ends: idle seconds before the first probe, then one probe every
+    third of that; 3 unanswered probes drop the connection. None: off."""
+    handshake_timeout_s: float = 10.0
+    """Sender: connect plus the reply to hello. Receiver: how long an accepted connection has
+    to deliver a valid hello (and, NCCL, the unique id after it)."""
+    max_unauthenticated: int = 16
+    """Receiver: accepted connections whose hello has not been checked yet (none holds a
+    thread); more are closed at once."""
+    max_pairs: int = 64
+    """Receiver: authenticated pair channels, one thread each; more are refused."""
+    nccl_init_timeout_s: float = 30.0
+    """NCCL: deadline for forming a pair's communicator, on each side."""
+    nccl_watchdog_s: float = 30.0
+    """NCCL: posted sends or recvs that make no progress (none completes) for this long abort
+    the pair's communicator (both ends watch their own)."""
+    max_abandoned_inits: int = 4
+    """NCCL, per process: communicator inits given up on whose thread has not returned yet;
+    while this many exist new NCCL pairs are refused at once."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "keepalive_s" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"KVLimits.{f.name} must be a positive number, got {value!r}")
+        if self.keepalive_s is not None and self.keepalive_s < 1:
+            raise ValueError(f"KVLimits.keepalive_s must be >= 1 s or None, got {self.keepalive_s}")
 
 
 @dataclass(frozen=True)
@@ -115,30 +178,44 @@ class TransferError(RuntimeError):
 # -- frames --------------------------------------------------------------------------------------
 
 
+def send_all(sock: socket.socket, data) -> None:
+    """Write ``data`` whole. Each wait for room in the socket's buffer is bounded by its
+    timeout: a peer that stops reading breaks the channel, one that reads slowly does not."""
+    view = memoryview(data).cast("B")
+    while view:
+        try:
+            sent = sock.send(view)
+        except TimeoutError:
+            raise TransferError(
+                f"peer stopped reading: no progress for {sock.gettimeout():g} s"
+            ) from None
+        view = view[sent:]
+
+
 def write_frame(sock: socket.socket, header: dict, payload: memoryview | None = None) -> None:
     data = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    send_all(sock, _LEN.pack(len(data)) + data)
     if payload is not None and len(payload):
-        sock.sendall(payload)
+        send_all(sock, payload)
 
 
-def read_exact(sock: socket.socket, view: memoryview) -> None:
+def read_exact(sock: socket.socket, view: memoryview, *, idle_ok: bool = False) -> None:
+    """Fill ``view``. A timeout before the first byte is waited through when ``idle_ok`` (an
+    idle channel between messages); anywhere else it breaks the channel."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if idle_ok and got == 0:
+                continue
+            raise TransferError(f"peer sent nothing for {sock.gettimeout():g} s") from None
         if n == 0:
             raise TransferError("peer closed the connection")
         got += n
 
 
-def read_header(sock: socket.socket) -> dict:
-    raw = bytearray(_LEN.size)
-    read_exact(sock, memoryview(raw))
-    (size,) = _LEN.unpack(raw)
-    if size > _MAX_HEADER:
-        raise TransferError(f"header of {size} bytes exceeds the {_MAX_HEADER}-byte limit")
-    data = bytearray(size)
-    read_exact(sock, memoryview(data))
+def parse_header(data: bytes | bytearray) -> dict:
     try:
         header = json.loads(data)
     except ValueError as exc:
@@ -146,6 +223,31 @@ def read_header(sock: socket.socket) -> dict:
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
         raise TransferError("header must be a JSON object with a string 'kind'")
     return header
+
+
+def read_header(sock: socket.socket, *, idle_ok: bool = False) -> dict:
+    raw = bytearray(_LEN.size)
+    read_exact(sock, memoryview(raw), idle_ok=idle_ok)
+    (size,) = _LEN.unpack(raw)
+    if size > _MAX_HEADER:
+        raise TransferError(f"header of {size} bytes exceeds the {_MAX_HEADER}-byte limit")
+    data = bytearray(size)
+    read_exact(sock, memoryview(data))
+    return parse_header(data)
+
+
+def configure_socket(sock: socket.socket, limits: KVLimits) -> None:
+    """No Nagle, keepalive probes on an idle channel, and ``io_timeout_s`` on every call."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if limits.keepalive_s is not None:
+        idle = int(limits.keepalive_s)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3))):
+            if hasattr(socket, name):  # Linux; other systems keep their own timing
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        if hasattr(socket, "TCP_KEEPCNT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.settimeout(limits.io_timeout_s)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -222,9 +324,11 @@ class KVReceiver:
         block_size: int,
         on_event: Callable[[TransferEvent], None],
         token: str = "",
+        limits: KVLimits | None = None,
     ) -> None:
         self.spec, self.kv_caches, self.block_size = spec, list(kv_caches), block_size
         self.on_event, self.token = on_event, token
+        self.limits = limits or KVLimits()
         self._lock = threading.Lock()
         self._transfers: dict[str, _Incoming] = {}
         self.bytes_received = 0
@@ -337,51 +441,156 @@ class KVReceiver:
             )
 
 
+@dataclass
+class _Unauthenticated:
+    deadline: float  # monotonic: dropped if its hello is not in by then
+    data: bytearray = field(default_factory=bytearray)
+
+
 class TcpKVReceiver(KVReceiver):
-    """Listens on ``host`` (127.0.0.1 unless told otherwise); one thread per pair channel."""
+    """Listens on ``host`` (127.0.0.1 unless told otherwise).
+
+    One thread (``kv-accept``) accepts and authenticates: it reads each new connection's hello
+    without blocking, at most ``max_unauthenticated`` at a time and each for at most
+    ``handshake_timeout_s``, and closes the others at once. Only a connection whose hello
+    passed (token, backend, KV layout) gets a thread of its own (``kv-recv-N``), up to
+    ``max_pairs``."""
 
     backend = "tcp"
 
     def __init__(self, *args, host: str = "127.0.0.1", port: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._server = socket.create_server((host, port))
-        self._server.settimeout(None)
+        self._server.setblocking(False)
         self.endpoint = f"{self.backend}://{host}:{self._server.getsockname()[1]}"
         self._conns: dict[int, socket.socket] = {}
+        self._breaks: dict[int, str] = {}  # why a pair was broken from outside its thread
         self._ids = itertools.count()
         self._closed = False
-        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
+        self.refused_connections = 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._conns)
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self._server.close()
-        finally:
-            for conn in list(self._conns.values()):
-                _close_quietly(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._acceptor.join(5.0)  # it closes the listening socket: the port is free after this
+        for conn in list(self._conns.values()):
+            _close_quietly(conn)
+
+    def break_pair(self, peer: int, reason: str) -> None:
+        """From any thread: end pair ``peer`` (its thread fails its transfers with ``reason``)."""
+        conn = self._conns.get(peer)
+        if conn is not None:
+            self._breaks[peer] = reason
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    # -- the listener ----------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
+        sel = selectors.DefaultSelector()
+        sel.register(self._server, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        waiting: dict[socket.socket, _Unauthenticated] = {}
+        try:
+            while not self._closed:
+                soonest = min((w.deadline for w in waiting.values()), default=None)
+                timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
+                for key, _ in sel.select(timeout):
+                    if key.fileobj is self._server:
+                        self._accept_one(sel, waiting)
+                    elif key.fileobj is not self._wake_r:
+                        self._read_hello(sel, waiting, key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, w in waiting.items() if w.deadline <= now]:
+                    self._drop_unauthenticated(sel, waiting, conn)
+        except Exception:  # noqa: BLE001 - the listener must not die silently
+            logger.exception("KV listener %s stopped", self.endpoint)
+        finally:
+            for conn in waiting:
+                _close_quietly(conn)
+            sel.close()
+            for s in (self._server, self._wake_r, self._wake_w):
+                s.close()
+
+    def _accept_one(self, sel, waiting: dict) -> None:
+        try:
+            conn, _ = self._server.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        if len(waiting) >= self.limits.max_unauthenticated:
+            self.refused_connections += 1
+            _close_quietly(conn)
+            return
+        conn.setblocking(False)
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
+        waiting[conn] = _Unauthenticated(deadline)
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _drop_unauthenticated(self, sel, waiting: dict, conn, message: str | None = None) -> None:
+        sel.unregister(conn)
+        del waiting[conn]
+        self.refused_connections += 1
+        if message is not None:  # best effort: a short reply fits the empty send buffer
+            data = json.dumps({"kind": "error", "message": message}).encode()
+            with contextlib.suppress(OSError):
+                conn.send(_LEN.pack(len(data)) + data)
+        _close_quietly(conn)
+
+    def _read_hello(self, sel, waiting: dict, conn: socket.socket) -> None:
+        pending = waiting[conn]
+        try:
+            chunk = conn.recv(_MAX_HELLO)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop_unauthenticated(sel, waiting, conn)
+            return
+        pending.data += chunk
+        if len(pending.data) < _LEN.size:
+            return
+        (size,) = _LEN.unpack_from(pending.data)
+        try:
+            if size > _MAX_HELLO:
+                raise TransferError(f"hello of {size} bytes exceeds the {_MAX_HELLO}-byte limit")
+            if len(pending.data) < _LEN.size + size:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = next(self._ids)
-            self._conns[peer] = conn
-            threading.Thread(
-                target=self._serve, args=(peer, conn), name=f"kv-recv-{peer}", daemon=True
-            ).start()
+            if len(pending.data) > _LEN.size + size:
+                raise TransferError("the sender must wait for the reply to its hello")
+            self._check_hello(parse_header(pending.data[_LEN.size :]))
+            if len(self._conns) >= self.limits.max_pairs:
+                raise TransferError(f"this receiver already has {self.limits.max_pairs} pairs")
+        except TransferError as exc:
+            self._drop_unauthenticated(sel, waiting, conn, str(exc))
+            return
+        sel.unregister(conn)
+        del waiting[conn]
+        peer = next(self._ids)
+        self._conns[peer] = conn
+        threading.Thread(
+            target=self._serve, args=(peer, conn), name=f"kv-recv-{peer}", daemon=True
+        ).start()
+
+    # -- one authenticated pair channel (its own thread) -----------------------------------------
 
     def _serve(self, peer: int, conn: socket.socket) -> None:
         reason = "connection closed"
         try:
-            conn.settimeout(30.0)  # a peer that never says hello does not hold a thread forever
-            self._handshake(peer, conn, read_header(conn))
-            conn.settimeout(None)
+            conn.setblocking(True)
+            configure_socket(conn, self.limits)
+            self._handshake(peer, conn)
             buf = [bytearray()]  # reused between layers, replaced when too small
             while True:
-                header = read_header(conn)
+                header = read_header(conn, idle_ok=True)  # idle between messages: no limit
                 kind = header["kind"]
                 if kind == "layer":
                     layer, entries = parse_entries(header, self.spec)
@@ -395,28 +604,29 @@ class TcpKVReceiver(KVReceiver):
                 else:
                     raise TransferError(f"unknown message kind {kind!r}")
         except Exception as exc:  # noqa: BLE001 - whatever breaks, the pair's transfers fail
-            reason = str(exc)
+            reason = self._breaks.pop(peer, None) or str(exc)
             if not self._closed and "closed the connection" not in reason:
                 logger.warning("KV pair channel %d dropped: %s", peer, reason)
         finally:
             self._conns.pop(peer, None)
+            self._breaks.pop(peer, None)
             _close_quietly(conn)
             self._on_peer_closed(peer)
             self.peer_lost(peer, reason)
 
-    def _handshake(self, peer: int, conn: socket.socket, hello: dict) -> None:
+    def _handshake(self, peer: int, conn: socket.socket) -> None:
         try:
-            self._check_hello(hello)
             write_frame(conn, {"kind": "ready"})
-            self._after_ready(peer, hello)
+            self._after_ready(peer, conn)
         except TransferError as exc:  # the sender waits for this before giving up on the pair
-            write_frame(conn, {"kind": "error", "message": str(exc)})
+            with contextlib.suppress(OSError, TransferError):
+                write_frame(conn, {"kind": "error", "message": str(exc)})
             raise
 
     def _check_hello(self, hello: dict) -> None:
         check_hello(hello, self.spec, self.backend, self.token)
 
-    def _after_ready(self, peer: int, hello: dict) -> None:
+    def _after_ready(self, peer: int, conn: socket.socket) -> None:
         """Hook: finish setting up the pair (the NCCL backend joins its communicator here)."""
 
     def _read_payload(self, peer, conn, nbytes: int, entries, buf: list) -> torch.Tensor:
@@ -440,18 +650,32 @@ class TcpKVReceiver(KVReceiver):
 
 class KVSender:
     """The prefill worker's end of one pair channel: an ordered queue drained by one thread, so
-    ``send_*`` never blocks the forward pass. ``on_failure(transfer_ids, reason)`` (from the
-    sender thread) names every transfer that was open when the channel broke."""
+    ``send_*`` never blocks the forward pass. ``on_failure(transfer_ids, reason)`` names every
+    transfer that was open when the channel broke (from the sender thread), or the transfers of
+    a layer refused because the queue was full (from the caller's thread); it must not block.
+
+    The queue holds at most ``limits.max_pending_bytes`` of layer payloads (see KVLimits): a
+    refused transfer is remembered, so its later layers and ``done`` are dropped, and an
+    ``abort`` for it goes down the channel behind what was already queued."""
 
     backend = "inproc"
 
     def __init__(
-        self, endpoint: str, spec: KVSpec, on_failure: Callable[[list[str], str], None], token=""
+        self,
+        endpoint: str,
+        spec: KVSpec,
+        on_failure: Callable[[list[str], str], None],
+        token: str = "",
+        limits: KVLimits | None = None,
     ) -> None:
         self.endpoint, self.spec, self.on_failure, self.token = endpoint, spec, on_failure, token
+        self.limits = limits or KVLimits()
         self.error: str | None = None
         self.bytes_sent = 0
         self._open: set[str] = set()  # transfers with layers sent and no done/abort yet
+        self._refused: OrderedDict[str, None] = OrderedDict()  # failed for a full queue
+        self._pending = 0  # layer bytes queued or in flight
+        self._fault: str | None = None  # set from another thread: break at the next message
         self._gates: dict[str, tuple[threading.Event, float]] = {}
         self._lock = threading.Lock()
         self._queue: SimpleQueue = SimpleQueue()
@@ -463,6 +687,11 @@ class KVSender:
         with self._lock:
             return len(self._open)
 
+    @property
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._pending
+
     def hold(self, transfer_id: str, gate: threading.Event, timeout_s: float) -> None:
         """Send nothing of ``transfer_id`` before ``gate`` is set (its decode worker is still
         reserving the blocks it goes to); what is queued behind it waits too, so the channel
@@ -471,17 +700,54 @@ class KVSender:
         with self._lock:
             self._gates[transfer_id] = (gate, timeout_s)
 
-    def send_layer(self, layer: int, entries: list[tuple[str, int, int]], kv: torch.Tensor) -> None:
-        """Queue one layer (``kv`` is [2, H, sum n, D], owned by the sender from now on)."""
+    def send_layer(self, layer: int, entries: list[tuple[str, int, int]], kv) -> None:
+        """Queue one layer (``kv`` is [2, H, sum n, D], owned by the sender from now on), or
+        refuse it if its bytes would take the queue past ``limits.max_pending_bytes``: then its
+        transfers fail here, retryably, and the channel goes on with the others."""
+        nbytes = self._nbytes(kv)
+        cap = self.limits.max_pending_bytes
         with self._lock:
-            self._open.update(tid for tid, _, _ in entries)
-        self._put(("layer", layer, entries, kv))
+            live = [tid for tid in dict.fromkeys(e[0] for e in entries) if tid not in self._refused]
+            if not live:
+                return  # every transfer in it already failed here
+            if self._pending == 0 or self._pending + nbytes <= cap:
+                self._pending += nbytes
+                self._open.update(live)
+                refused = None
+            else:
+                refused = (
+                    f"KV send queue to {self.endpoint} is full: {self._pending} bytes pending, "
+                    f"a {nbytes}-byte layer would pass the {cap}-byte cap"
+                )
+                for tid in live:
+                    self._refused[tid] = None
+                    self._open.discard(tid)
+                while len(self._refused) > _REFUSED_MEMORY:
+                    self._refused.popitem(last=False)
+        if refused is None:
+            self._put(("layer", layer, entries, kv, nbytes))
+            return
+        for tid in live:  # behind its layers already queued: the receiver frees it at once
+            self._put(("abort", tid, refused))
+        trace(live[0], "send.refused")
+        self.on_failure(live, refused)
 
-    def send_done(self, transfer_id: str, num_tokens: int, token: dict) -> None:
+    def send_done(self, transfer_id: str, num_tokens: int, token: dict) -> bool:
+        """Queue ``done``; False (nothing queued) if the transfer was refused here."""
+        if self._was_refused(transfer_id):
+            return False
         self._put(("done", transfer_id, num_tokens, token))
+        return True
 
     def send_abort(self, transfer_id: str, reason: str) -> None:
-        self._put(("abort", transfer_id, reason))
+        if not self._was_refused(transfer_id):  # (its abort is on its way)
+            self._put(("abort", transfer_id, reason))
+
+    def fault(self, reason: str) -> None:
+        """From another thread (the NCCL watchdog): break the channel at its next message,
+        failing every transfer open on it."""
+        self._fault = reason
+        self._queue.put(("fault",))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -492,11 +758,23 @@ class KVSender:
         self._queue.put(done)
         return done.wait(timeout)
 
+    def _was_refused(self, transfer_id: str) -> bool:
+        with self._lock:
+            return transfer_id in self._refused
+
+    def _nbytes(self, kv) -> int:
+        return kv.numel() * kv.element_size()
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending = max(0, self._pending - nbytes)
+
     def _put(self, item) -> None:
-        if self.error is not None:
-            self._fail_items([item], self.error)
-        else:
-            self._queue.put(item)
+        with self._lock:  # (_broken drains the queue under it: nothing slips in behind)
+            if self.error is None:
+                self._queue.put(item)
+                return
+        self._fail_items([item], self.error)
 
     # -- the sender thread -----------------------------------------------------------------------
 
@@ -514,16 +792,27 @@ class KVSender:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            if self._fault is not None:
+                self._broken(f"KV channel to {self.endpoint} broke: {self._fault}", first=item)
+                return
+            if item[0] == "fault":
+                continue
             self._wait_gates(item)
             try:
                 self._send(item)
             except Exception as exc:  # noqa: BLE001
                 self._broken(f"KV channel to {self.endpoint} broke: {exc}", first=item)
                 return
-            if item[0] in ("done", "abort"):
+            if item[0] == "layer":
+                self._sent(item)
+            else:
                 with self._lock:
                     self._open.discard(item[1])
                     self._gates.pop(item[1], None)
+
+    def _sent(self, item) -> None:
+        """Hook: a layer left the queue (NCCL: its bytes stay pending until the send is done)."""
+        self._release(item[4])
 
     def _wait_gates(self, item) -> None:
         tids = [e[0] for e in item[2]] if item[0] == "layer" else [item[1]]
@@ -538,26 +827,33 @@ class KVSender:
             trace(tid, "send.gate_opened")
 
     def _broken(self, reason: str, first=None) -> None:
-        self.error = reason
         logger.warning("%s", reason)
         pending = [first] if first is not None else []
-        while not self._queue.empty():
-            pending.append(self._queue.get())
+        with self._lock:
+            self.error = reason
+            while not self._queue.empty():
+                pending.append(self._queue.get())
         self._fail_items(pending, reason)
         self._disconnect()
+        with self._lock:
+            self._pending = 0
 
     def _fail_items(self, items, reason: str) -> None:
         failed: set[str] = set()
         for item in items:
             if isinstance(item, threading.Event):
                 item.set()
-            elif item is not None and item[0] == "layer":
+            elif item is None or item[0] == "fault":
+                continue
+            elif item[0] == "layer":
                 failed.update(e[0] for e in item[2])
-            elif item is not None:
+                self._release(item[4])
+            else:
                 failed.add(item[1])
         with self._lock:
             failed |= self._open
             self._open.clear()
+            failed -= self._refused.keys()  # reported when refused
         if failed:
             self.on_failure(sorted(failed), reason)
 
@@ -572,9 +868,9 @@ class KVSender:
     def _send(self, item) -> None:
         rx, peer = self._receiver, id(self)
         if item[0] == "layer":
-            _, layer, entries, kv = item
+            _, layer, entries, kv, nbytes = item
             rx.handle_layer(peer, layer, entries, kv)
-            self.bytes_sent += kv.numel() * kv.element_size()
+            self.bytes_sent += nbytes
         elif item[0] == "done":
             rx.handle_done(peer, {"transfer_id": item[1], "num_tokens": item[2], "token": item[3]})
         else:
@@ -586,13 +882,15 @@ class TcpKVSender(KVSender):
 
     def _connect(self) -> None:
         _, host, port = split_endpoint(self.endpoint)
-        self._sock = socket.create_connection((host, port), timeout=30)
-        self._sock.settimeout(None)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        limits = self.limits
+        self._sock = socket.create_connection((host, port), timeout=limits.handshake_timeout_s)
+        configure_socket(self._sock, limits)
+        self._sock.settimeout(limits.handshake_timeout_s)  # for the reply to hello
         write_frame(self._sock, self._hello())
         reply = read_header(self._sock)
         if reply["kind"] != "ready":
             raise TransferError(f"receiver refused the channel: {reply.get('message')}")
+        self._sock.settimeout(limits.io_timeout_s)
         self._after_ready()
 
     def _hello(self) -> dict:
@@ -613,15 +911,15 @@ class TcpKVSender(KVSender):
 
     def _send(self, item) -> None:
         if item[0] == "layer":
-            _, layer, entries, kv = item
+            _, layer, entries, kv, nbytes = item
             header = {
                 "kind": "layer",
                 "layer": layer,
                 "entries": [list(e) for e in entries],
-                "nbytes": kv.numel() * kv.element_size(),
+                "nbytes": nbytes,
             }
             self._send_payload(header, kv)
-            self.bytes_sent += header["nbytes"]
+            self.bytes_sent += nbytes
         elif item[0] == "done":
             msg = {"kind": "done", "transfer_id": item[1], "num_tokens": item[2], "token": item[3]}
             write_frame(self._sock, msg)
@@ -690,17 +988,21 @@ def make_receiver(
     *,
     token: str = "",
     host: str = "127.0.0.1",
+    limits: KVLimits | None = None,
 ) -> KVReceiver:
     if backend not in RECEIVERS:
         raise ValueError(f"kv transport must be one of {sorted(RECEIVERS)}, got {backend!r}")
-    kwargs = {"token": token} if backend == "inproc" else {"token": token, "host": host}
+    kwargs: dict[str, Any] = {"token": token, "limits": limits}
+    if backend != "inproc":
+        kwargs["host"] = host
     return RECEIVERS[backend]()(spec, kv_caches, block_size, on_event, **kwargs)
 
 
 class KVConnector:
     """The prefill worker's senders, one per decode endpoint, made lazily. At most
     ``max_channels`` stay open (each NCCL one holds GPU memory): past that the least recently
-    used idle channel is closed. A broken channel is dropped so the next request reopens it."""
+    used idle channel is closed. A broken channel is dropped so the next request reopens it.
+    Each sender is bounded by ``limits`` (its queue by ``max_pending_bytes``)."""
 
     def __init__(
         self,
@@ -709,9 +1011,11 @@ class KVConnector:
         *,
         token: str = "",
         max_channels: int = 8,
+        limits: KVLimits | None = None,
     ) -> None:
         self.spec, self.on_failure, self.token = spec, on_failure, token
         self.max_channels = max_channels
+        self.limits = limits or KVLimits()
         self._senders: OrderedDict[str, KVSender] = OrderedDict()
 
     def sender(self, endpoint: str) -> KVSender:
@@ -720,7 +1024,9 @@ class KVConnector:
             self._senders.move_to_end(endpoint)
             return sender
         backend, _, _ = split_endpoint(endpoint)
-        sender = SENDERS[backend]()(endpoint, self.spec, self.on_failure, self.token)
+        sender = SENDERS[backend]()(
+            endpoint, self.spec, self.on_failure, self.token, limits=self.limits
+        )
         self._senders[endpoint] = sender
         self._evict()
         return sender
@@ -748,6 +1054,10 @@ class KVConnector:
     @property
     def bytes_sent(self) -> int:
         return sum(s.bytes_sent for s in self._senders.values())
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(s.pending_bytes for s in self._senders.values())
 
     def close(self) -> None:
         for sender in self._senders.values():
