@@ -27,7 +27,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.messages import Membership, WorkerInfo, WorkerState
+from engine.messages import (
+    CONTROL_CONCURRENCY,
+    CONTROL_GROUP,
+    Membership,
+    WorkerInfo,
+    WorkerState,
+    control,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +122,9 @@ class Controller:
         ]
         self._publish()
         try:
-            infos = await asyncio.gather(*(self._workers[n].handle.ready.remote() for n in names))
+            infos = await asyncio.gather(
+                *(control(self._workers[n].handle.ready).remote() for n in names)
+            )
         except Exception:
             for n in names:
                 await self.kill(n)
@@ -175,12 +184,17 @@ class Controller:
                 "namespace": spec.index_namespace,
                 "worker": actor_name,
             }
-        options: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1000, "name": actor_name}
+        options: dict[str, Any] = {
+            "num_cpus": 1,
+            "max_concurrency": 1000,
+            "name": actor_name,
+        }
         if spec.device == "cuda":
             options["num_gpus"] = 1
         if role in ("prefill", "decode") and spec.use_role_resources:
             options["resources"] = {role: 1}
-        handle = ray.remote(cls).options(**options).remote(engine, name, **kwargs)
+        actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(cls)
+        handle = actor.options(**options).remote(engine, name, **kwargs)
         self._workers[name] = WorkerInfo(name, role, handle, WorkerState.STARTING)
         return name
 
@@ -192,7 +206,7 @@ class Controller:
         if info is None or info.state == WorkerState.DEAD:
             return
         try:
-            await asyncio.wait_for(info.handle.ready.remote(), 5.0)
+            await asyncio.wait_for(control(info.handle.ready).remote(), 5.0)
         except Exception as exc:  # noqa: BLE001 - dead or hung
             await self._mark_dead(name, why or str(exc))
 
@@ -235,7 +249,7 @@ class Controller:
         h = self.health
         name = info.name
         try:
-            report = await asyncio.wait_for(info.handle.health.remote(), h.timeout_s)
+            report = await asyncio.wait_for(control(info.handle.health).remote(), h.timeout_s)
         except RayActorError as exc:
             await self._mark_dead(name, str(exc).splitlines()[0])
             return

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.controller import Controller, HealthConfig, WorkerSpec
+from engine.messages import control
 from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -436,7 +437,7 @@ class LocalCluster:
     def stats(self) -> list[dict[str, Any]]:
         import ray
 
-        return ray.get([w.handle.stats.remote() for w in self.workers])
+        return ray.get([control(w.handle.stats).remote() for w in self.workers])
 
     def check_idle(self) -> dict[str, str | None]:
         """Per worker: None when idle with exact block accounting, else what is wrong."""
@@ -445,7 +446,7 @@ class LocalCluster:
         return dict(
             zip(
                 [w.name for w in self.workers],
-                ray.get([w.handle.check_idle.remote() for w in self.workers]),
+                ray.get([control(w.handle.check_idle).remote() for w in self.workers]),
                 strict=True,
             )
         )

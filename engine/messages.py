@@ -23,6 +23,18 @@ from typing import Any
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 
+CONTROL_GROUP = "control"
+"""The worker actors' concurrency group for the calls that watch and steer them (``ready``,
+``health``, ``stats``, ``check_idle``, ``abort``): its own event loop and slots, apart from the
+request calls and streams of the default group. Callers use ``control(handle.method)``."""
+
+CONTROL_CONCURRENCY = 32
+
+
+def control(method: Any) -> Any:
+    """An actor method sent to the control group (``.remote(...)`` on the result)."""
+    return method.options(concurrency_group=CONTROL_GROUP)
+
 
 class WorkerState(enum.IntEnum):
     """A worker's life in the controller's membership table::

@@ -237,9 +237,13 @@ class EngineWorker:
         """Run ``fn`` in the engine thread (from any thread)."""
         self._inbox.put(fn)
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` in the engine thread and await its result (or exception)."""
-        loop = self._loop = asyncio.get_running_loop()
+    async def call(self, fn: Callable[[], Any], *, control: bool = False) -> Any:
+        """Run ``fn`` in the engine thread and await its result (or exception). Request
+        methods (the actor's default concurrency group) make their loop the one outputs are
+        delivered on; ``control`` methods run on the control group's own loop and do not."""
+        loop = asyncio.get_running_loop()
+        if not control:
+            self._loop = loop
         fut = loop.create_future()
 
         def run() -> None:
@@ -313,6 +317,10 @@ class EngineWorker:
             "endpoint": "",
         }
 
+    # ``ready``, ``health``, ``stats``, ``check_idle`` and ``abort`` are control methods: callers
+    # send them to the actor's CONTROL_GROUP (engine.messages), its own event loop and
+    # concurrency, so that no number of streams and pending request calls can starve them.
+
     async def health(self) -> dict[str, Any]:
         """Cheap liveness, answered on the event loop without the engine thread: how long the
         step running now has been running (0 when none is). A hung engine thread shows here as
@@ -324,7 +332,7 @@ class EngineWorker:
         return time.monotonic() - started if started is not None else 0.0
 
     async def stats(self) -> dict[str, Any]:
-        stats = await self.call(self._stats)
+        stats = await self.call(self._stats, control=True)
         stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in self._channels.values())
         stats["stream_clients"] = len(self._channels)
         return stats
@@ -361,10 +369,10 @@ class EngineWorker:
                 return f"{self.engine.num_unfinished_requests} requests unfinished"
             return None
 
-        return await self.call(check)
+        return await self.call(check, control=True)
 
     async def abort(self, request_id: str) -> None:
-        await self.call(lambda: self._abort(request_id))
+        await self.call(lambda: self._abort(request_id), control=True)
 
     def _abort(self, request_id: str) -> None:
         if self.engine.has_request(request_id):

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import SequenceText
-from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved
+from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, control
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
@@ -269,7 +269,7 @@ class Dispatcher:
                     stopped = assembler.apply(d)  # a stop string: the worker does not know
                     finished = assembler.output.finished
                     if stopped and finished:
-                        _quietly(decode.handle.abort, irid)
+                        _quietly(control(decode.handle.abort), irid)
                     if finished:
                         break
                 yield assembler.output
@@ -281,7 +281,7 @@ class Dispatcher:
                 w.outstanding -= 1
             if not finished:
                 for w in workers:
-                    _quietly(w.handle.abort, irid)
+                    _quietly(control(w.handle.abort), irid)
 
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
         inflight = self._expect(irid, worker)
@@ -304,7 +304,7 @@ class Dispatcher:
         if isinstance(res, Reserved):
             _quietly(p.handle.release, irid)
         else:
-            _quietly(p.handle.abort, irid)
+            _quietly(control(p.handle.abort), irid)
             self._inflight.pop(irid, None)
             irid = f"{irid}~r"  # a new id: the dropped prefill may still be finishing
             d = await self._reserve_anywhere(irid, ids, params, kwargs, avoid={d.name})

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.block_manager import prefix_block_hashes
+from engine.messages import control
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -288,7 +289,7 @@ class ClusterBackend:
 
         async def call(method):
             try:
-                return await asyncio.wait_for(method.remote(), self.stats_timeout_s)
+                return await asyncio.wait_for(control(method).remote(), self.stats_timeout_s)
             except Exception as exc:  # noqa: BLE001 - reported per worker below
                 return exc
 

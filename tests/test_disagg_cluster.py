@@ -88,6 +88,34 @@ def worker(cluster, name):
     return next(w for w in cluster.workers if w.name == name)
 
 
+def test_control_calls_are_not_starved_by_streams(cluster, smollm2_dir) -> None:
+    """Health, stats and aborts run in the worker's control group: with every slot of the
+    default group taken (here 2, by two output streams), they still answer, while a request
+    call waits."""
+    from decode_worker.colocated import ColocatedWorker
+    from engine.messages import CONTROL_GROUP, control
+
+    actor = ray.remote(concurrency_groups={CONTROL_GROUP: 4})(ColocatedWorker)
+    handle = actor.options(max_concurrency=2, num_cpus=0).remote(
+        {"model_dir": str(smollm2_dir), "num_kv_blocks": 32}, "starved"
+    )
+    try:
+        ray.get(control(handle.ready).remote(), timeout=120)
+        streams = [
+            handle.outputs.options(num_returns="streaming").remote(f"client-{i}") for i in range(2)
+        ]
+        for s in streams:  # both streams run: their first heartbeat arrived
+            ray.get(next(s), timeout=30)
+        assert ray.get(control(handle.health).remote(), timeout=10)["name"] == "starved"
+        assert ray.get(control(handle.stats).remote(), timeout=10)["running"] == 0
+        ray.get(control(handle.abort).remote("nothing-to-abort"), timeout=10)
+        waiting = handle.ready.remote()  # the default group has no free slot
+        ready, _ = ray.wait([waiting], timeout=2)
+        assert not ready
+    finally:
+        ray.kill(handle)
+
+
 async def stats(cluster, name):
     return await worker(cluster, name).handle.stats.remote()
 

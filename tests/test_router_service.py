@@ -22,6 +22,9 @@ class Method:
     def __init__(self, fn):
         self.fn = fn
 
+    def options(self, **_):  # a concurrency group: one loop here
+        return self
+
     def remote(self, *args):
         fut = asyncio.get_running_loop().create_future()
         try:
