@@ -406,6 +406,29 @@ def test_a_second_gateway_finds_prefixes_cached_through_the_first(
         prefix = long_prefix(2)
         first, _ = _chat(client, prefix, "Through gateway one.")
         wait_for_hit(other, prefix, first)
+        # A gateway that dies mid-stream: the workers abort its requests (its output streams'
+        # reader is gone) and free their blocks; nothing decodes on for nobody.
+        body = {"model": MODEL, "prompt": "Write a long essay.", "max_tokens": 2000}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        url2 = f"http://127.0.0.1:{port}"
+        with httpx.stream(
+            "POST", url2 + "/v1/completions", json={**body, "stream": True}, headers=headers
+        ) as r:
+            pieces = 0
+            for line in r.iter_lines():
+                pieces += line.startswith("data: ")
+                if pieces >= 3:
+                    gw.proc.kill()
+                    break
+        gw.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            running = metric(server["url"], "tandem:num_requests_running")
+            used = metric(server["url"], "tandem:kv_cache_usage_perc")
+            if running == 0 and used == 0:
+                break
+            time.sleep(0.2)
+        assert running == 0 and used == 0, f"running={running} kv usage={used}"
     finally:
         gw.stop()
 
