@@ -57,6 +57,9 @@ class WorkerSpec:
     decode_engine: dict[str, Any] = field(default_factory=dict)
     use_role_resources: bool = False  # the cluster defines `prefill` / `decode` resources
     cpu_threads: int | None = None  # CPU: torch threads per worker (its share of the cores)
+    # CUDA: GPUs per worker by role (default 1); a fraction lets workers share a GPU (each then
+    # sizes its KV cache with kv_cache_memory_gb rather than the GPU's free memory)
+    gpus: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,7 +193,7 @@ class Controller:
             "name": actor_name,
         }
         if spec.device == "cuda":
-            options["num_gpus"] = 1
+            options["num_gpus"] = spec.gpus.get(role, 1)
         if role in ("prefill", "decode") and spec.use_role_resources:
             options["resources"] = {role: 1}
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(cls)

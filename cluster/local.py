@@ -140,6 +140,7 @@ class ClusterConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for every worker
     prefill_engine: dict[str, Any] = field(default_factory=dict)  # overrides for prefill
     decode_engine: dict[str, Any] = field(default_factory=dict)  # overrides for decode
+    gpus: dict[str, float] = field(default_factory=dict)  # GPUs per worker by role (default 1)
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -207,6 +208,7 @@ class LocalCluster:
             engine=cfg.engine,
             prefill_engine=cfg.prefill_engine,
             decode_engine=cfg.decode_engine,
+            gpus=cfg.gpus,
             use_role_resources=bool(resources.get("prefill") and resources.get("decode")),
             # a local CPU cluster shares this machine's cores among its workers
             cpu_threads=None if cfg.ray_address else max(1, (os.cpu_count() or 1) // workers),

@@ -182,8 +182,12 @@ def _install_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
         return _error_response(APIError(exc.status_code, str(exc.detail), type=kind, reason=None))
 
     async def unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this response and the server then drops the connection:
+        # say so, or a client's next request on it is lost
         logger.exception("unhandled error in %s", request.url.path)
-        return _error_response(_server_error("internal error"))
+        err = _server_error("internal error")
+        err.headers["Connection"] = "close"
+        return _error_response(err)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation)
@@ -420,14 +424,26 @@ class _Gateway:
         except APIError as exc:
             exc.headers.setdefault("x-request-id", request_id)
             raise
+        except Exception:  # a bug: logged under the request id, a plain 500 to the client
+            logger.exception("request %s failed", request_id)
+            err = _server_error(f"internal error (request id {request_id})")
+            err.headers["x-request-id"] = request_id
+            raise err from None
         finally:
             if not handed_off:
                 await call.close()
 
     def _admit(self, count: int = 1) -> _Call:
-        """``count`` slots, or 503 while draining / 429 when the gateway is full."""
+        """``count`` slots, or 503 while draining / 429 when the gateway is full (400 when it
+        could never hold them)."""
         if self.draining:
             raise _shutting_down()
+        if count > self.slots.limit:
+            raise protocol.bad_request(
+                f"n must be at most {self.slots.limit} here (the gateway's --max-concurrent), "
+                f"got {count}",
+                param="n",
+            )
         if not self.slots.try_take(count):
             raise APIError(
                 429,
@@ -472,8 +488,8 @@ class _Gateway:
         protocol.check_context(
             len(ids), params.max_tokens, self.backend.max_model_len, kind.prompt_param
         )
-        try:
-            call.generation = await self.backend.open(
+        opening = asyncio.ensure_future(
+            self.backend.open(
                 request_id,
                 ids,
                 params,
@@ -481,6 +497,24 @@ class _Gateway:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
             )
+        )
+        # until the first token: a client that goes away (or the gateway stopping) ends it
+        gone = asyncio.ensure_future(_client_gone(request))
+        stopped = asyncio.ensure_future(call.stop_event.wait())
+        try:
+            await asyncio.wait({opening, gone, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (gone, stopped):
+                task.cancel()
+            if not opening.done():
+                opening.cancel()  # its generation closes itself (aborted everywhere)
+            await asyncio.gather(opening, gone, stopped, return_exceptions=True)
+        if opening.cancelled():
+            if call.stopped is not None:
+                raise call.stopped
+            return Response(status_code=499, headers={"x-request-id": request_id})
+        try:
+            call.generation = opening.result()
         except BackendError as exc:
             raise _backend_error(exc) from None
         placement = call.generation.placement

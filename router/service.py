@@ -129,9 +129,13 @@ class ClusterBackend:
                 )
 
             first = await child(0)  # its prompt blocks are cached once it has a token
-            rest = await asyncio.gather(
-                *(child(i) for i in range(1, params.n)), return_exceptions=True
-            )
+            try:
+                rest = await asyncio.gather(
+                    *(child(i) for i in range(1, params.n)), return_exceptions=True
+                )
+            except BaseException:  # cancelled (the client went away): the first ends too
+                await first.aclose()
+                raise
             children = [first, *(c for c in rest if not isinstance(c, BaseException))]
             failed = [c for c in rest if isinstance(c, BaseException)]
             if failed:
@@ -244,6 +248,8 @@ class ClusterBackend:
         of a pool when every worker is to be avoided: better the same one than none)."""
 
         def pool(workers: list[WorkerRef]) -> list[WorkerView]:
+            if not workers:  # every one of the role is dead or suspect now
+                raise Overloaded("no live workers can take requests now", status=503)
             return self._views([w for w in workers if w.name not in avoid] or workers)
 
         if disagg:

@@ -110,12 +110,20 @@ class FakeBackend:
         self.finish_reason = "length"
         self.cached_tokens = 3
         self.is_healthy = True
+        self.open_delay = 0.0
+        self.cancelled_opens: list[str] = []
 
     async def open(
         self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, cache_salt=None
     ):
         if self.fail_open is not None:
             raise self.fail_open
+        if self.open_delay:  # the prefill, before the first token
+            try:
+                await asyncio.sleep(self.open_delay)
+            except asyncio.CancelledError:
+                self.cancelled_opens.append(request_id)
+                raise
         self.opened.append(
             dict(
                 id=request_id,
@@ -902,7 +910,7 @@ async def test_n_counts_against_the_concurrency_bound(backend) -> None:
     app = create_app(backend, max_concurrent=3)
     async with http(app) as c:
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4})
-        assert r.status_code == 429 and "needs 4" in r.json()["error"]["message"]
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # it never fits
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 3})
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
         backend.delay = 0.02
@@ -912,7 +920,7 @@ async def test_n_counts_against_the_concurrency_bound(backend) -> None:
         while not backend.opened or backend.opened[-1]["params"].n != 2:
             await asyncio.sleep(0.005)
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2})
-        assert r.status_code == 429  # 2 of 3 slots are taken
+        assert r.status_code == 429 and "needs 2" in r.json()["error"]["message"]  # 2 of 3 taken
         r = await c.post("/tokenize", json={"prompt": "hi"})
         assert r.status_code == 200  # one slot is left
         assert (await held).status_code == 200
@@ -990,3 +998,31 @@ async def test_drain_refuses_new_requests_and_ends_the_rest_in_band(backend) -> 
         assert p.status_code == 503 and p.json()["error"]["code"] == "shutting_down"
     assert sorted(backend.closed) == sorted(o["id"] for o in backend.opened)
     assert gateway.slots.in_use == 0 and not gateway.calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_gone_before_the_first_token_ends_the_request(backend, stream) -> None:
+    """The prefill is still running when the client disconnects: the open is cancelled (the
+    request is aborted in the cluster) and its slot is free at once, not after the prefill."""
+    app = create_app(backend, max_concurrent=1)
+    backend.open_delay = 30.0
+    body = {"prompt": "hi", "max_tokens": 5, "stream": stream}
+    gone = asyncio.Event()
+    task = asyncio.create_task(drive(app, "/v1/completions", body, disconnect=gone))
+    await asyncio.sleep(0.1)
+    assert app.state.gateway.slots.in_use == 1
+    gone.set()
+    sent = await asyncio.wait_for(task, 2)
+    assert backend.cancelled_opens and _status(sent) == 499
+    assert app.state.gateway.slots.in_use == 0
+
+
+async def test_an_unexpected_error_is_a_500_with_the_request_id(app, backend) -> None:
+    backend.fail_open = RuntimeError("a bug")
+    async with http(app) as c:
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "a bug" not in r.text
+        rid = r.headers["x-request-id"]
+        assert rid in r.json()["error"]["message"]
+        backend.fail_open = None  # the same connection serves the next request
+        assert (await c.post("/v1/completions", json={"prompt": "hi"})).status_code == 200

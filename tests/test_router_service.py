@@ -207,6 +207,11 @@ def test_a_long_step_is_not_a_miss_but_a_hung_engine_thread_is(tmp_path) -> None
         for _ in range(3):
             assert await backend._poll() == [busy.name]
         assert view.decode == [] and not await backend.healthy()
+        from router.backend import Overloaded
+        from router.policy import RouteRequest
+
+        with pytest.raises(Overloaded, match="no live workers"):  # a retry's placement: 503
+            backend._place(RouteRequest(8, BS), True, set())
         busy.handle.step_age_s = 0.0
         await backend._poll()
         assert view.decode == [busy] and await backend.healthy()
