@@ -583,14 +583,16 @@ class Flight:
         return max((b - a for a, b in zip(self.frames, self.frames[1:], strict=False)), default=0.0)
 
     def gap_across(self, t: float) -> float | None:
-        """The stall a fault at ``t`` caused this stream: the gap from its last frame before
-        ``t`` (or from ``t``, when it had none yet) to its first frame after; None when no frame
-        came after ``t``."""
+        """The stall a fault at ``t`` caused this stream: its longest gap between frames that
+        ends after ``t`` (from ``t`` itself when it had no frame before). Not just the gap
+        across ``t``: frames the dead worker produced before ``t`` may still arrive after it,
+        and the resume's gap comes once they are read. None when no frame came after ``t``."""
         before = [x for x in self.frames if x <= t]
         after = [x for x in self.frames if x > t]
         if not after:
             return None
-        return after[0] - (before[-1] if before else t)
+        points = [before[-1] if before else t, *after]
+        return max(b - a for a, b in zip(points, points[1:], strict=False))
 
     def ttft(self) -> float | None:
         return self.frames[0] - self.sent if self.frames else None
