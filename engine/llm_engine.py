@@ -74,6 +74,13 @@ class _Group:
     error: str | None = None  # it failed alone in a step (the message its client gets)
 
 
+def _queue_time(group: _Group, output_token_ids: Sequence[int]) -> float:
+    """A request's place among those of its priority: its arrival, except that a request that
+    continues output produced elsewhere (resumed after its worker failed, or moved) goes ahead
+    of every new one: its client is mid-stream, waiting, and a new request has not started."""
+    return float("-inf") if output_token_ids else group.arrival_time
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -131,7 +138,7 @@ class LLMEngine:
                 params.for_child(i) if params.n > 1 else params,
                 priority=priority,
                 cache_salt=cache_salt,
-                arrival_time=group.arrival_time,
+                arrival_time=_queue_time(group, output_token_ids),
             )
             for token in output_token_ids:
                 child.append_output_token(token)
@@ -191,7 +198,7 @@ class LLMEngine:
             params,
             priority=priority,
             cache_salt=cache_salt,
-            arrival_time=group.arrival_time,
+            arrival_time=_queue_time(group, output_token_ids),
         )
         for token in output_token_ids:
             request.append_output_token(token)

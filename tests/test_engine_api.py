@@ -220,3 +220,17 @@ def test_a_fault_of_every_batch_is_the_engines(tiny_dir, prompts, monkeypatch):
     with pytest.raises(RuntimeError, match="poisoned"):
         engine.step()
     assert engine.num_unfinished_requests == len(prompts)  # nothing was blamed
+
+
+def test_a_resumed_request_goes_ahead_of_new_ones(tiny_dir, prompts):
+    """A request that continues output produced elsewhere (its stream is mid-way) is admitted
+    before new requests of its priority that arrived earlier."""
+    llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=64, max_num_seqs=1)
+    engine = llm.engine
+    engine.add_request("new", prompts[0], GREEDY)
+    engine.add_request("later-new", prompts[2], GREEDY)
+    engine.add_request("resumed", prompts[1], GREEDY, output_token_ids=[5, 6])
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["resumed"]
+    engine.abort_request(["new", "later-new", "resumed"])
+    engine.block_manager.check_invariant(expect_idle=True)
