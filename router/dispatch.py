@@ -310,7 +310,7 @@ class Dispatcher:
             d = await self._reserve_anywhere(irid, ids, params, kwargs, avoid={d.name})
             inflight = self._inflight[irid]
             pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
-        asyncio.ensure_future(self._watch_prefill(pref, d, irid))
+        asyncio.ensure_future(self._watch_prefill(pref, p, d, irid))
         return inflight, d, irid
 
     async def _reserve_on(self, d: WorkerRef, irid, ids, params, kwargs):
@@ -346,11 +346,27 @@ class Dispatcher:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _watch_prefill(self, pref, d: WorkerRef, irid: str) -> None:
-        try:
-            res = await pref
-        except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
-            res = PrefillFailed(f"prefill worker failed: {_brief(exc)}")
+    async def _watch_prefill(self, pref, p: WorkerRef, d: WorkerRef, irid: str) -> None:
+        """The prefill's result; a failure ends the request on ``d`` retryably. A prefill
+        worker that hangs (this router or the controller holds it suspect: health polls
+        missed, a stuck step) fails its prefills at once, not after the transfer timeout."""
+
+        async def result():
+            try:
+                return await pref
+            except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
+                return PrefillFailed(f"prefill worker failed: {_brief(exc)}")
+
+        waiting = asyncio.ensure_future(result())
+        res = None
+        while res is None:
+            try:
+                res = await asyncio.wait_for(asyncio.shield(waiting), self.stall_timeout_s / 4)
+            except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
+                if self.members.state_of(p.name) in ("suspect", "dead"):
+                    waiting.cancel()
+                    _quietly(control(p.handle.abort), irid)
+                    res = PrefillFailed(f"prefill worker {p.name} is unresponsive")
         trace(irid, "router.prefilled")
         if isinstance(res, PrefillFailed):
             _quietly(d.handle.fail_transfer, irid, res.message)

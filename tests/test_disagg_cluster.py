@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import signal
 import time
 
 import pytest
@@ -232,6 +234,31 @@ def test_abort_mid_transfer_frees_both_sides(cluster) -> None:
     # The pair still works afterwards.
     out = run(collect(cluster, "Hello", prefill="prefill-0", decode="decode-0"))
     assert out[-1].finished
+
+
+def test_a_hung_prefill_worker_fails_over_before_the_transfer_timeout(cluster) -> None:
+    """SIGSTOP the prefill worker mid-transfer: the controller finds it unresponsive (SUSPECT)
+    within seconds and the request is placed again on the other prefill worker, long before
+    the 30 s transfer timeout; continued, the stopped worker frees what it held."""
+    pid = worker(cluster, "prefill-1").pid
+
+    async def scenario():
+        ids, agen, task = await start_long_request(cluster, "prefill-1", "decode-0", "hang-p")
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            first = copy.deepcopy(await task)
+            took = time.monotonic() - t0
+            rest = [copy.deepcopy(out) async for out in agen]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return ids, [first, *rest], took
+
+    ids, outs, took = run(scenario())
+    assert took < 20, took
+    coloc = run(collect(cluster, ids, mode="colocated"))
+    assert outs[-1].outputs[0].token_ids == coloc[-1].outputs[0].token_ids
+    assert_idle(cluster, timeout=30.0)
 
 
 def test_decode_killed_mid_transfer_retries_on_the_other_pair(cluster) -> None:
