@@ -255,7 +255,7 @@ def test_a_hung_prefill_worker_fails_over_before_the_transfer_timeout(cluster) -
         return ids, [first, *rest], took
 
     ids, outs, took = run(scenario())
-    assert took < 20, took
+    assert took < 28, took  # the transfer timeout is 30 s (without the failover: 41.6 s)
     coloc = run(collect(cluster, ids, mode="colocated"))
     assert outs[-1].outputs[0].token_ids == coloc[-1].outputs[0].token_ids
     assert_idle(cluster, timeout=30.0)
