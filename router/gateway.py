@@ -488,35 +488,22 @@ class _Gateway:
         protocol.check_context(
             len(ids), params.max_tokens, self.backend.max_model_len, kind.prompt_param
         )
-        opening = asyncio.ensure_future(
-            self.backend.open(
-                request_id,
-                ids,
-                params,
-                prompt=text,
-                priority=req.priority,
-                cache_salt=req.cache_salt,
-            )
+        opening = self.backend.open(
+            request_id,
+            ids,
+            params,
+            prompt=text,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
         )
-        # until the first token: a client that goes away (or the gateway stopping) ends it
-        gone = asyncio.ensure_future(_client_gone(request))
-        stopped = asyncio.ensure_future(call.stop_event.wait())
+        # until the first token: a client that goes away (or the gateway stopping) ends it (a
+        # cancelled open closes its generation: the request is aborted everywhere)
         try:
-            await asyncio.wait({opening, gone, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (gone, stopped):
-                task.cancel()
-            if not opening.done():
-                opening.cancel()  # its generation closes itself (aborted everywhere)
-            await asyncio.gather(opening, gone, stopped, return_exceptions=True)
-        if opening.cancelled():
-            if call.stopped is not None:
-                raise call.stopped
-            return Response(status_code=499, headers={"x-request-id": request_id})
-        try:
-            call.generation = opening.result()
+            opened, call.generation = await _unless_gone(request, call, opening)
         except BackendError as exc:
             raise _backend_error(exc) from None
+        if not opened:
+            return Response(status_code=499, headers={"x-request-id": request_id})
         placement = call.generation.placement
         headers = {
             "x-request-id": request_id,
@@ -589,23 +576,8 @@ class _Gateway:
     async def _collect(self, request: Request, call: _Call, timer: RequestTimer) -> Any | None:
         """The final output, or None when the client disconnected first; the call's error
         when it is stopped first."""
-        collect = asyncio.ensure_future(_final_output(call.generation, timer))
-        gone = asyncio.ensure_future(_client_gone(request))
-        stopped = asyncio.ensure_future(call.stop_event.wait())
-        tasks = (collect, gone, stopped)
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if not collect.cancelled() and collect.exception() is None:
-            return collect.result()
-        if call.stopped is not None:
-            raise call.stopped
-        if collect.cancelled():
-            return None
-        raise collect.exception()  # type: ignore[misc]
+        finished, out = await _unless_gone(request, call, _final_output(call.generation, timer))
+        return out if finished else None
 
     async def _stream(
         self,
@@ -725,6 +697,29 @@ class _Gateway:
 
     async def scrape(self) -> Response:
         return Response(await self.metrics.render(self.backend), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _unless_gone(request: Request, call: _Call, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Await ``work`` unless the client disconnects or the call is stopped first (``work`` is
+    then cancelled). Returns (True, its result) or (False, None) when the client went away;
+    raises the call's error when it was stopped, else ``work``'s own exception."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    stopped = asyncio.ensure_future(call.stop_event.wait())
+    tasks = (task, gone, stopped)
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not task.cancelled() and task.exception() is None:
+        return True, task.result()
+    if call.stopped is not None:
+        raise call.stopped
+    if task.cancelled():
+        return False, None
+    raise task.exception()  # type: ignore[misc]
 
 
 def _decode(token_ids: list[int], tokenizer: Any) -> str:

@@ -111,9 +111,9 @@ class ClusterBackend:
     ):
         self._ensure_poller()
         members = self.members
-        disagg = bool(members.prefill and members.decode)
-        if not disagg and not members.colocated:
+        if not members.routable():
             raise Overloaded("no live workers can take requests now", status=503)
+        disagg = bool(members.prefill and members.decode)
         if params.n > 1 and disagg:
             # A decode worker takes single sequences: the n samples run as n requests (seeds
             # offset as the engine does for its own children); the first one's prompt blocks

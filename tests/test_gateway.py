@@ -637,20 +637,9 @@ async def test_concurrency_bound_refuses_at_once_and_admitted_ones_finish(backen
 # ---------------------------------------------------------------------------------- disconnect
 
 
-async def drive(
-    app,
-    path: str,
-    body: dict,
-    *,
-    disconnect_after_body_frames: int | None = None,
-    disconnect: asyncio.Event | None = None,
-) -> list[dict]:
-    """Run one request through the ASGI app with a receive that reports http.disconnect when
-    ``disconnect`` is set or after that many non-empty body frames were sent."""
-    raw = json.dumps(body).encode()
-    gone = disconnect or asyncio.Event()
-    sent: list[dict] = []
-    scope = {
+def _scope(path: str, raw: bytes) -> dict:
+    """An ASGI scope for a JSON POST of ``raw`` to ``path``."""
+    return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
@@ -667,6 +656,22 @@ async def drive(
             (b"content-length", str(len(raw)).encode()),
         ],
     }
+
+
+async def drive(
+    app,
+    path: str,
+    body: dict,
+    *,
+    disconnect_after_body_frames: int | None = None,
+    disconnect: asyncio.Event | None = None,
+) -> list[dict]:
+    """Run one request through the ASGI app with a receive that reports http.disconnect when
+    ``disconnect`` is set or after that many non-empty body frames were sent."""
+    raw = json.dumps(body).encode()
+    gone = disconnect or asyncio.Event()
+    sent: list[dict] = []
+    scope = _scope(path, raw)
     delivered = False
 
     async def receive():
@@ -847,27 +852,6 @@ async def test_metrics(app) -> None:
 
 
 # ------------------------------------------------------------------------------------- bounds
-
-
-def _scope(path: str, raw: bytes, extra_headers: list | None = None) -> dict:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "server": ("t", 80),
-        "client": ("127.0.0.1", 9),
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(raw)).encode()),
-            *(extra_headers or []),
-        ],
-    }
 
 
 def _status(sent: list[dict]) -> int:
