@@ -304,9 +304,6 @@ class Controller:
         with contextlib.suppress(Exception):
             ray.kill(info.handle, no_restart=True)
 
-    def worker_states(self) -> dict[str, str]:
-        return {n: w.state.name.lower() for n, w in self._workers.items()}
-
     # -- operations --------------------------------------------------------------------------
 
     async def kill(self, name: str) -> None:
