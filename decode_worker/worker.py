@@ -15,6 +15,9 @@ A request's life here (prefill_worker/worker.py has the other half)::
     5. completion or abort frees the blocks. A transfer that fails (prefill abort, broken
        channel, timeout) frees them too and ends the request with a retryable error delta
        before any token, so the caller can run the request on another pair
+
+A running request can move to another decode worker while it decodes (``migrate_out`` here,
+``migrate_in`` there): decode_worker/migration.py has that protocol.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import time
 from typing import Any
 
+from decode_worker.migration import MigrationConfig, MigrationMixin
 from engine.kv_transfer import KVLimits, TransferEvent, TransferOutcome, make_receiver
 from engine.kv_transfer.streamer import token_from_dict
 from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
@@ -31,7 +35,7 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import trace
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(MigrationMixin, EngineWorker):
     role = "decode"
 
     def __init__(
@@ -44,9 +48,14 @@ class DecodeWorker(EngineWorker):
         host: str = "127.0.0.1",
         transfer_timeout_s: float = 60.0,
         kv_limits: dict[str, Any] | None = None,
+        migration: dict[str, Any] | None = None,
     ) -> None:
-        """``kv_limits``: KVLimits fields to change (listener caps, socket and NCCL timeouts)."""
+        """``kv_limits``: KVLimits fields to change (listener caps, socket and NCCL timeouts);
+        ``migration``: MigrationConfig fields to change."""
         self.transfer_timeout_s = transfer_timeout_s
+        self.token = token
+        self.kv_limits = KVLimits(**(kv_limits or {}))
+        self._init_migration(MigrationConfig(**(migration or {})))
         self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
         self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
         self._reserved_at: dict[str, float] = {}
@@ -64,7 +73,7 @@ class DecodeWorker(EngineWorker):
             self._on_transfer_event,
             token=token,
             host=host,
-            limits=KVLimits(**(kv_limits or {})),
+            limits=self.kv_limits,
         )
 
     async def endpoint(self) -> str:
@@ -120,6 +129,9 @@ class DecodeWorker(EngineWorker):
         if complete and reserved_at is not None:
             self.kv_transfer_seconds += time.monotonic() - reserved_at
         cancelled = self._cancel_reasons.pop(rid, None)
+        if rid in self._in:
+            self._migration_event(event, cancelled)
+            return
         if complete and cancelled is None:
             trace(rid, "decode.admit")
             try:
@@ -167,13 +179,34 @@ class DecodeWorker(EngineWorker):
         timings = getattr(self.receiver, "timings", None)
         return timings.drain() if timings is not None else []
 
+    async def migration_candidates(self) -> list[dict[str, Any]]:
+        """Every request streaming from here, with its length and what it may still need."""
+        return await self.call(self._migration_candidates, control=True)
+
     def _stats(self) -> dict[str, Any]:
         stats = super()._stats()
         stats["kv_bytes_received"] = self.receiver.bytes_received
         stats["kv_transfer_seconds"] = self.kv_transfer_seconds
         stats["transfers_pending"] = len(self.receiver.pending())
+        if self._connector is not None:
+            stats["kv_bytes_sent"] = self._connector.bytes_sent
+        stats["migrations"] = self.migration_stats.as_dict(self.engine.cfg.block_size)
+        stats["migrating"] = {"out": len(self._out), "in": len(self._in)}
+        stats["projected_blocks"] = self._projected_blocks()
         return stats
+
+    def _projected_blocks(self) -> int:
+        """Blocks in use plus what the running requests will still need to finish (by their
+        max_tokens; a request without one is counted to the context limit)."""
+        bm, engine = self.engine.block_manager, self.engine
+        need = 0
+        for c in self._migration_candidates():
+            end = min(c["num_tokens"] + c["remaining"], engine.max_model_len)
+            need += bm.blocks_needed(end) - bm.blocks_needed(c["num_tokens"])
+        return bm.num_blocks - bm.num_free_blocks + need
 
     def shutdown(self) -> None:
         self.receiver.close()
+        if self._connector is not None:
+            self._connector.close()
         super().shutdown()

@@ -161,6 +161,16 @@ class BlockManager:
         self._req_blocks[request.request_id] = blocks
         return list(blocks)
 
+    def extend_reservation(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Grow a reservation to hold ``num_tokens`` tokens; its whole block table, or ``None``
+        (nothing changed) when the blocks do not fit."""
+        owned = self._req_blocks[request_id]
+        more = self.blocks_needed(num_tokens) - len(owned)
+        if more > len(self._free):
+            return None
+        owned.extend(self._pop_free() for _ in range(max(more, 0)))
+        return list(owned)
+
     def free(self, request: Request) -> None:
         """Release ``request``'s blocks; hashed ones stay findable until evicted."""
         owned = self._req_blocks.pop(request.request_id, [])

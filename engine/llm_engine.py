@@ -57,6 +57,7 @@ class _Sequence:
     text: SequenceText | None  # None: the engine does not detokenize
     num_emitted: int = 0  # token ids already handed out in a delta
     finish_emitted: bool = False
+    base: int = 0  # output position of its first token here (tokens carried in come before)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
         self._remote: dict[str, Request] = {}  # reserved for a remote prefill, KV not yet here
+        self._paused: dict[str, Request] = {}  # out of the batch, blocks held (migrating out)
         self.step_observer: StepObserver | None = None
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
@@ -143,6 +145,7 @@ class LLMEngine:
             for token in output_token_ids:
                 child.append_output_token(token)
             seq = _Sequence(child, CompletionOutput(index=i), self._sequence_text(child))
+            seq.base = len(output_token_ids)
             if params.logprobs is not None:
                 seq.output.logprobs = []
             group.seqs.append(seq)
@@ -184,11 +187,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         output_token_ids: Sequence[int] = (),
+        reserve_tokens: int = 0,
     ) -> list[int] | None:
         """Hold blocks for a request whose KV a prefill worker will write (its prompt, and its
-        ``output_token_ids`` when it continues from output produced elsewhere). Returns the
-        block table the KV goes to, or ``None`` (nothing changed) when the blocks or the running
-        batch are full now. Raises ValueError on invalid input."""
+        ``output_token_ids`` when it continues from output produced elsewhere), or another
+        decode worker will copy (a live migration: ``reserve_tokens`` of room, its length now
+        plus headroom). Returns the block table the KV goes to, or ``None`` (nothing changed)
+        when the blocks or the running batch are full now. Raises ValueError on invalid input."""
         request_id, group, params = self._new_group(request_id, prompt, params, output_token_ids)
         if params.n != 1:
             raise ValueError("n > 1 is not supported on the disaggregated path; use n=1")
@@ -206,10 +211,11 @@ class LLMEngine:
         if busy >= self.cfg.max_num_seqs:
             return None
         # The prompt's KV plus room for the first decode step, so admission never preempts.
-        table = self.block_manager.reserve(request, request.num_tokens + 1)
+        table = self.block_manager.reserve(request, max(request.num_tokens + 1, reserve_tokens))
         if table is None:
             return None
         seq = _Sequence(request, CompletionOutput(index=0), self._sequence_text(request))
+        seq.base = len(output_token_ids)
         if params.logprobs is not None:
             seq.output.logprobs = []
         group.seqs.append(seq)
@@ -239,6 +245,73 @@ class LLMEngine:
             self._finish_seq(seq, request)
         return self._emit(group)
 
+    def grow_remote(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Room for ``num_tokens`` in a reservation still waiting for its KV (a migration whose
+        request grew while its KV was being copied): the whole block table, or None."""
+        if request_id not in self._remote:
+            raise KeyError(request_id)
+        return self.block_manager.extend_reservation(request_id, num_tokens)
+
+    def admit_migrated(
+        self, request_id: str, output_token_ids: Sequence[int], num_computed: int, num_cached: int
+    ) -> None:
+        """A migrated request's KV is in its reserved blocks up to ``num_computed`` positions
+        and ``output_token_ids`` is everything it produced (on other workers): it runs from the
+        next step, and its outputs here start after those tokens (they were streamed there)."""
+        request = self._remote[request_id]
+        have = request.output_token_ids
+        if list(output_token_ids[: len(have)]) != have or num_computed != (
+            request.num_prompt_tokens + len(output_token_ids) - 1
+        ):
+            raise ValueError(f"migration snapshot of {request_id!r} does not continue its request")
+        del self._remote[request_id]
+        for token in output_token_ids[len(have) :]:
+            request.append_output_token(token)
+        request.num_computed_tokens = num_computed
+        request.num_cached_tokens = int(num_cached)
+        self.scheduler.add_running(request)
+        group, seq = self._seq_owner[request_id]
+        group.first_token_time = time.monotonic()
+        seq.base = len(request.output_token_ids)
+
+    # -- migrating out (source side) ---------------------------------------------------------------
+
+    def migratable(self, request_id: str) -> Request:
+        """The running, decoding request ``request_id`` (one sequence), or ValueError why not."""
+        group = self._groups.get(request_id)
+        if group is None:
+            raise ValueError(f"no request {request_id!r} here")
+        if len(group.seqs) != 1:
+            raise ValueError("a request with n > 1 cannot migrate")
+        request = group.seqs[0].request
+        if request_id in self._remote or request.status != RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not decoding here (it waits)")
+        if request.num_computed_tokens != request.num_tokens - 1:
+            raise ValueError(f"request {request_id!r} is mid-prefill")
+        return request
+
+    def pause(self, request_id: str) -> Request:
+        """Take a decoding request out of the batch after a step, keeping its blocks (a
+        migration's last stage); ``resume_paused`` puts it back, ``release_paused`` lets go."""
+        request = self.migratable(request_id)
+        self.scheduler.detach(request_id)
+        self._paused[request_id] = request
+        return request
+
+    def resume_paused(self, request_id: str) -> None:
+        request = self._paused.pop(request_id, None)
+        if request is not None:
+            self.scheduler.add_running(request)
+
+    def release_paused(self, request_id: str) -> None:
+        """The request continues elsewhere: free its blocks here, emit nothing."""
+        request = self._paused.pop(request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.block_manager.free(request)
+        group = self._groups.get(request_id)
+        if group is not None:
+            self._retire(group)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._groups
 
@@ -250,10 +323,10 @@ class LLMEngine:
             group = self._groups.get(rid)
             if group is None:
                 continue
-            remote = self._remote.pop(rid, None)
-            if remote is not None:
-                remote.status = RequestStatus.FINISHED_ABORTED
-                self.block_manager.free(remote)
+            held = self._remote.pop(rid, None) or self._paused.pop(rid, None)
+            if held is not None:
+                held.status = RequestStatus.FINISHED_ABORTED
+                self.block_manager.free(held)
             child_ids = [s.request.request_id for s in group.seqs]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             for seq in group.seqs:
@@ -420,6 +493,7 @@ class LLMEngine:
             logprobs = out.logprobs[seq.num_emitted :] if out.logprobs is not None else None
             text = seq.text.next_text(out.finished) if seq.text is not None else ""
             first = seq.num_emitted == 0
+            start = seq.base + seq.num_emitted
             seq.num_emitted = len(out.token_ids)
             seq.finish_emitted = out.finished
             deltas.append(
@@ -432,6 +506,7 @@ class LLMEngine:
                     finish,
                     out.stop_reason if finish is not None else None,
                     cached if first else 0,
+                    start=start,
                 )
             )
         if all(s.output.finished for s in group.seqs):

@@ -119,6 +119,8 @@ class Delta:
     num_cached_tokens: int = 0
     error: str | None = None
     retryable: bool = False
+    start: int = -1  # output position of its first token (-1: not positioned)
+    moved_to: str | None = None  # the request now runs on this worker (a live migration)
 
     @property
     def finished(self) -> bool:
@@ -136,6 +138,8 @@ class Delta:
             logprobs=logprobs,
             text=self.text + later.text,
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+            start=self.start if self.start >= 0 else later.start,
+            moved_to=later.moved_to or self.moved_to,
         )
 
 
@@ -176,6 +180,41 @@ class RequestSnapshot:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+# -- live migration (decode worker -> decode worker) ----------------------------------------------
+
+
+MIGRATION_OUTCOMES = (
+    "migrated",  # the request runs on the destination now
+    "dest_full",  # the destination had no room (or its one migration slot was taken)
+    "dest_failed",  # the destination died, timed out or refused mid-way: the source kept it
+    "finished",  # the request finished or was aborted during the migration
+    "not_migratable",  # not found, not decoding (waiting, preempted, mid-transfer) or n > 1
+    "busy",  # the source is already migrating its allowed number of requests
+    "preempted",  # the source preempted it mid-migration (its KV is gone there)
+)
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """How one live migration ended (failure is a value; the request itself never fails
+    because a migration did)."""
+
+    request_id: str
+    outcome: str  # one of MIGRATION_OUTCOMES
+    source: str
+    dest: str
+    reason: str = ""
+    stages: int = 0  # KV copy rounds, the last (paused) one included
+    tokens: int = 0  # KV positions copied
+    bytes: int = 0  # KV payload bytes copied
+    pause_s: float = 0.0  # the request out of every running batch (the last stage)
+    seconds: float = 0.0  # the whole migration
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "migrated"
 
 
 # -- membership (controller -> routers) -----------------------------------------------------------

@@ -97,6 +97,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.running.append(request)
 
+    def detach(self, request_id: str) -> Request:
+        """Take a running request out of the batch, its blocks still held (a migration's last
+        stage: its KV is being copied out); ``add_running`` puts it back."""
+        request = self.requests.pop(request_id)
+        self.running.remove(request)
+        return request
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -308,6 +308,7 @@ class _Incoming:
     num_tokens: int
     received: list[int]  # tokens received per layer
     peer: int | None = None  # connection the first layer came on
+    exact: bool = True  # done must announce num_tokens (False: at most num_tokens, a migration)
 
 
 class KVReceiver:
@@ -338,16 +339,35 @@ class KVReceiver:
 
     # -- the decode worker's calls ---------------------------------------------------------------
 
-    def expect(self, transfer_id: str, block_table: list[int], num_tokens: int) -> None:
-        if len(block_table) * self.block_size < num_tokens:
-            raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
-        slots = slot_array(block_table, 0, num_tokens, self.block_size)
-        slots_dev = host_to_device(slots, self.kv_caches[0].device)
+    def expect(
+        self, transfer_id: str, block_table: list[int], num_tokens: int, *, exact: bool = True
+    ) -> None:
+        """Token positions ``[0, num_tokens)`` of ``transfer_id`` go to ``block_table``.
+        ``exact``: its ``done`` announces exactly ``num_tokens``; otherwise (a migration, whose
+        request grows while its KV is copied) any count up to it, every layer covering it."""
+        slots_dev = self._slots(block_table, num_tokens)
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
-            incoming = _Incoming(slots_dev, num_tokens, [0] * self.spec.num_layers)
+            incoming = _Incoming(slots_dev, num_tokens, [0] * self.spec.num_layers, exact=exact)
             self._transfers[transfer_id] = incoming
+
+    def extend(self, transfer_id: str, block_table: list[int], num_tokens: int) -> bool:
+        """Room for more positions in an inexact transfer still arriving (``block_table``
+        extends the one it had); False when it is no longer expected."""
+        slots_dev = self._slots(block_table, num_tokens)
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is None or t.exact or num_tokens < t.num_tokens:
+                return False
+            t.slots, t.num_tokens = slots_dev, num_tokens
+            return True
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        if len(block_table) * self.block_size < num_tokens:
+            raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
+        slots = slot_array(block_table, 0, num_tokens, self.block_size)
+        return host_to_device(slots, self.kv_caches[0].device)
 
     def cancel(self, transfer_id: str) -> None:
         """Stop writing into the transfer's blocks; ``released`` follows once that holds."""
@@ -411,8 +431,13 @@ class KVReceiver:
             if t is None or t.peer not in (None, peer):
                 return  # cancelled meanwhile (or not ours): nothing to report
             del self._transfers[tid]
-        short = [i for i, got in enumerate(t.received) if got < t.num_tokens]
-        if num_tokens != t.num_tokens or short:
+        if t.exact:
+            ok = num_tokens == t.num_tokens
+        else:
+            ok = isinstance(num_tokens, int) and 0 < num_tokens <= t.num_tokens
+        want = num_tokens if ok else t.num_tokens
+        short = [i for i, got in enumerate(t.received) if got < want]
+        if not ok or short:
             reason = (
                 f"transfer {tid} incomplete: {num_tokens!r} tokens announced, {t.num_tokens} "
                 f"expected, layers {short[:4]} short"

@@ -1,0 +1,568 @@
+"""Live migration of a running request from one decode worker (A) to another (B).
+
+A drives it (``migrate_out``; the controller calls it for the admin API, drain and rebalance).
+The KV moves over the same transport as prefill -> decode (NCCL on GPUs, TCP on CPU), on a pair
+channel from A to B::
+
+    1. A: the request must be decoding here, one sequence; A snapshots its prompt, parameters
+       and output so far
+    2. B.migrate_in(...)     B reserves blocks for the request's length now plus headroom and
+                             expects its KV (a transfer whose length comes with ``done``), or
+                             answers Full at once
+    3. copy stages, while the request keeps decoding on A: the first copies every full block
+       computed so far, each later one the full blocks added since; a stage ends when its bytes
+       have left A, so the next one sees what is really left
+    4. last stage, once at most ``last_stage_blocks`` blocks are left (or after ``max_stages``):
+       A takes the request out of its running batch after a step (its blocks held), copies the
+       rest (the partial block too) and queues ``done`` with the snapshot: every output token
+       and how many positions are computed. Its sampler position is its output count, its
+       detokenizer and stop strings live in the router: nothing else is needed
+    5. B, once every layer is in: the request joins B's running batch; its deltas go to the same
+       client, positioned after the snapshot's tokens. ``B.migrate_wait`` tells A
+    6. A frees the request's blocks and sends its router a ``moved_to`` delta on the request's
+       stream: the router reads B's stream for it from now on. Deltas carry their output
+       position, so whichever stream the router reads first, no token is lost or repeated
+
+Failure is a value at every step (``MigrationResult.outcome``):
+
+    B full, dead or refusing (2, 3)     abandoned; A never stopped decoding
+    B dead or silent in 4-5             A puts the request back in its batch; B frees its blocks
+                                        when the channel drops or its deadline passes
+    finished / aborted / preempted      B is told to cancel (it frees); nothing else changes
+    A dies                              B's channel drops (or its deadline passes): it frees;
+                                        the router resumes the request from its own snapshot
+
+At most ``max_out`` migrations leave and ``max_in`` arrive per worker at a time (1 each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.attention import host_to_device, slot_array
+from engine.kv_transfer import KVConnector, TransferEvent, TransferOutcome
+from engine.messages import Delta, Full, MigrationResult, Rejected, Reserved, ReserveResult
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PAUSE_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    max_stages: int = 4
+    """Copy stages before the last (paused) one at most."""
+    last_stage_blocks: int = 16
+    """Pause once at most this many blocks are left to copy (Llumnix's bound)."""
+    headroom_blocks: int = 4
+    """Reserved on B beyond the request's length when asked (it grows while copied; more is
+    asked for before the last stage if it outgrew them)."""
+    chunk_tokens: int = 4096
+    """KV positions gathered per engine-thread call (bounds the copy buffers: 512 MiB for the
+    8B shape); the next chunk waits until the channel has room."""
+    timeout_s: float = 30.0
+    """Every wait on the other worker; B's deadline for a migration to complete."""
+    max_out: int = 1
+    max_in: int = 1
+
+
+class _Ended(Exception):
+    """The request left the migration's hands on A (outcome: finished or preempted)."""
+
+    def __init__(self, outcome: str, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+
+
+@dataclass
+class _Out:
+    """One migration leaving this worker (event loop and engine thread)."""
+
+    request_id: str
+    dest: str
+    preemptions: int
+    capacity: int = 0  # positions B holds room for
+    sent: int = 0  # positions [0, sent) queued on the channel
+    need: int = 0  # positions the last stage needs room for on B
+    failed: str | None = None  # the channel broke (from a sender thread)
+    paused_at: float | None = None
+
+
+@dataclass
+class _In:
+    """One migration arriving (engine thread)."""
+
+    client: str
+    source: str
+    capacity: int
+    result: str | None = None  # "admitted" or why it failed
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
+
+
+class MigrationStats:
+    """Per-worker counters (in ``stats()['migrations']``, rendered by the gateway's /metrics)."""
+
+    def __init__(self) -> None:
+        self.out: Counter[str] = Counter()  # by outcome
+        self.into: Counter[str] = Counter()  # by outcome (admitted / failed)
+        self.reasons: Counter[str] = Counter()  # by who asked (admin, drain, rebalance)
+        self.bytes = self.tokens = self.stages = 0
+        self.pause_buckets = [0] * (len(PAUSE_BUCKETS) + 1)
+        self.pause_sum = 0.0
+
+    def record(self, r: MigrationResult, reason: str) -> None:
+        self.out[r.outcome] += 1
+        self.reasons[reason] += 1
+        self.bytes += r.bytes
+        self.tokens += r.tokens
+        self.stages += r.stages
+        if r.ok:
+            i = next((i for i, b in enumerate(PAUSE_BUCKETS) if r.pause_s <= b), -1)
+            self.pause_buckets[i] += 1
+            self.pause_sum += r.pause_s
+
+    def as_dict(self, block_size: int) -> dict[str, Any]:
+        return {
+            "out": dict(self.out),
+            "in": dict(self.into),
+            "reasons": dict(self.reasons),
+            "bytes": self.bytes,
+            "blocks": -(-self.tokens // block_size),
+            "stages": self.stages,
+            "pause_buckets": list(zip([*PAUSE_BUCKETS, math.inf], self.pause_buckets, strict=True)),
+            "pause_sum": self.pause_sum,
+        }
+
+
+class MigrationMixin:
+    """Both halves of the protocol, mixed into DecodeWorker (which provides the engine thread,
+    the receiver, ``call``/``post``, ``_register``/``_emit`` and the transfer deadlines)."""
+
+    def _init_migration(self, config: MigrationConfig) -> None:
+        self.migration = config
+        self._connector: KVConnector | None = None  # made on the first migration out
+        self._out: dict[str, _Out] = {}
+        self._in: dict[str, _In] = {}
+        self._in_done: dict[str, str] = {}  # results kept for a late migrate_wait / cancel
+        self.migration_stats = MigrationStats()
+
+    # -- A: the source -----------------------------------------------------------------------
+
+    async def migrate_out(
+        self, request_id: str, dest: Any, dest_name: str, reason: str = "admin"
+    ) -> MigrationResult:
+        """Move ``request_id`` to ``dest`` (a decode worker's actor handle) while it decodes."""
+        t0 = time.monotonic()
+        if len(self._out) >= self.migration.max_out or request_id in self._out:
+            return MigrationResult(request_id, "busy", self.name, dest_name, "a migration is out")
+        try:
+            snap = await self.call(lambda: self._out_begin(request_id, dest_name))
+        except ValueError as exc:
+            return MigrationResult(request_id, "not_migratable", self.name, dest_name, str(exc))
+        state = self._out[request_id]
+        try:
+            outcome, why = await self._migrate(state, snap, dest)
+        except _Ended as exc:
+            outcome, why = exc.outcome, str(exc)
+        finally:
+            self._out.pop(request_id, None)
+        if outcome != "migrated":  # whatever happened, the request decodes here again
+            await self.call(lambda: self.engine.resume_paused(request_id))
+            if state.capacity:
+                await _ask(dest.migrate_cancel, request_id, timeout=self.migration.timeout_s,
+                           default="unreachable")  # fmt: skip
+        pause = time.monotonic() - state.paused_at if state.paused_at is not None else 0.0
+        result = MigrationResult(
+            request_id,
+            outcome,
+            self.name,
+            dest_name,
+            why,
+            stages=snap["stages"],
+            tokens=state.sent,
+            bytes=self.kv_spec().payload_bytes(state.sent) * self.kv_spec().num_layers,
+            pause_s=snap.get("pause_s", pause),
+            seconds=time.monotonic() - t0,
+        )
+        self.migration_stats.record(result, reason)
+        if outcome != "migrated":
+            logger.info("%s: migration of %s to %s: %s (%s)", self.name, request_id, dest_name,
+                        outcome, why)  # fmt: skip
+        return result
+
+    async def _migrate(self, state: _Out, snap: dict, dest: Any) -> tuple[str, str]:
+        cfg, bs = self.migration, self.engine.cfg.block_size
+        reserve = snap["num_tokens"] + cfg.headroom_blocks * bs
+        try:
+            res = await _ask(
+                dest.migrate_in,
+                state.request_id,
+                snap["prompt"],
+                snap["params"],
+                snap["client"],
+                output_token_ids=snap["outputs"],
+                reserve_tokens=reserve,
+                source=self.name,
+                priority=snap["priority"],
+                cache_salt=snap["cache_salt"],
+                timeout=cfg.timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - B died or did not answer
+            return "dest_failed", f"reserve failed: {_brief(exc)}"
+        if isinstance(res, Full):
+            return "dest_full", res.reason
+        if isinstance(res, Rejected):
+            return "dest_failed", f"refused: {res.message}"
+        state.capacity = -(-reserve // bs) * bs
+        sender = self._sender(res.endpoint)
+        while True:
+            last = snap["stages"] >= cfg.max_stages
+            upto = await self.call(lambda last=last: self._out_plan(state, last))
+            if upto is None:
+                break  # few enough left: the last stage
+            await self._copy(state, sender, upto)
+            snap["stages"] += 1
+            await self._drained(state, sender)
+        # The last stage: pause, copy the rest, done with the snapshot.
+        while (step := await self.call(lambda: self._out_last(state, sender))) != "done":
+            if step == "grow":  # it outgrew its room on B: ask for more, still decoding
+                want = state.need + cfg.headroom_blocks * bs
+                grown = await _ask(dest.migrate_grow, state.request_id, want,
+                                   timeout=cfg.timeout_s, default=0)  # fmt: skip
+                if not grown:
+                    return "dest_full", f"no room for {state.need} positions"
+                state.capacity = grown
+            else:
+                await self._pace(state, sender)  # (a long rest: copied in chunks, still paused)
+        snap["stages"] += 1
+        try:
+            answer = await _ask(dest.migrate_wait, state.request_id, timeout=cfg.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - dead or silent: did it take the request?
+            answer = await _ask(dest.migrate_cancel, state.request_id, timeout=cfg.timeout_s,
+                                default=f"unreachable: {_brief(exc)}")  # fmt: skip
+        snap["pause_s"] = time.monotonic() - (state.paused_at or time.monotonic())
+        if answer == "admitted":
+            still_here = await self.call(lambda: self._out_finish(state))
+            if not still_here:  # aborted while paused: B runs it for nobody
+                await _ask(dest.abort, state.request_id, timeout=cfg.timeout_s, default=None)
+                return "finished", "aborted during the migration"
+            return "migrated", ""
+        return "dest_failed", str(answer)
+
+    def _out_begin(self, request_id: str, dest: str) -> dict:
+        """Engine thread: check and snapshot the request; registers the migration."""
+        request = self.engine.migratable(request_id)
+        client = self._owner.get(request_id)
+        if client is None:
+            raise ValueError(f"request {request_id!r} has no stream here")
+        self._out[request_id] = _Out(request_id, dest, request.num_preemptions)
+        return {
+            "prompt": list(request.prompt_token_ids),
+            "params": request.params,
+            "outputs": list(request.output_token_ids),
+            "num_tokens": request.num_tokens,
+            "priority": request.priority,
+            "cache_salt": request.cache_salt,
+            "client": client,
+            "stages": 0,
+        }
+
+    def _out_request(self, state: _Out):
+        """Engine thread: the request, still decoding here with its KV, or _Ended."""
+        if state.failed is not None:
+            raise _Ended("dest_failed", state.failed)
+        group = self.engine._groups.get(state.request_id)
+        if group is None:
+            raise _Ended("finished", "the request finished during the migration")
+        request = group.seqs[0].request
+        if request.num_preemptions != state.preemptions or request.is_finished:
+            raise _Ended("preempted", "preempted on the source during the migration")
+        return request
+
+    def _out_plan(self, state: _Out, last: bool) -> int | None:
+        """Engine thread: the end of the next copy stage (full blocks computed), or None when
+        the last stage comes next."""
+        request = self._out_request(state)
+        bs = self.engine.cfg.block_size
+        full = request.num_computed_tokens // bs * bs
+        left = request.num_computed_tokens - state.sent
+        if last or left <= self.migration.last_stage_blocks * bs or full <= state.sent:
+            return None
+        return min(full, state.capacity)
+
+    async def _copy(self, state: _Out, sender, upto: int) -> None:
+        while state.sent < upto:
+            await self._pace(state, sender)
+            await self.call(lambda: self._out_send(state, sender, upto))
+
+    def _out_send(self, state: _Out, sender, upto: int) -> None:
+        """Engine thread: gather and queue the next chunk of positions below ``upto``."""
+        self._out_request(state)
+        end = min(upto, state.sent + self.migration.chunk_tokens)
+        self._gather(state, sender, end)
+
+    def _gather(self, state: _Out, sender, end: int) -> None:
+        if end <= state.sent:
+            return
+        table = self.engine.block_manager.block_table(state.request_id)
+        bs = self.engine.cfg.block_size
+        caches = self.engine.runner.kv_caches
+        index = host_to_device(slot_array(table, state.sent, end, bs), caches[0].device)
+        entries = [(state.request_id, state.sent, end - state.sent)]
+        for layer, cache in enumerate(caches):
+            sender.send_layer(layer, entries, cache.index_select(2, index))
+        state.sent = end
+
+    def _out_last(self, state: _Out, sender) -> str:
+        """Engine thread: pause the request (once) and queue the next chunk of what is left:
+        "done" once ``done`` is queued, "more" while chunks are left, "grow" (not paused) when
+        the request needs more room on B first."""
+        request = self._out_request(state) if state.paused_at is None else None
+        if request is not None:
+            if request.num_computed_tokens > state.capacity:
+                state.need = request.num_computed_tokens
+                return "grow"
+            try:
+                self.engine.pause(state.request_id)
+            except ValueError as exc:
+                raise _Ended("preempted", str(exc)) from None
+            state.paused_at = time.monotonic()
+        if state.failed is not None:
+            raise _Ended("dest_failed", state.failed)
+        request = self.engine._paused.get(state.request_id)
+        if request is None:  # aborted while paused
+            raise _Ended("finished", "aborted during the migration")
+        computed = request.num_computed_tokens
+        self._gather(state, sender, min(computed, state.sent + self.migration.chunk_tokens))
+        if state.sent < computed:
+            return "more"
+        token = {
+            "token_id": request.output_token_ids[-1],
+            "num_cached_tokens": max(request.num_cached_tokens, 0),
+            "output_token_ids": list(request.output_token_ids),
+            "num_computed": computed,
+        }
+        if not sender.send_done(state.request_id, computed, token):
+            raise _Ended("dest_failed", "the channel refused the copy (queue full)")
+        return "done"
+
+    def _out_finish(self, state: _Out) -> bool:
+        """Engine thread: B runs the request now; free it here and point its router at B.
+        False when it was aborted meanwhile."""
+        rid = state.request_id
+        request = self.engine._paused.get(rid)
+        if request is None:
+            return False
+        client = self._owner.pop(rid, None)
+        self.engine.release_paused(rid)
+        if client is not None:
+            moved = Delta(rid, start=request.num_output_tokens, moved_to=state.dest)
+            self._send_to_loop(self._deliver, {client: [moved]})
+        return True
+
+    def _sender(self, endpoint: str):
+        if self._connector is None:
+            self._connector = KVConnector(
+                self.kv_spec(), self._on_out_failure, token=self.token, limits=self.kv_limits
+            )
+        return self._connector.sender(endpoint)
+
+    def _on_out_failure(self, transfer_ids: list[str], reason: str) -> None:
+        """From a sender thread: the channel to B broke (or refused a layer)."""
+        for tid in transfer_ids:
+            state = self._out.get(tid)
+            if state is not None:
+                state.failed = reason
+
+    async def _pace(self, state: _Out, sender) -> None:
+        """Wait until the channel has room for another chunk (bounded by timeout_s)."""
+        limit = self.kv_spec().payload_bytes(self.migration.chunk_tokens)
+        limit *= self.kv_spec().num_layers
+        await self._wait_channel(state, sender, lambda: sender.pending_bytes <= limit)
+
+    async def _drained(self, state: _Out, sender) -> None:
+        await self._wait_channel(state, sender, lambda: sender.pending_bytes == 0)
+
+    async def _wait_channel(self, state: _Out, sender, ok) -> None:
+        deadline = time.monotonic() + self.migration.timeout_s
+        delay = 0.0005
+        while not ok():
+            if state.failed is not None or sender.error is not None:
+                raise _Ended("dest_failed", state.failed or sender.error)
+            if time.monotonic() > deadline:
+                raise _Ended("dest_failed", f"KV copy stalled for {self.migration.timeout_s} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    # -- B: the destination ------------------------------------------------------------------
+
+    async def migrate_in(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        client: str,
+        *,
+        output_token_ids: list[int],
+        reserve_tokens: int,
+        source: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ReserveResult:
+        """Hold room for a request migrating in from ``source`` (step 2)."""
+
+        def reserve() -> ReserveResult:
+            if len(self._in) >= self.migration.max_in:
+                return Full("a migration is already arriving here")
+            try:
+                table = self.engine.reserve_remote(
+                    request_id,
+                    prompt,
+                    params,
+                    output_token_ids=output_token_ids,
+                    reserve_tokens=reserve_tokens,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            except ValueError as exc:
+                return Rejected(str(exc))
+            if table is None:
+                return Full()
+            capacity = len(table) * self.engine.cfg.block_size
+            self.receiver.expect(request_id, table, capacity, exact=False)
+            self._deadlines[request_id] = time.monotonic() + self.migration.timeout_s
+            self._in[request_id] = _In(client, source, capacity)
+            self._in_done.pop(request_id, None)
+            return Reserved(self.receiver.endpoint)
+
+        return await self.call(reserve)
+
+    async def migrate_grow(self, request_id: str, num_tokens: int) -> int:
+        """Room for ``num_tokens`` positions: the new capacity, or 0 when it does not fit."""
+
+        def grow() -> int:
+            incoming = self._in.get(request_id)
+            if incoming is None or incoming.result is not None:
+                return 0
+            table = self.engine.grow_remote(request_id, num_tokens)
+            if table is None:
+                return 0
+            capacity = len(table) * self.engine.cfg.block_size
+            if not self.receiver.extend(request_id, table, capacity):
+                return 0
+            incoming.capacity = capacity
+            return capacity
+
+        return await self.call(grow)
+
+    async def migrate_wait(self, request_id: str) -> str:
+        """ "admitted" once the request runs here (step 5), else why it failed."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def wait() -> None:
+            incoming = self._in.get(request_id)
+            if incoming is None:
+                result = self._in_done.get(request_id, "no such migration here")
+                loop.call_soon_threadsafe(_resolve, fut, result)
+            else:
+                incoming.waiters.append((loop, fut))
+
+        self.post(wait)
+        return await fut
+
+    async def migrate_cancel(self, request_id: str) -> str:
+        """The source gives up: free what is held. Returns "admitted" when it is too late (the
+        request runs here), else "cancelled"."""
+
+        def cancel() -> str:
+            if self._in_done.get(request_id) == "admitted":
+                return "admitted"
+            if request_id in self._in:
+                self._cancel(request_id, "cancelled by the source")
+            return "cancelled"
+
+        return await self.call(cancel)
+
+    def _migration_event(self, event: TransferEvent, cancelled: str | None) -> None:
+        """Engine thread: a migration's transfer ended (step 5, or its failure)."""
+        rid = event.transfer_id
+        incoming = self._in.pop(rid)
+        result = None
+        if event.kind is TransferOutcome.COMPLETE and cancelled is None:
+            token = event.token or {}
+            try:
+                outputs = [int(t) for t in token["output_token_ids"]]
+                self.engine.admit_migrated(
+                    rid, outputs, int(token["num_computed"]), int(token.get("num_cached_tokens", 0))
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                result = f"bad migration snapshot: {exc}"
+            else:
+                result = "admitted"
+                self._register(rid, incoming.client)
+        if result != "admitted":
+            self.engine.abort_request(rid)  # frees the reservation; nothing goes to the client
+            result = result or event.reason or cancelled or "cancelled"
+        self.migration_stats.into["admitted" if result == "admitted" else "failed"] += 1
+        self._in_done[rid] = result
+        while len(self._in_done) > 1024:
+            self._in_done.pop(next(iter(self._in_done)))
+        for loop, fut in incoming.waiters:
+            loop.call_soon_threadsafe(_resolve, fut, result)
+
+    def _migration_candidates(self) -> list[dict[str, Any]]:
+        """Engine thread: every request here, for drain and rebalance to pick from."""
+        out = []
+        for rid in list(self._owner):
+            group = self.engine._groups.get(rid)
+            if group is None or len(group.seqs) != 1:
+                continue
+            request = group.seqs[0].request
+            max_tokens = request.params.max_tokens or self.engine.max_model_len
+            out.append(
+                {
+                    "request_id": rid,
+                    "num_tokens": request.num_tokens,
+                    "remaining": max(0, max_tokens - request.num_output_tokens),
+                    "decoding": rid not in self.engine._remote
+                    and request.status.name == "RUNNING"
+                    and request.num_computed_tokens == request.num_tokens - 1,
+                    "migrating": rid in self._out,
+                }
+            )
+        return out
+
+
+_RAISE = object()
+
+
+async def _ask(method: Any, *args: Any, timeout: float, default: Any = _RAISE, **kwargs) -> Any:
+    """Call another actor's method within ``timeout`` (``default`` given: on any failure,
+    return it instead of raising)."""
+    try:
+        return await asyncio.wait_for(method.remote(*args, **kwargs), timeout)
+    except Exception:
+        if default is _RAISE:
+            raise
+        return default
+
+
+def _resolve(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _brief(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+__all__ = ["PAUSE_BUCKETS", "MigrationConfig", "MigrationMixin", "MigrationStats"]
