@@ -15,7 +15,8 @@ and its actor is killed (it cannot come back with half-served requests). A dead 
 (``report_dead``, ``report_unresponsive``) and the controller checks at once. A dead worker is
 removed from the global prefix index, so its entries stop counting for every router.
 
-Drain, scale, rebalance and migration orchestration (the operator API) build on this actor.
+Live migration is orchestrated here too (cluster/migrations.py): the admin ``migrate`` call,
+``drain`` and the rebalance loop pick what moves where and ask the source decode worker.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cluster.migrations import Migrator
 from engine.messages import (
     CONTROL_CONCURRENCY,
     CONTROL_GROUP,
     Membership,
+    MigrationResult,
     WorkerInfo,
     WorkerState,
     control,
@@ -60,6 +63,7 @@ class WorkerSpec:
     # CUDA: GPUs per worker by role (default 1); a fraction lets workers share a GPU (each then
     # sizes its KV cache with kv_cache_memory_gb rather than the GPU's free memory)
     gpus: dict[str, float] = field(default_factory=dict)
+    migration: dict[str, Any] = field(default_factory=dict)  # MigrationConfig fields (decode)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Controller:
         self._changed = asyncio.Event()
         self._meta: dict[str, Any] = {}
         self._health: asyncio.Task | None = None
+        self.migrator = Migrator(self)
 
     # -- membership --------------------------------------------------------------------------
 
@@ -178,6 +183,7 @@ class Controller:
                 "token": spec.token,
                 "host": spec.host,
                 "transfer_timeout_s": spec.transfer_timeout_s,
+                "migration": spec.migration,
             }
         else:
             cls = ColocatedWorker
@@ -314,11 +320,48 @@ class Controller:
         await self._kill_actor(info)
         await self._mark_dead(name, "killed")
 
+    async def migrate(
+        self,
+        request_id: str | None = None,
+        *,
+        to: str | None = None,
+        from_: str | None = None,
+        count: int = 1,
+    ) -> list[MigrationResult]:
+        """Live-migrate one request (``request_id``) or ``count`` of ``from_``'s to ``to``
+        (None: the least loaded other decode worker). Raises ValueError on a bad name."""
+        return await self.migrator.migrate(request_id, to=to, from_=from_, count=count)
+
+    async def drain(self, worker: str, deadline_s: float = 60.0) -> dict[str, Any]:
+        """Stop placing requests on ``worker`` and migrate every one it runs away; returns
+        what happened to each and whether it is idle (it can be removed)."""
+        return await self.migrator.drain(worker, deadline_s)
+
+    async def undrain(self, worker: str) -> None:
+        """Place requests on a drained worker again."""
+        self.migrator.undrain(worker)
+
+    async def rebalance(self, **settings: Any) -> dict[str, Any]:
+        """The rebalancer's settings (mode off | on | dry-run, high, low, interval_s,
+        max_moves) changed by ``settings``, and what it has done."""
+        return self.migrator.configure(**settings)
+
+    async def rebalance_once(self) -> list[dict[str, Any]]:
+        """One rebalance round now, in the configured mode (dry-run: planned moves only)."""
+        return await self.migrator.rebalance_once()
+
+    async def migration_stats(self) -> dict[str, Any]:
+        return {
+            "outcomes": dict(self.migrator.outcomes),
+            "rebalance": self.migrator.rebalance_state.as_dict(),
+        }
+
     async def shutdown(self) -> None:
         import ray
 
         if self._health is not None:
             self._health.cancel()
+        self.migrator.stop()
         live = [w for w in self._workers.values() if w.state != WorkerState.DEAD]
         await asyncio.gather(*(w.handle.shutdown.remote() for w in live), return_exceptions=True)
         for w in live:

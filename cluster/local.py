@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.controller import Controller, HealthConfig, WorkerSpec
-from engine.messages import control
+from engine.messages import MigrationResult, control
 from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -141,6 +141,7 @@ class ClusterConfig:
     prefill_engine: dict[str, Any] = field(default_factory=dict)  # overrides for prefill
     decode_engine: dict[str, Any] = field(default_factory=dict)  # overrides for decode
     gpus: dict[str, float] = field(default_factory=dict)  # GPUs per worker by role (default 1)
+    migration: dict[str, Any] = field(default_factory=dict)  # MigrationConfig fields (decode)
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -209,6 +210,7 @@ class LocalCluster:
             prefill_engine=cfg.prefill_engine,
             decode_engine=cfg.decode_engine,
             gpus=cfg.gpus,
+            migration=cfg.migration,
             use_role_resources=bool(resources.get("prefill") and resources.get("decode")),
             # a local CPU cluster shares this machine's cores among its workers
             cpu_threads=None if cfg.ray_address else max(1, (os.cpu_count() or 1) // workers),
@@ -452,6 +454,26 @@ class LocalCluster:
                 strict=True,
             )
         )
+
+    def migrate(self, request_id: str | None = None, **kwargs: Any) -> list[MigrationResult]:
+        """Live-migrate a running request (or ``from_=..., count=N``) through the controller;
+        see Controller.migrate. Safe to call from a thread while requests stream."""
+        import ray
+
+        return ray.get(self.controller.migrate.remote(request_id, **kwargs))
+
+    def drain(self, worker: str, deadline_s: float = 60.0) -> dict[str, Any]:
+        import ray
+
+        report = ray.get(self.controller.drain.remote(worker, deadline_s))
+        self.refresh()
+        return report
+
+    def undrain(self, worker: str) -> None:
+        import ray
+
+        ray.get(self.controller.undrain.remote(worker))
+        self.refresh()
 
     def forget(self, name: str) -> None:
         """Stop routing to a worker (its actor died)."""

@@ -52,6 +52,7 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+SLOT_TAKEN = "a migration is already arriving here"
 PAUSE_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -217,7 +218,7 @@ class MigrationMixin:
         except Exception as exc:  # noqa: BLE001 - B died or did not answer
             return "dest_failed", f"reserve failed: {_brief(exc)}"
         if isinstance(res, Full):
-            return "dest_full", res.reason
+            return ("busy" if res.reason == SLOT_TAKEN else "dest_full"), res.reason
         if isinstance(res, Rejected):
             return "dest_failed", f"refused: {res.message}"
         state.capacity = -(-reserve // bs) * bs
@@ -420,7 +421,7 @@ class MigrationMixin:
 
         def reserve() -> ReserveResult:
             if len(self._in) >= self.migration.max_in:
-                return Full("a migration is already arriving here")
+                return Full(SLOT_TAKEN)
             try:
                 table = self.engine.reserve_remote(
                     request_id,
@@ -536,6 +537,7 @@ class MigrationMixin:
                     and request.status.name == "RUNNING"
                     and request.num_computed_tokens == request.num_tokens - 1,
                     "migrating": rid in self._out,
+                    "block_size": self.engine.cfg.block_size,
                 }
             )
         return out

@@ -191,7 +191,7 @@ MIGRATION_OUTCOMES = (
     "dest_failed",  # the destination died, timed out or refused mid-way: the source kept it
     "finished",  # the request finished or was aborted during the migration
     "not_migratable",  # not found, not decoding (waiting, preempted, mid-transfer) or n > 1
-    "busy",  # the source is already migrating its allowed number of requests
+    "busy",  # the source sends, or the destination receives, its allowed number already
     "preempted",  # the source preempted it mid-migration (its KV is gone there)
 )
 

@@ -34,7 +34,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.detokenizer import SequenceText
@@ -73,18 +73,56 @@ class _Retry(Exception):
 
 @dataclass
 class _Inflight:
-    """One attempt's deltas, as the worker stream delivers them."""
+    """One attempt's deltas, as the worker streams deliver them, in output order.
 
-    worker: str
+    Deltas carry their output position (``start``): after a live migration the request's
+    deltas come from two streams (the old worker's last ones, the new worker's first ones),
+    which this router may read in either order. A delta ahead of the next expected position
+    waits for the gap to fill; a repeated one is trimmed or dropped."""
+
+    ref: WorkerRef  # the worker it runs on (changes when it migrates)
+    base: int = 0  # output position of its first token (tokens carried in come before)
     deltas: list[Delta] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # why a retryable error delta ended it: the worker's own ones are failed KV transfers, the
     # router's own say what it saw (the worker died, or went silent)
     reason: str = "transfer_failed"
+    _next: dict[int, int] = field(default_factory=dict)  # sequence index -> next position
+    _held: dict[tuple[int, int], Delta] = field(default_factory=dict)  # ahead of a gap
+
+    @property
+    def worker(self) -> str:
+        return self.ref.name
 
     def push(self, d: Delta) -> None:
+        if d.start >= 0 and d.error is None and d.moved_to is None:
+            d = self._in_order(d)
+            if d is None:
+                return
         self.deltas.append(d)
         self.ready.set()
+
+    def _in_order(self, d: Delta) -> Delta | None:
+        """``d`` trimmed to what is new (None: nothing new yet, or nothing new at all); a
+        delta that closes a gap brings the held ones after it."""
+        nxt = self._next.get(d.index, self.base if d.index == 0 else 0)
+        if d.start > nxt:
+            self._held[(d.index, d.start)] = d
+            return None
+        skip = nxt - d.start
+        if skip >= len(d.token_ids) and (skip > len(d.token_ids) or d.finish_reason is None):
+            return None  # a stale repeat (the old worker's, after a migration)
+        if skip:
+            logprobs = d.logprobs[skip:] if d.logprobs is not None else None
+            d = replace(d, token_ids=d.token_ids[skip:], logprobs=logprobs, start=nxt)
+        end = nxt + len(d.token_ids)
+        self._next[d.index] = end
+        held = self._held.pop((d.index, end), None)
+        if held is not None:
+            merged = self._in_order(held)
+            if merged is not None:
+                d = d.merge(merged)
+        return d
 
     async def take(self) -> list[Delta]:
         await self.ready.wait()
@@ -190,6 +228,8 @@ class Dispatcher:
         self._watchdog: asyncio.Task | None = None
         self.coalesced_batches = 0
         self.resumes: Counter[str] = Counter()  # by reason
+        self.migrations = 0  # requests of this router that moved to another worker
+        self._orphans: dict[tuple[str, str], None] = {}
 
     # -- a request ---------------------------------------------------------------------------
 
@@ -266,10 +306,13 @@ class Dispatcher:
                         if d.retryable:
                             raise _Retry(d.error, inflight.reason)
                         raise ClusterError(d.error)
+                    if d.moved_to is not None:  # migrated: read its new worker from now on
+                        workers[0] = self._moved(irid, inflight, d.moved_to)
+                        continue
                     stopped = assembler.apply(d)  # a stop string: the worker does not know
                     finished = assembler.output.finished
                     if stopped and finished:
-                        _quietly(control(decode.handle.abort), irid)
+                        _quietly(control(workers[0].handle.abort), irid)
                     if finished:
                         break
                 yield assembler.output
@@ -283,8 +326,23 @@ class Dispatcher:
                 for w in workers:
                     _quietly(control(w.handle.abort), irid)
 
+    def _moved(self, irid: str, inflight: _Inflight, name: str) -> WorkerRef:
+        """A live migration moved ``irid`` to ``name``: its deltas (and its failure, if that
+        worker fails) come from there now."""
+        new = self.members.get(name)
+        if new is None:
+            raise _Retry(f"request moved to unknown worker {name!r}", "worker_died")
+        old = inflight.ref
+        old.outstanding -= 1
+        new.outstanding += 1
+        inflight.ref = new
+        self._ensure_stream(new)
+        self.migrations += 1
+        trace(irid, "router.moved")
+        return new
+
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
-        inflight = self._expect(irid, worker)
+        inflight = self._expect(irid, worker, _carried(kwargs))
         try:
             await worker.handle.generate.remote(irid, ids, params, self.client_id, **kwargs)
         except ValueError as exc:
@@ -298,7 +356,7 @@ class Dispatcher:
         """Reserve on ``d`` while ``p`` computes the prompt (gated), falling back to the other
         decode workers when ``d`` is full. Returns (the request's inflight, its decode worker,
         the id it runs under)."""
-        inflight = self._expect(irid, d)
+        inflight = self._expect(irid, d, _carried(kwargs))
         pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
         res = await self._reserve_on(d, irid, ids, params, kwargs)
         if isinstance(res, Reserved):
@@ -334,7 +392,7 @@ class Dispatcher:
                 [w for w in pool if w.name not in avoid] or pool, key=lambda w: w.outstanding
             )
             for d in candidates:
-                self._expect(irid, d)
+                self._expect(irid, d, _carried(kwargs))
                 if isinstance(await self._reserve_on(d, irid, ids, params, kwargs), Reserved):
                     return d
                 self._inflight.pop(irid, None)
@@ -373,17 +431,20 @@ class Dispatcher:
 
     # -- the workers' output streams ---------------------------------------------------------
 
-    def _expect(self, irid: str, worker: WorkerRef) -> _Inflight:
+    def _expect(self, irid: str, worker: WorkerRef, base: int = 0) -> _Inflight:
         """Register a request's queue before it can produce anything, and make sure this
-        router reads ``worker``'s stream."""
-        inflight = self._inflight[irid] = _Inflight(worker.name)
+        router reads ``worker``'s stream. ``base``: output tokens it carries in."""
+        inflight = self._inflight[irid] = _Inflight(worker, base)
+        self._ensure_stream(worker)
+        return inflight
+
+    def _ensure_stream(self, worker: WorkerRef) -> None:
         task = self._streams.get(worker.name)
         if task is None or task.done():
             self._seen[worker.name] = time.monotonic()
             self._streams[worker.name] = asyncio.ensure_future(self._read(worker))
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.ensure_future(self._watch_streams())
-        return inflight
 
     async def _read(self, worker: WorkerRef) -> None:
         """Demultiplex ``worker``'s batches to the requests they belong to."""
@@ -404,6 +465,8 @@ class Dispatcher:
                     inflight = self._inflight.get(d.request_id)
                     if inflight is not None:
                         inflight.push(d)
+                    elif not d.finished and d.moved_to is None:
+                        self._orphan(worker, d.request_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the worker died
@@ -435,6 +498,18 @@ class Dispatcher:
                 self.members.suspect(name, "stream", why)
                 self._fail_inflight(name, why, "stalled")
 
+    def _orphan(self, worker: WorkerRef, irid: str) -> None:
+        """Output for a request this router no longer runs (it resumed elsewhere while a
+        migration handed it over, say): the worker is told to stop it, once."""
+        key = (worker.name, irid)
+        if key in self._orphans:
+            return
+        self._orphans[key] = None
+        while len(self._orphans) > 4096:
+            self._orphans.pop(next(iter(self._orphans)))
+        logger.warning("%s runs %s for nobody here: aborting it", worker.name, irid)
+        _quietly(control(worker.handle.abort), irid)
+
     def _fail_inflight(self, worker: str, why: str, reason: str) -> None:
         """End every in-flight attempt of this router on ``worker`` with a retryable error."""
         for rid, inflight in list(self._inflight.items()):
@@ -464,6 +539,11 @@ def _brief(exc: BaseException) -> str:
     on with the remote traceback; that stays in the logs)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _carried(kwargs: dict[str, Any]) -> int:
+    """Output tokens a (resumed) attempt carries in: its deltas' positions start there."""
+    return len(kwargs.get("output_token_ids") or ())
 
 
 def _quietly(method, *args) -> None:
