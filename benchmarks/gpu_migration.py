@@ -1,0 +1,302 @@
+"""Live migration downtime, throughput cost and exactness (GPU: 2 GPUs; CPU: a smoke run).
+
+    python benchmarks/gpu_migration.py                       # 2 GPUs, contexts 1k 4k 16k 32k
+    python benchmarks/gpu_migration.py --device cpu --contexts 128 512 --background 2
+
+One cluster: 1 prefill + 2 decode workers, NCCL between GPUs. With two GPUs the prefill worker
+shares one with a decode worker (NCCL cannot join two ranks on one GPU, so that pair is never
+used): every request starts on the other decode worker ("home") and moves to the prefill's
+neighbour ("peer") by migration; the background load of the peer gets there the same way.
+Llama-3.1-8B shape (benchmarks/configs/llama3-8b with a 40k context), dummy bf16 weights.
+
+Sections, in one run:
+
+1. ``exact``: a greedy request alone, with and without a migration mid-stream: same tokens.
+2. ``downtime``: for each context, a request of that prompt length decodes on home beside the
+   background load (``--background`` requests on each worker); after ``--before`` tokens it is
+   migrated to peer. Downtime = the largest gap between consecutive tokens after the migration
+   starts minus the median gap of the same request's ``--before`` tokens before it (times taken
+   by the router, where the client's stream comes from). Llumnix reports 20-30 ms, flat.
+3. ``throughput``: background decode tokens/s over ``--window`` seconds with a 4k request
+   migrated back and forth without pause, over the same window with it left alone.
+
+Writes benchmarks/results/gpu_migration.json (or --out); prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "benchmarks" / "configs" / "llama3-8b"
+GPU_ENGINE = {
+    "dtype": "bfloat16",
+    "load_format": "dummy",
+    "max_model_len": 40960,
+    "max_num_batched_tokens": 8192,
+    "max_num_seqs": 32,
+    "cuda_graph_max_batch": 32,
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def long_context_model() -> str:
+    """The 8B shape with a 40k context (Llama 3.1's shapes; its 128k context is not needed)."""
+    path = Path(tempfile.mkdtemp(prefix="llama31-8b-"))
+    for f in CONFIG.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 40960
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def gpu_of_pids() -> dict[int, str]:
+    """pid -> GPU bus id of every process using a GPU (nvidia-smi)."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {
+        int(p): bus.strip() for p, bus in (line.split(",") for line in out.strip().splitlines())
+    }
+
+
+def home_and_peer(cluster, device: str) -> tuple[str, str]:
+    """(the decode worker not sharing a GPU with the prefill worker, the one that does)."""
+    names = [w.name for w in cluster.decode]
+    if device != "cuda":
+        return names[0], names[1]
+    gpus = gpu_of_pids()
+    pre = gpus.get(cluster.prefill[0].pid)
+    if pre is None:  # nvidia-smi does not see the workers' pids (a container): Ray packs the
+        log(f"nvidia-smi shows no worker pids ({gpus}); assuming spawn-order packing")
+        return names[1], names[0]  # halves in spawn order: prefill and decode-0 share GPU 0
+    shared = [w.name for w in cluster.decode if gpus.get(w.pid) == pre]
+    alone = [n for n in names if n not in shared]
+    log(f"GPUs: prefill {pre}; decode {[(w.name, gpus.get(w.pid)) for w in cluster.decode]}")
+    if not alone or not shared:
+        raise SystemExit("want the prefill worker beside exactly one decode worker")
+    return alone[0], shared[0]
+
+
+class Stream:
+    """One request through the router: token arrival times (a batch of k tokens: the first
+    at the arrival, the others 0 s after it)."""
+
+    def __init__(self, cluster, rid: str, prompt: list[int], max_tokens: int, home: str):
+        from engine import SamplingParams
+
+        self.rid, self.times, self.tokens = rid, [], []
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self._gen = cluster.stream(prompt, params, request_id=rid, decode=home)
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        async for out in self._gen:
+            now = time.perf_counter()
+            ids = out.outputs[0].token_ids
+            self.times += [now] * (len(ids) - len(self.tokens))
+            self.tokens = list(ids)
+
+    async def wait_tokens(self, n: int, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.tokens) < n:
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError(f"{self.rid} ended at {len(self.tokens)} tokens")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.rid} stuck at {len(self.tokens)} tokens")
+            await asyncio.sleep(0.001)
+
+    async def cancel(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self._gen.aclose()
+
+
+def gaps_ms(times: list[float]) -> list[float]:
+    return [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
+
+
+def downtime(times: list[float], start: float, end: float, before: int) -> dict:
+    """Largest gap of a token arriving after ``start`` (up to 8 tokens past ``end``) minus the
+    median gap of the ``before`` tokens before ``start``."""
+    i0 = next(i for i, t in enumerate(times) if t > start)
+    i1 = next((i for i, t in enumerate(times) if t > end), len(times) - 1)
+    g = gaps_ms(times)
+    prior = g[max(0, i0 - 1 - before) : i0 - 1]
+    after = g[i0 - 1 : min(len(g), i1 + 8)]
+    median = statistics.median(prior)
+    worst = max(after)
+    return {"median_gap_ms": median, "max_gap_ms": worst, "downtime_ms": worst - median}
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+
+
+async def main_async(cluster, args, home: str, peer: str, vocab: int) -> dict:
+    ctrl = cluster.controller
+    results: dict = {"home": home, "peer": peer}
+
+    async def migrate(rid: str, to: str):
+        r = (await ctrl.migrate.remote(rid, to=to))[0]
+        if not r.ok:
+            raise RuntimeError(f"migration of {rid} failed: {r}")
+        return r
+
+    # 1. exactness, alone
+    prompt = random_prompt(args.contexts[0], vocab, 1)
+    ref = Stream(cluster, "exact-ref", prompt, args.tokens, home)
+    await ref.task
+    moved = Stream(cluster, "exact-mig", prompt, args.tokens, home)
+    await moved.wait_tokens(args.before)
+    await migrate("exact-mig", peer)
+    await moved.task
+    results["exact"] = {"identical": moved.tokens == ref.tokens, "tokens": len(ref.tokens)}
+    log(f"exact: identical={moved.tokens == ref.tokens} ({len(ref.tokens)} tokens)")
+
+    # background: N on each worker (the peer's arrive by migration)
+    bg = []
+    for i in range(2 * args.background):
+        s = Stream(cluster, f"bg{i}", random_prompt(args.bg_context, vocab, 100 + i), 100000, home)
+        bg.append(s)
+    for s in bg:
+        await s.wait_tokens(2)
+    for s in bg[args.background :]:
+        await migrate(s.rid, peer)
+    log(f"background: {args.background} requests on each decode worker")
+
+    # 2. downtime per context
+    rows = []
+    for ctx in args.contexts:
+        for rep in range(args.repeats):
+            rid = f"ctx{ctx}-{rep}"
+            s = Stream(cluster, rid, random_prompt(ctx, vocab, ctx + rep), args.tokens, home)
+            await s.wait_tokens(args.before + 2)
+            t0 = time.perf_counter()
+            r = await migrate(rid, peer)
+            t1 = time.perf_counter()
+            await s.wait_tokens(min(args.tokens, len(s.tokens) + 16))
+            row = {
+                "context": ctx,
+                "repeat": rep,
+                "stages": r.stages,
+                "copied_tokens": r.tokens,
+                "copied_mb": round(r.bytes / 2**20, 1),
+                "pause_ms": round(r.pause_s * 1e3, 2),
+                "migration_ms": round((t1 - t0) * 1e3, 1),
+                **{k: round(v, 2) for k, v in downtime(s.times, t0, t1, args.before).items()},
+            }
+            rows.append(row)
+            log(f"downtime {row}")
+            await s.cancel()
+    results["downtime"] = rows
+
+    # 3. background throughput with a 4k request ping-ponging vs left alone
+    def bg_tokens(t_from: float, t_to: float) -> int:
+        return sum(sum(t_from <= t < t_to for t in s.times) for s in bg)
+
+    target = Stream(cluster, "pingpong", random_prompt(4096, vocab, 7), 100000, home)
+    await target.wait_tokens(8)
+    t0 = time.perf_counter()
+    await asyncio.sleep(args.window)
+    quiet = bg_tokens(t0, time.perf_counter()) / args.window
+    t0 = time.perf_counter()
+    where, moves = home, 0
+    while time.perf_counter() - t0 < args.window:
+        where = peer if where == home else home
+        await migrate("pingpong", where)
+        moves += 1
+    busy_s = time.perf_counter() - t0
+    busy = bg_tokens(t0, t0 + busy_s) / busy_s
+    results["throughput"] = {
+        "background_tok_s_without": round(quiet, 1),
+        "background_tok_s_during": round(busy, 1),
+        "ratio": round(busy / quiet, 4),
+        "migrations": moves,
+        "window_s": round(busy_s, 2),
+    }
+    log(f"throughput {results['throughput']}")
+    await target.cancel()
+    for s in bg:
+        await s.cancel()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=160, help="output tokens of each request")
+    ap.add_argument("--before", type=int, default=48, help="tokens before the migration")
+    ap.add_argument("--background", type=int, default=8, help="requests on each decode worker")
+    ap.add_argument("--bg-context", type=int, default=1024)
+    ap.add_argument("--window", type=float, default=8.0)
+    ap.add_argument("--kv-blocks", type=int, default=6144)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_migration.json"))
+    args = ap.parse_args()
+
+    from cluster.local import LocalCluster
+
+    if args.device == "cuda":
+        model, engine = long_context_model(), dict(GPU_ENGINE)
+        engine["num_kv_blocks"] = args.kv_blocks
+        gpus = {"prefill": 0.5, "decode": 0.5}
+        vocab = 128256
+    else:
+        model, gpus, vocab = "smollm2", {}, 49152
+        engine = {"max_num_batched_tokens": 512, "num_kv_blocks": 1024, "max_num_seqs": 32}
+    log(f"starting 1 prefill + 2 decode ({args.device})")
+    cluster = LocalCluster(
+        model=model,
+        num_prefill=1,
+        num_decode=2,
+        device=args.device,
+        engine=engine,
+        gpus=gpus,
+        transfer_timeout_s=120,
+    )
+    try:
+        home, peer = home_and_peer(cluster, args.device)
+        results = asyncio.run(main_async(cluster, args, home, peer, vocab))
+        results["stats"] = cluster.stats()
+    finally:
+        cluster.shutdown()
+    results["config"] = {**vars(args), "engine": engine}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nexact: greedy tokens identical with and without migration: {results['exact']}")
+    print(f"{'context':>8} {'stages':>6} {'copied MB':>9} {'pause ms':>8} {'median ms':>9} "
+          f"{'max gap ms':>10} {'downtime ms':>11}")  # fmt: skip
+    for r in results["downtime"]:
+        print(f"{r['context']:>8} {r['stages']:>6} {r['copied_mb']:>9} {r['pause_ms']:>8} "
+              f"{r['median_gap_ms']:>9} {r['max_gap_ms']:>10} {r['downtime_ms']:>11}")  # fmt: skip
+    t = results["throughput"]
+    print(f"background decode tok/s: {t['background_tok_s_without']} alone, "
+          f"{t['background_tok_s_during']} during {t['migrations']} migrations: ratio {t['ratio']}")  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
