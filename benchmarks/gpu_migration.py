@@ -164,6 +164,15 @@ async def main_async(cluster, args, home: str, peer: str, vocab: int) -> dict:
             raise RuntimeError(f"migration of {rid} failed: {r}")
         return r
 
+    # warm-up: both pair channels formed (an NCCL communicator takes a while, once)
+    warm = Stream(cluster, "warm", random_prompt(256, vocab, 0), 100000, home)
+    await warm.wait_tokens(4)
+    t0 = time.perf_counter()
+    await migrate("warm", peer)
+    await migrate("warm", home)
+    log(f"warm-up: two migrations (channels formed) in {time.perf_counter() - t0:.2f} s")
+    await warm.cancel()
+
     # 1. exactness, alone
     prompt = random_prompt(args.contexts[0], vocab, 1)
     ref = Stream(cluster, "exact-ref", prompt, args.tokens, home)
