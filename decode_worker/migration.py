@@ -45,6 +45,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.attention import host_to_device, slot_array
 from engine.kv_transfer import KVConnector, TransferEvent, TransferOutcome
 from engine.messages import Delta, Full, MigrationResult, Rejected, Reserved, ReserveResult
@@ -317,8 +319,11 @@ class MigrationMixin:
         caches = self.engine.runner.kv_caches
         index = host_to_device(slot_array(table, state.sent, end, bs), caches[0].device)
         entries = [(state.request_id, state.sent, end - state.sent)]
-        for layer, cache in enumerate(caches):
-            sender.send_layer(layer, entries, cache.index_select(2, index))
+        c0 = caches[0]
+        stacked = c0.new_empty((len(caches), c0.shape[0], c0.shape[1], len(index), c0.shape[3]))
+        for layer, cache in enumerate(caches):  # every layer of the chunk: one message
+            torch.index_select(cache, 2, index, out=stacked[layer])
+        sender.send_layers(0, entries, stacked)
         state.sent = end
 
     def _out_last(self, state: _Out, sender) -> str:
@@ -393,14 +398,14 @@ class MigrationMixin:
 
     async def _wait_channel(self, state: _Out, sender, ok) -> None:
         deadline = time.monotonic() + self.migration.timeout_s
-        delay = 0.0005
+        delay = 0.001
         while not ok():
             if state.failed is not None or sender.error is not None:
                 raise _Ended("dest_failed", state.failed or sender.error)
             if time.monotonic() > deadline:
                 raise _Ended("dest_failed", f"KV copy stalled for {self.migration.timeout_s} s")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, 0.005)
 
     # -- B: the destination ------------------------------------------------------------------
 

@@ -312,3 +312,50 @@ def test_gate_timeout_fails_only_that_transfer(pair) -> None:
     assert events.next().kind == "complete"  # b went through after a's gate timed out
     assert failures.event.wait(5) and failures.calls[0][0] == ["a"]
     assert tx.error is None
+
+
+def test_stacked_layers_and_an_inexact_transfer_grown_midway(pair) -> None:
+    """A migration's copy: several layers in one message, a transfer whose length comes with
+    ``done`` (at most what it expects), its room extended between chunks."""
+    rx, conn, events, _, kv = pair
+    rx.expect("m", [3, 8], 8, exact=False)
+    tx = conn.sender(rx.endpoint)
+    tx.send_layers(0, [("m", 0, 6)], torch.stack([source(6, layer) for layer in range(3)]))
+    assert rx.extend("m", [3, 8, 11], 12)
+    tx.send_layers(1, [("m", 6, 4)], torch.stack([source(4, layer) + 50 for layer in (1, 2)]))
+    tx.send_layer(0, [("m", 6, 4)], source(4, 0) + 50)
+    tx.send_done("m", 10, {"token_id": 3, "output_token_ids": [3], "num_computed": 10})
+    event = events.next()
+    assert event.kind == "complete" and event.token["num_computed"] == 10
+    for layer in range(3):
+        got = kv[layer][:, :, slots_of([3, 8, 11], 0, 10)]
+        want = torch.cat([source(6, layer), source(4, layer) + 50], dim=2)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    rx.expect("short", [0], 4, exact=False)
+    tx.send_layer(0, [("short", 0, 2)], source(2, 0))
+    tx.send_done("short", 2, {"token_id": 1})  # layers 1 and 2 never came
+    event = events.next()
+    assert event.kind == "failed" and "short" in event.reason
+    assert not rx.extend("gone", [0], 4) and not rx.extend("m", [3, 8, 11], 12)
+
+
+def test_a_stacked_message_that_lies_about_its_layers_breaks_the_channel() -> None:
+    events, kv = Events(), caches()
+    rx = TcpKVReceiver(SPEC, kv, BLOCK, events, token="secret")
+    rx.expect("a", [0, 1], 4)
+    try:
+        s = socket.create_connection(("127.0.0.1", int(rx.endpoint.rsplit(":", 1)[1])))
+        write_frame(
+            s, {"kind": "hello", "backend": "tcp", "spec": SPEC.as_dict(), "token": "secret"}
+        )
+        assert read_header(s)["kind"] == "ready"
+        nbytes = 3 * SPEC.payload_bytes(4)
+        write_frame(
+            s, {"kind": "layer", "layer": 1, "count": 3, "entries": [["a", 0, 4]], "nbytes": nbytes}
+        )
+        s.settimeout(10)
+        assert s.recv(1) == b""  # refused before any byte of payload: the channel is closed
+        s.close()
+        assert rx.pending() == ["a"]  # nothing of it landed: it still waits for a sound peer
+    finally:
+        rx.close()

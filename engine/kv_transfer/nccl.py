@@ -70,6 +70,7 @@ from engine.kv_transfer.transport import (
     TransferError,
     TransferEvent,
     TransferOutcome,
+    layer_header,
     read_header,
     write_frame,
 )
@@ -470,8 +471,7 @@ class NcclKVSender(TcpKVSender):
         _, layer, entries, (kv, ready), nbytes = item
         ready.synchronize()  # the header goes out when the data is there: the recv is not early
         trace(entries[0][0], f"send.layer{layer}")
-        header = {"kind": "layer", "layer": layer, "entries": [list(e) for e in entries]}
-        write_frame(self._sock, {**header, "nbytes": nbytes})
+        write_frame(self._sock, layer_header(layer, entries, kv, nbytes))
         trace(entries[0][0], f"send.header{layer}")
         pair = self._pair
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -553,7 +553,7 @@ class NcclKVReceiver(TcpKVReceiver):
         pair.post(nbytes, post)
         self.timings.add(nbytes, start, end)
         flat = staging.view(self.spec.torch_dtype)
-        return flat.view(2, self.spec.num_kv_heads, total, self.spec.head_dim)
+        return flat.view(-1, self.spec.num_kv_heads, total, self.spec.head_dim)
 
     def handle_layer(self, peer, layer, entries, kv) -> None:
         with torch.cuda.stream(self._pairs[peer].stream):

@@ -19,7 +19,11 @@ the control channel first). The messages, in order::
                                                       of that step that goes to this decode
                                                       worker; entries = [[transfer_id, start, n]]
                                                       and the payload is [2, kv_heads, sum n,
-                                                      head_dim] in entry order
+                                                      head_dim] in entry order. With ``count``
+                                                      (> 1): layers [layer, layer + count) of
+                                                      the same entries in one payload, [count,
+                                                      2, kv_heads, sum n, head_dim] (a
+                                                      migration's copy: one message per chunk)
     done   {kind, transfer_id, num_tokens, token}     the prompt is complete; ``token`` is the
                                                       first sampled token (id, logprob, top-N)
     abort  {kind, transfer_id, reason}                the prefill side gave up on it
@@ -257,11 +261,20 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def parse_entries(header: dict, spec: KVSpec) -> tuple[int, list[tuple[str, int, int]]]:
-    """Validate a ``layer`` header; returns (layer, entries)."""
+def parse_entries(header: dict, spec: KVSpec) -> tuple[int, int, list[tuple[str, int, int]]]:
+    """Validate a ``layer`` header; returns (first layer, layer count, entries)."""
     layer, entries = header.get("layer"), header.get("entries")
+    count = header.get("count", 1)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
         raise TransferError(f"layer must be an integer in [0, {spec.num_layers}), got {layer!r}")
+    if (
+        not isinstance(count, int)
+        or isinstance(count, bool)
+        or not 0 < count <= spec.num_layers - layer
+    ):
+        raise TransferError(
+            f"count must be an integer in [1, {spec.num_layers - layer}], got {count!r}"
+        )
     if not isinstance(entries, list) or not entries:
         raise TransferError("entries must be a non-empty list of [transfer_id, start, n]")
     out = []
@@ -271,12 +284,12 @@ def parse_entries(header: dict, spec: KVSpec) -> tuple[int, list[tuple[str, int,
             raise TransferError(f"bad entry {e!r}: want [transfer_id, start >= 0, n > 0]")
         out.append((e[0], e[1], e[2]))
     total = sum(n for _, _, n in out)
-    if header.get("nbytes") != spec.payload_bytes(total):
+    if header.get("nbytes") != count * spec.payload_bytes(total):
         raise TransferError(
-            f"payload of {header.get('nbytes')!r} bytes does not match {total} tokens "
-            f"({spec.payload_bytes(total)} bytes)"
+            f"payload of {header.get('nbytes')!r} bytes does not match {total} tokens of "
+            f"{count} layers ({count * spec.payload_bytes(total)} bytes)"
         )
-    return layer, out
+    return layer, count, out
 
 
 def check_hello(header: dict, spec: KVSpec, backend: str, token: str) -> None:
@@ -620,9 +633,11 @@ class TcpKVReceiver(KVReceiver):
                 header = read_header(conn, idle_ok=True)  # idle between messages: no limit
                 kind = header["kind"]
                 if kind == "layer":
-                    layer, entries = parse_entries(header, self.spec)
+                    layer, count, entries = parse_entries(header, self.spec)
                     kv = self._read_payload(peer, conn, header["nbytes"], entries, buf)
-                    self.handle_layer(peer, layer, entries, kv)
+                    kv = kv.view(count, 2, *kv.shape[1:]) if count > 1 else kv
+                    for i in range(count):
+                        self.handle_layer(peer, layer + i, entries, kv[i] if count > 1 else kv)
                 elif kind == "done":
                     self._before_done(peer)
                     self.handle_done(peer, header)
@@ -663,7 +678,7 @@ class TcpKVReceiver(KVReceiver):
         read_exact(conn, view)
         total = sum(n for _, _, n in entries)
         flat = torch.frombuffer(view, dtype=torch.uint8).view(self.spec.torch_dtype)
-        return flat.view(2, self.spec.num_kv_heads, total, self.spec.head_dim)
+        return flat.view(-1, self.spec.num_kv_heads, total, self.spec.head_dim)
 
     def _before_done(self, peer: int) -> None:
         """Hook: wait until every write of this pair so far has landed (NCCL backend)."""
@@ -758,6 +773,11 @@ class KVSender:
             self._put(("abort", tid, refused))
         trace(live[0], "send.refused")
         self.on_failure(live, refused)
+
+    def send_layers(self, first: int, entries: list[tuple[str, int, int]], kv) -> None:
+        """Queue layers ``[first, first + len(kv))`` of the same entries as one message (``kv``
+        is [count, 2, H, sum n, D]); bounded and refused as ``send_layer``."""
+        self.send_layer(first, entries, kv)
 
     def send_done(self, transfer_id: str, num_tokens: int, token: dict) -> bool:
         """Queue ``done``; False (nothing queued) if the transfer was refused here."""
@@ -896,7 +916,8 @@ class KVSender:
         rx, peer = self._receiver, id(self)
         if item[0] == "layer":
             _, layer, entries, kv, nbytes = item
-            rx.handle_layer(peer, layer, entries, kv)
+            for i, one in enumerate(kv if kv.dim() == 5 else [kv]):
+                rx.handle_layer(peer, layer + i, entries, one)
             self.bytes_sent += nbytes
         elif item[0] == "done":
             rx.handle_done(peer, {"transfer_id": item[1], "num_tokens": item[2], "token": item[3]})
@@ -939,12 +960,7 @@ class TcpKVSender(KVSender):
     def _send(self, item) -> None:
         if item[0] == "layer":
             _, layer, entries, kv, nbytes = item
-            header = {
-                "kind": "layer",
-                "layer": layer,
-                "entries": [list(e) for e in entries],
-                "nbytes": nbytes,
-            }
+            header = layer_header(layer, entries, kv, nbytes)
             self._send_payload(header, kv)
             self.bytes_sent += nbytes
         elif item[0] == "done":
@@ -955,6 +971,14 @@ class TcpKVSender(KVSender):
 
     def _send_payload(self, header: dict, kv: torch.Tensor) -> None:
         write_frame(self._sock, header, tensor_bytes(kv.cpu().contiguous()))
+
+
+def layer_header(layer: int, entries, kv: torch.Tensor, nbytes: int) -> dict:
+    """The ``layer`` message announcing ``kv`` (one layer, or [count, ...] stacked layers)."""
+    header = {"kind": "layer", "layer": layer, "entries": [list(e) for e in entries]}
+    if kv.dim() == 5:
+        header["count"] = kv.shape[0]
+    return {**header, "nbytes": nbytes}
 
 
 def _close_quietly(sock: socket.socket) -> None:
