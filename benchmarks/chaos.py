@@ -322,8 +322,19 @@ class GatewayThread:
     """The OpenAI gateway over the cluster's workers, served by uvicorn on 127.0.0.1 in a
     thread with its own event loop (its own membership view, tokenizer and router)."""
 
-    def __init__(self, cluster: Any, index_url: str, cfg: ChaosConfig, model_name: str) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        index_url: str | None,
+        cfg: Any,
+        model_name: str,
+        **backend: Any,
+    ) -> None:
+        """``cfg``: max_resumes, stall_timeout_s, max_concurrent, max_body_bytes (a
+        ChaosConfig); ``index_url`` None: no prefix index; ``backend``: more ClusterBackend
+        arguments (a placement policy)."""
         self.cluster = cluster
+        self.backend_kwargs = backend
         self.index_url = index_url
         self.cfg = cfg
         self.model_name = model_name
@@ -368,7 +379,9 @@ class GatewayThread:
 
         controller = self.cluster.controller
         members = MembershipView(await controller.members.remote(), controller)
-        index = PrefixIndex(self.index_url, self.cluster.index_namespace)
+        index = None
+        if self.index_url is not None:
+            index = PrefixIndex(self.index_url, self.cluster.index_namespace)
         self.backend = ClusterBackend(
             members,
             tokenizer=load_tokenizer(self.cluster.model_dir),  # not shared with the driver
@@ -376,6 +389,7 @@ class GatewayThread:
             model_name=self.model_name,
             max_resumes=self.cfg.max_resumes,
             stall_timeout_s=self.cfg.stall_timeout_s,
+            **self.backend_kwargs,
         )
         app = create_app(
             self.backend,
@@ -391,7 +405,8 @@ class GatewayThread:
             await self._server.serve()
         finally:
             await self.backend.aclose()
-            index.close()
+            if index is not None:
+                index.close()
 
     def stop(self) -> None:
         if self._loop is not None and self._server is not None and self._thread.is_alive():

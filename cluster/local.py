@@ -50,7 +50,7 @@ __all__ = [
 
 CONTROLLER = "controller"
 # Secrets `tandem serve` takes from the environment: never copied into a Ray runtime_env.
-SECRET_ENV = frozenset({"TANDEM_API_KEY", "TANDEM_REDIS_URL"})
+SECRET_ENV = frozenset({"TANDEM_API_KEY", "TANDEM_ADMIN_KEY", "TANDEM_REDIS_URL"})
 
 
 def init_local_ray(**options: Any) -> None:

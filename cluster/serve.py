@@ -15,9 +15,10 @@
 ``tandem gateway --redis-url URL --ray-address ADDR``: another gateway process over the workers a
 ``tandem serve`` started (it prints both addresses); the two share the one prefix index.
 
-Secrets (API keys, a Redis password) come from the environment or a 0600 file, are read once and
-leave the environment before any child starts, and never go into a child's argv or a Ray
-runtime_env; the local Ray listens on 127.0.0.1 with token auth. docs/security.md has every port.
+Secrets (API keys, admin keys, a Redis password) come from the environment or a 0600 file, are
+read once and leave the environment before any child starts, and never go into a child's argv or
+a Ray runtime_env; the local Ray listens on 127.0.0.1 with token auth. docs/security.md has every
+port.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="accepted bearer keys, one per line, in a file of mode 0600 (or stricter)",
+    )
+    p.add_argument(
+        "--admin-key-file",
+        default=None,
+        metavar="PATH",
+        help="keys of the /admin routes (migrate, drain, rebalance), one per line, in a file of "
+        "mode 0600 (or TANDEM_ADMIN_KEY); none: the API keys guard them, or with no keys at "
+        "all only clients on this machine may call them",
     )
     p.add_argument(
         "--policy", default="cache_aware", help="cache_aware | least_loaded | round_robin"
@@ -214,6 +223,18 @@ def _api_keys(args: argparse.Namespace) -> list[str]:
     return args.api_keys
 
 
+def _admin_keys(args: argparse.Namespace) -> list[str]:
+    """The /admin routes' bearer keys: ``TANDEM_ADMIN_KEY`` (one key per line) and
+    ``--admin-key-file``; read once, like the API keys, and the variable leaves the
+    environment."""
+    if getattr(args, "admin_keys", None) is None:
+        keys = os.environ.pop("TANDEM_ADMIN_KEY", "").splitlines()
+        if path := getattr(args, "admin_key_file", None):
+            keys += _read_secret_file(path).splitlines()
+        args.admin_keys = [k.strip() for k in keys if k.strip()]
+    return args.admin_keys
+
+
 def _read_secret_file(path: str) -> str:
     try:
         mode = os.stat(path).st_mode
@@ -326,6 +347,7 @@ def _gateway_app(backend, args: argparse.Namespace):
     return create_app(
         backend,
         api_keys=_api_keys(args),
+        admin_keys=_admin_keys(args),
         max_body_bytes=args.max_body_bytes,
         max_concurrent=args.max_concurrent,
         body_timeout_s=args.body_timeout,
@@ -345,6 +367,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     _api_keys(args)  # before any child process starts (and a bad key file stops us here)
+    _admin_keys(args)
     redis_url = _redis_url(args)
     device = args.device
     if device == "auto":
@@ -409,6 +432,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     _api_keys(args)
+    _admin_keys(args)
     redis_url = _redis_url(args)
     cluster = LocalCluster.attach(args.ray_address, args.namespace, args.cluster_id)
     # The cluster's prefix index comes from its controller (no secret on a command line);
@@ -495,7 +519,7 @@ def run_detached(args: argparse.Namespace) -> int:
     return 1
 
 
-_SECRET_ARGS = ("api_key", "api_key_file", "redis_url")
+_SECRET_ARGS = ("api_key", "api_key_file", "admin_key_file", "redis_url")
 
 
 def _child_argv(args: argparse.Namespace) -> list[str]:
@@ -521,6 +545,8 @@ def _secret_env(args: argparse.Namespace) -> dict[str, str]:
     env = {}
     if keys := _api_keys(args):
         env["TANDEM_API_KEY"] = "\n".join(keys)
+    if keys := _admin_keys(args):
+        env["TANDEM_ADMIN_KEY"] = "\n".join(keys)
     if redis_url := _redis_url(args):
         env["TANDEM_REDIS_URL"] = redis_url
     return env

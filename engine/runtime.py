@@ -350,6 +350,7 @@ class EngineWorker:
             "in_use_blocks": counts["in_use"],
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            "preemptions": sched.num_preemptions,
             "remote_pending": self.engine.num_remote_pending(),
             "open_streams": len(self._owner),
             "steps": self.steps,

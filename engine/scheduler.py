@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # in total (a metric)
 
     # -- queue -----------------------------------------------------------------------------------
 
@@ -177,6 +178,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self._enqueue(request)  # by (priority, arrival): ahead of later arrivals of its priority
 
     def _enqueue(self, request: Request) -> None:

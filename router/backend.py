@@ -86,7 +86,8 @@ class Backend(Protocol):
         """One dict per worker for /metrics; keys (absent ones are skipped): name, role,
         running, waiting, total_blocks, free_blocks, cached_blocks, in_use_blocks,
         prefix_queries_tokens, prefix_hit_tokens, kv_bytes_sent, kv_bytes_received,
-        kv_transfer_seconds."""
+        kv_transfer_seconds, projected_blocks, migrations (a decode worker's live-migration
+        counters: out, in, bytes, blocks, stages, pause_buckets, pause_sum)."""
 
     def router_stats(self) -> RouterStats:
         """Counters of the router (monotonic) and the workers' states, for /metrics and
@@ -100,3 +101,4 @@ class RouterStats:
     resumes: dict[str, int] = field(default_factory=dict)  # requests continued elsewhere, by why
     worker_states: dict[str, str] = field(default_factory=dict)  # as this router acts on them
     missed_polls: dict[str, int] = field(default_factory=dict)  # consecutive, per worker
+    migrations: int = 0  # requests of this router moved live to another decode worker

@@ -25,7 +25,9 @@ deadline to finish, then each ends with an error (in-band for a stream, a 503 ot
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize (these two take a
 slot each: the tokenizer thread is bounded as the rest); GET /v1/models, /v1/models/{model},
-/health, /metrics. Every error is OpenAI JSON (``protocol.APIError``).
+/health, /metrics; the operator's /admin routes (router/admin.py: migrate, drain, rebalance;
+their own admin keys, else the API keys, else loopback clients only). Every error is OpenAI JSON
+(``protocol.APIError``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router import protocol
+from router import admin, protocol
 from router.backend import Backend, BackendError, Generation, InvalidRequest, Overloaded
 from router.metrics import GatewayMetrics, RequestTimer
 from router.protocol import APIError
@@ -65,19 +67,21 @@ def create_app(
     backend: Backend,
     *,
     api_keys: Sequence[str] = (),
+    admin_keys: Sequence[str] = (),
     max_body_bytes: int = 8 << 20,
     max_concurrent: int = 256,
     body_timeout_s: float = 30.0,
     write_timeout_s: float = 30.0,
     max_header_bytes: int = 16 << 10,
 ) -> FastAPI:
-    """The gateway app over ``backend``. ``api_keys`` empty: no auth. ``max_body_bytes``: larger
-    bodies get 413. ``max_concurrent``: sequences in flight at once (a request of ``n``
-    samples counts n, from admission to the end of the response); more get 429 with
-    Retry-After: 1, never a queue. ``body_timeout_s``: the whole body must arrive within it
-    (408). ``write_timeout_s``: a streamed frame the client does not take within it ends the
-    stream. ``max_header_bytes``: larger request headers get 431. ``app.state.gateway.drain``
-    shuts it down gracefully."""
+    """The gateway app over ``backend``. ``api_keys`` empty: no auth. ``admin_keys``: the keys
+    of the /admin routes (none: the API keys guard them, or with no keys at all only loopback
+    clients may call them). ``max_body_bytes``: larger bodies get 413. ``max_concurrent``:
+    sequences in flight at once (a request of ``n`` samples counts n, from admission to the end
+    of the response); more get 429 with Retry-After: 1, never a queue. ``body_timeout_s``: the
+    whole body must arrive within it (408). ``write_timeout_s``: a streamed frame the client
+    does not take within it ends the stream. ``max_header_bytes``: larger request headers get
+    431. ``app.state.gateway.drain`` shuts it down gracefully."""
     if min(max_concurrent, max_body_bytes, max_header_bytes) < 1:
         raise ValueError(
             f"max_concurrent, max_body_bytes and max_header_bytes must be >= 1, got "
@@ -89,7 +93,12 @@ def create_app(
     app = FastAPI(title="tandem", version="0.1.0")
     app.state.gateway = gateway
     if api_keys:
-        app.add_middleware(_AuthMiddleware, keys=list(api_keys), metrics=gateway.metrics)
+        app.add_middleware(
+            _AuthMiddleware,
+            keys=list(api_keys),
+            metrics=gateway.metrics,
+            admin_keyed=bool(admin_keys),
+        )
     app.add_middleware(_HeaderLimit, limit=max_header_bytes)
     _install_error_handlers(app, gateway.metrics)
     app.post("/v1/completions")(gateway.completions)
@@ -100,6 +109,13 @@ def create_app(
     app.post("/detokenize")(gateway.detokenize)
     app.get("/health")(gateway.health)
     app.get("/metrics")(gateway.scrape)
+    admin.install(
+        app,
+        backend,
+        admin_keys=admin_keys,
+        api_keys=bool(api_keys),
+        read_body=gateway._read_body,
+    )
     return app
 
 
@@ -107,15 +123,19 @@ def create_app(
 
 
 class _AuthMiddleware:
-    """401 unless ``Authorization: Bearer <one of keys>``; /health is always open."""
+    """401 unless ``Authorization: Bearer <one of keys>``; /health is always open, and so is
+    /admin when ``admin_keyed`` (its routes then ask for an admin key themselves)."""
 
-    def __init__(self, app: ASGIApp, keys: list[str], metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: list[str], metrics: GatewayMetrics, admin_keyed: bool = False
+    ) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.metrics = metrics
+        self.admin_keyed = admin_keyed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health" or self._authorized(scope):
+        if scope["type"] != "http" or self._open(scope["path"]) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         self.metrics.reject("auth")
@@ -128,6 +148,9 @@ class _AuthMiddleware:
             reason="auth",
         )
         await _error_response(err)(scope, receive, send)
+
+    def _open(self, path: str) -> bool:
+        return path == "/health" or (self.admin_keyed and admin.is_admin_path(path))
 
     def _authorized(self, scope: Scope) -> bool:
         header = dict(scope.get("headers") or ()).get(b"authorization", b"")

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 from engine.outputs import RequestOutput
 
@@ -213,6 +220,11 @@ class BackendCollector:
             "Consecutive health polls a worker did not answer in time.",
             labels=["model_name", "worker"],
         )
+        migrations = CounterMetricFamily(
+            "tandem:request_migrations",
+            "Requests of this router moved live to another decode worker.",
+            labels=["model_name"],
+        )
         router = self._router
         if router is not None:
             for reason, count in sorted(router.decisions.items()):
@@ -224,7 +236,8 @@ class BackendCollector:
                 for s in WORKER_STATES:
                     state.add_metric([self._model, worker, s], float(s == st))
                 missed.add_metric([self._model, worker], router.missed_polls.get(worker, 0))
-        yield from (decisions, unavailable, resumes, state, missed)
+            _add(migrations, [self._model], getattr(router, "migrations", None))
+        yield from (decisions, unavailable, resumes, state, missed, migrations)
 
     def _worker_metrics(self) -> Iterator[Metric]:
         w = ["model_name", "worker"]
@@ -260,8 +273,70 @@ class BackendCollector:
             _add(kv_bytes, [*name, "received"], s.get("kv_bytes_received"))
             _add(kv_seconds, name, s.get("kv_transfer_seconds"))
         yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds)
+        yield from self._migration_metrics()
+
+    def _migration_metrics(self) -> Iterator[Metric]:
+        """Live migration, from each decode worker's ``stats()["migrations"]`` (a worker
+        without it, or without a key of it, adds no series)."""
+        w = ["model_name", "worker"]
+        moves = CounterMetricFamily(
+            "tandem:migrations",
+            "Live migrations by direction (out: this worker the source, in: the destination) "
+            "and outcome.",
+            labels=[*w, "direction", "outcome"],
+        )
+        kv_bytes = CounterMetricFamily(
+            "tandem:migration_kv_bytes", "KV bytes copied out by live migrations.", labels=w
+        )
+        kv_blocks = CounterMetricFamily(
+            "tandem:migration_kv_blocks", "KV blocks copied out by live migrations.", labels=w
+        )
+        stages = CounterMetricFamily(
+            "tandem:migration_stages",
+            "KV copy rounds of live migrations (the last, paused one included).",
+            labels=w,
+        )
+        downtime = HistogramMetricFamily(
+            "tandem:migration_downtime_seconds",
+            "Time a migrating request was out of every running batch (its last copy round).",
+            labels=w,
+        )
+        projected = GaugeMetricFamily(
+            "tandem:kv_projected_blocks",
+            "KV blocks the worker's requests will hold when they finish (what rebalance uses).",
+            labels=w,
+        )
+        for i, s in enumerate(self._workers):
+            name = [self._model, str(s.get("name", f"worker-{i}"))]
+            _add(projected, name, s.get("projected_blocks"))
+            m = s.get("migrations")
+            if not isinstance(m, dict):
+                continue
+            for direction in ("out", "in"):
+                for outcome, count in sorted((m.get(direction) or {}).items()):
+                    moves.add_metric([*name, direction, str(outcome)], float(count))
+            _add(kv_bytes, name, m.get("bytes"))
+            _add(kv_blocks, name, m.get("blocks"))
+            _add(stages, name, m.get("stages"))
+            if m.get("pause_buckets"):
+                buckets = _cumulative(m["pause_buckets"])
+                total = m.get("pause_sum")
+                downtime.add_metric(name, buckets, None if total is None else float(total))
+        yield from (moves, kv_bytes, kv_blocks, stages, downtime, projected)
 
 
 def _add(family: Metric, labels: list[str], value: Any) -> None:
     if value is not None:
         family.add_metric(labels, float(value))
+
+
+def _cumulative(counts: list[tuple[float, int]]) -> list[tuple[str, float]]:
+    """Prometheus buckets from per-bucket counts ``[(upper bound, count), ...]``: each ``le``
+    counts everything at or below it, and the last is ``+Inf`` (the total)."""
+    buckets, total = [], 0.0
+    for bound, count in sorted(counts, key=lambda bc: float(bc[0])):
+        total += float(count)
+        if not math.isinf(float(bound)):
+            buckets.append((floatToGoString(float(bound)), total))
+    buckets.append(("+Inf", total))
+    return buckets

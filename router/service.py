@@ -46,6 +46,11 @@ from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 
 logger = logging.getLogger(__name__)
 
+ADMIN_OPS = frozenset(
+    {"migrate", "drain", "undrain", "rebalance", "rebalance_once", "migration_stats"}
+)
+"""The controller's operator methods the gateway's /admin routes may call (router/admin.py)."""
+
 
 class ClusterBackend:
     def __init__(
@@ -191,7 +196,18 @@ class ClusterBackend:
             resumes=dict(self.dispatcher.resumes),
             worker_states={w.name: members.state_of(w.name) for w in members.all_workers},
             missed_polls=dict(self.missed_polls),
+            migrations=self.dispatcher.migrations,
         )
+
+    async def admin(self, op: str, **kwargs: Any) -> Any:
+        """Run the controller's operator method ``op`` (one of ``ADMIN_OPS``) with ``kwargs``
+        and return its result. Raises NotImplementedError without a controller (or for any
+        other ``op``); the controller's own errors come back as Ray raises them (its
+        ValueError for a bad worker name or setting inside a RayTaskError)."""
+        controller = self.members.controller
+        if controller is None or op not in ADMIN_OPS:
+            raise NotImplementedError(f"no controller operation {op!r} here")
+        return await getattr(controller, op).remote(**kwargs)
 
     async def aclose(self) -> None:
         for task in (self._poller, self._follower):
