@@ -1,0 +1,275 @@
+"""Load imbalance between decode workers, rebalance off vs on, through the gateway.
+
+    python benchmarks/rebalance.py                     # CPU: SmolLM2, 1 prefill + 2 decode
+    python benchmarks/rebalance.py --requests 60 --rate 2
+
+A skewed load: ShareGPT lengths (prompt and answer token counts of real first turns, the
+answers clipped to ``--max-output``) sent open-loop through the OpenAI gateway with round-robin
+decode placement, ordered so that every long answer lands on one decode worker (long and short
+answers alternate; round robin alternates the workers). That worker's KV fills, it preempts
+(recomputing the victims later), its streams slow; the other worker idles. The same requests
+run twice on one cluster: rebalance off, then on (the controller's loop moves requests from a
+worker whose projected KV use, blocks in use plus what its requests will still need, is over
+the high mark to one under the low mark, by live migration).
+
+Reported per run: completed requests per second, TTFT and TPOT percentiles, preemptions, the
+migrations made and the preemptions they avoided, and each decode worker's KV use over time.
+Writes benchmarks/results/rebalance.json and rebalance.png (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.chaos import GatewayThread  # noqa: E402
+from benchmarks.serve import (  # noqa: E402
+    Request,
+    Target,
+    compute_metrics,
+    make_client,
+    run_rate,
+)
+from benchmarks.workloads import sharegpt_lengths  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def skewed_requests(tokenizer, n: int, max_output: int, seed: int, run: int) -> list[Request]:
+    """ShareGPT lengths, heavy and light requests alternating by the KV they need (prompt +
+    answer), so round robin sends every heavy one to the same decode worker. Prompts are token
+    ids of the real length, distinct per ``run`` (no prefix-cache hit from an earlier run)."""
+    pairs = [(p, min(o, max_output)) for p, o in sharegpt_lengths(tokenizer, 4 * n, seed)]
+    pairs = [(p, o) for p, o in pairs if p <= 512][:n]
+    by_size = sorted(pairs, key=lambda x: x[0] + x[1])
+    light, heavy = by_size[: n // 2], by_size[n // 2 :][::-1]
+    ordered = [x for pair in zip(heavy, light, strict=False) for x in pair]
+    lo = 1000 + 5000 * run
+    return [
+        Request(prompt=[lo + (7 * i + j) % 4000 for j in range(p)], prompt_len=p, output_len=o)
+        for i, (p, o) in enumerate(ordered)
+    ]
+
+
+class Sampler:
+    """Each decode worker's KV use (in use / total) and projected use, every ``every_s``."""
+
+    def __init__(self, cluster, every_s: float = 0.25) -> None:
+        self.cluster, self.every_s = cluster, every_s
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        import ray
+
+        from engine.messages import control
+
+        while not self._stop.wait(self.every_s):
+            refs = [control(w.handle.stats).remote() for w in self.cluster.decode]
+            try:
+                stats = ray.get(refs, timeout=5)
+            except Exception:  # noqa: BLE001 - a slow poll: skip it
+                continue
+            t = time.perf_counter() - self.t0
+            for s in stats:
+                self.samples.append(
+                    {
+                        "t": round(t, 3),
+                        "worker": s["name"],
+                        "use": s["in_use_blocks"] / s["total_blocks"],
+                        "projected": s["projected_blocks"] / s["total_blocks"],
+                        "running": s["running"],
+                        "waiting": s["waiting"],
+                    }
+                )
+
+
+def decode_counters(cluster) -> dict[str, int]:
+    stats = [s for s in cluster.stats() if s["role"] == "decode"]
+    return {
+        "preemptions": sum(s.get("preemptions", 0) for s in stats),
+        "migrations": sum(
+            sum(s["migrations"]["out"].get(k, 0) for k in ["migrated"]) for s in stats
+        ),
+    }
+
+
+async def one_run(gateway, requests, args) -> tuple[list, float]:
+    target = Target(gateway.url, "tandem", ignore_eos=True)
+    async with make_client(600.0) as client:
+        t0 = time.perf_counter()
+        records = await run_rate(client, target, requests, args.rate, seed=args.seed)
+        return records, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from cluster.local import LocalCluster
+    from engine.tokenizer import load_tokenizer
+
+    cluster = LocalCluster(
+        model=args.model,
+        num_prefill=1,
+        num_decode=2,
+        engine={
+            "max_num_batched_tokens": 512,
+            "max_num_seqs": 32,
+        },
+        decode_engine={"num_kv_blocks": args.kv_blocks},
+        prefill_engine={"num_kv_blocks": 1024},
+    )
+    results: dict[str, Any] = {"config": vars(args), "runs": {}}
+    cfg = SimpleNamespace(
+        max_resumes=2, stall_timeout_s=30.0, max_concurrent=512, max_body_bytes=8 << 20
+    )
+    gateway = GatewayThread(cluster, None, cfg, "tandem", policy="round_robin").start()
+    try:
+        tokenizer = load_tokenizer(cluster.model_dir)
+        for run_index, mode in enumerate(args.modes):
+            requests = skewed_requests(
+                tokenizer, args.requests, args.max_output, args.seed, run_index
+            )
+            log(f"{len(requests)} requests; answers {sum(r.output_len for r in requests)} tokens")
+            ray.get(cluster.controller.rebalance.remote(mode=mode, high=args.high, low=args.low,
+                                                        interval_s=args.interval))  # fmt: skip
+            before = decode_counters(cluster)
+            rb0 = ray.get(cluster.controller.migration_stats.remote())["rebalance"]
+            with Sampler(cluster) as sampler:
+                records, seconds = asyncio.run(one_run(gateway, requests, args))
+            ray.get(cluster.controller.rebalance.remote(mode="off"))
+            after = decode_counters(cluster)
+            rb1 = ray.get(cluster.controller.migration_stats.remote())["rebalance"]
+            metrics = compute_metrics(records)
+            ok = sum(r.success for r in records)
+            entry = {
+                "completed": ok,
+                "failed": len(records) - ok,
+                "seconds": round(seconds, 2),
+                "completed_per_s": round(metrics["request_throughput"], 3),
+                "metrics": metrics,
+                "preemptions": after["preemptions"] - before["preemptions"],
+                "migrations": after["migrations"] - before["migrations"],
+                "preemptions_avoided": rb1["preemptions_avoided"] - rb0["preemptions_avoided"],
+                "samples": sampler.samples,
+            }
+            results["runs"][mode] = entry
+            log(f"rebalance {mode}: {ok}/{len(records)} in {seconds:.1f} s, "
+                f"preemptions {entry['preemptions']}, migrations {entry['migrations']}")  # fmt: skip
+            time.sleep(1.0)
+    finally:
+        gateway.stop()
+        cluster.shutdown()
+    return results
+
+
+def plot(results: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(results["runs"])
+    fig, axes = plt.subplots(1, len(modes) + 1, figsize=(5 * (len(modes) + 1), 3.8))
+    for ax, mode in zip(axes, modes, strict=False):
+        samples = results["runs"][mode]["samples"]
+        for worker in sorted({s["worker"] for s in samples}):
+            pts = [s for s in samples if s["worker"] == worker]
+            ax.plot([s["t"] for s in pts], [s["use"] for s in pts], label=f"{worker} in use")
+            ax.plot(
+                [s["t"] for s in pts],
+                [s["projected"] for s in pts],
+                "--",
+                label=f"{worker} projected",
+            )
+        ax.set_title(f"rebalance {mode}: decode KV use")
+        ax.set_xlabel("s")
+        ax.set_ylim(0, 1.6)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    keys = [
+        ("completed_per_s", "req/s"),
+        ("tpot_p99", "p99 TPOT (s)"),
+        ("preemptions", "preemptions/100"),
+    ]
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        r = results["runs"][mode]
+        vals = [r["completed_per_s"], _metric(r, "tpot", "p99"), r["preemptions"] / 100]
+        ax.bar([k + i * width for k in range(len(keys))], vals, width, label=f"rebalance {mode}")
+    ax.set_xticks(
+        [k + width * (len(modes) - 1) / 2 for k in range(len(keys))], [k[1] for k in keys]
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def _metric(run: dict[str, Any], name: str, stat: str) -> float:
+    """A latency statistic in seconds (serve.py keeps them in ms under vLLM's names)."""
+    stat = {"p50": "median"}.get(stat, stat)
+    return (run["metrics"].get(f"{stat}_{name}_ms") or 0.0) / 1000.0
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{'rebalance':>9} {'done':>5} {'req/s':>6} {'TTFT p50':>8} {'TTFT p99':>8} "
+        f"{'TPOT p50':>8} {'TPOT p99':>8} {'preempt':>7} {'migrated':>8} {'avoided':>7}"
+    ]
+    for mode, r in results["runs"].items():
+        lines.append(
+            f"{mode:>9} {r['completed']:>5} {r['completed_per_s']:>6.3f} "
+            f"{_metric(r, 'ttft', 'p50'):>8.3f} {_metric(r, 'ttft', 'p99'):>8.3f} "
+            f"{_metric(r, 'tpot', 'p50'):>8.3f} {_metric(r, 'tpot', 'p99'):>8.3f} "
+            f"{r['preemptions']:>7} {r['migrations']:>8} {r['preemptions_avoided']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
+    ap.add_argument("--max-output", type=int, default=192)
+    ap.add_argument("--kv-blocks", type=int, default=96, help="per decode worker")
+    ap.add_argument("--high", type=float, default=0.85)
+    ap.add_argument("--low", type=float, default=0.6)
+    ap.add_argument("--interval", type=float, default=0.5)
+    ap.add_argument("--modes", nargs="+", default=["off", "on"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/rebalance.json"))
+    args = ap.parse_args()
+    results = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=str))
+    plot(results, out.with_suffix(".png"))
+    print(table(results))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
