@@ -12,6 +12,13 @@ A request's messages, disaggregated::
                that client that progressed in the step: a Delta each, never cumulative)
 
 Colocated: ``generate(rid, prompt, params, client)`` then the same ``StreamBatch`` stream.
+
+A live migration, decode A -> decode B (decode_worker/migration.py)::
+
+    controller ── migrate_out(rid, B) ──► A              -> MigrationResult (failure a value)
+    A ── migrate_in(rid, prompt, params, client, output so far) ──► B   -> Reserved | Full
+    A ══ KV copy stages, then the paused last stage + done(snapshot) ══► B (the KV channel)
+    A ── migrate_wait(rid) ──► B -> "admitted"; A ── Delta(moved_to=B) ──► the router
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from engine.sampling_params import SamplingParams
 
 CONTROL_GROUP = "control"
 """The worker actors' concurrency group for the calls that watch and steer them (``ready``,
-``health``, ``stats``, ``check_idle``, ``abort``): its own event loop and slots, apart from the
-request calls and streams of the default group. Callers use ``control(handle.method)``."""
+``health``, ``stats``, ``check_idle``, ``abort``, ``migration_candidates``): its own event loop
+and slots, apart from the request calls and streams of the default group. Callers use
+``control(handle.method)``."""
 
 CONTROL_CONCURRENCY = 32
 

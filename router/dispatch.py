@@ -20,6 +20,10 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
        the next token, no gap, no duplicate (the old attempt's id is dropped). Seeded draws are
        a function of (seed, output position), so greedy and seeded requests continue exactly
     6. finish, stop string (the worker is told to abort) or client gone: abort everywhere
+    7. a live migration moves the request to another decode worker (decode_worker/migration.py):
+       the old worker's last word on it is a ``moved_to`` delta; the attempt then follows the
+       new worker (its stream, its failures, aborts go there). Deltas carry their output
+       position, so the two streams may be read in either order (_Inflight orders them)
 
 Errors: ``RequestError`` (invalid, nothing started), ``CapacityError`` (no room within
 ``reserve_timeout_s``), ``ClusterError`` (failed after retrying).
