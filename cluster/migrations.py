@@ -323,7 +323,8 @@ class Migrator:
                 else:
                     source = self.controller._workers[src.name]
                     dest = self.controller._workers[dst.name]
-                    result = await self.move(source, pick["request_id"], dest, "rebalance")
+                    why = "preemption" if action["avoids_preemption"] else "rebalance"
+                    result = await self.move(source, pick["request_id"], dest, why)
                     action["outcome"] = result.outcome
                     state.moves[result.outcome] += 1
                     if result.ok and action["avoids_preemption"]:

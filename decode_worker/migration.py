@@ -115,14 +115,17 @@ class MigrationStats:
     def __init__(self) -> None:
         self.out: Counter[str] = Counter()  # by outcome
         self.into: Counter[str] = Counter()  # by outcome (admitted / failed)
-        self.reasons: Counter[str] = Counter()  # by who asked (admin, drain, rebalance)
+        # completed ones by who asked: admin, drain, rebalance, preemption (a rebalance move
+        # from a worker projected past its whole pool)
+        self.reasons: Counter[str] = Counter()
         self.bytes = self.tokens = self.stages = 0
         self.pause_buckets = [0] * (len(PAUSE_BUCKETS) + 1)
         self.pause_sum = 0.0
 
     def record(self, r: MigrationResult, reason: str) -> None:
         self.out[r.outcome] += 1
-        self.reasons[reason] += 1
+        if r.ok:
+            self.reasons[reason] += 1
         self.bytes += r.bytes
         self.tokens += r.tokens
         self.stages += r.stages

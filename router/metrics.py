@@ -301,6 +301,17 @@ class BackendCollector:
             "Time a migrating request was out of every running batch (its last copy round).",
             labels=w,
         )
+        reasons = CounterMetricFamily(
+            "tandem:migrations_by_reason",
+            "Completed live migrations out of the worker by who asked: admin, drain, rebalance, "
+            "preemption (a rebalance move from a worker projected past its whole KV pool).",
+            labels=[*w, "reason"],
+        )
+        avoided = CounterMetricFamily(
+            "tandem:migration_preemptions_avoided",
+            "Rebalance moves away from a worker projected past its whole KV pool.",
+            labels=w,
+        )
         projected = GaugeMetricFamily(
             "tandem:kv_projected_blocks",
             "KV blocks the worker's requests will hold when they finish (what rebalance uses).",
@@ -315,6 +326,10 @@ class BackendCollector:
             for direction in ("out", "in"):
                 for outcome, count in sorted((m.get(direction) or {}).items()):
                     moves.add_metric([*name, direction, str(outcome)], float(count))
+            for reason, count in sorted((m.get("reasons") or {}).items()):
+                reasons.add_metric([*name, str(reason)], float(count))
+            if m.get("reasons") is not None:
+                avoided.add_metric(name, float(m["reasons"].get("preemption", 0)))
             _add(kv_bytes, name, m.get("bytes"))
             _add(kv_blocks, name, m.get("blocks"))
             _add(stages, name, m.get("stages"))
@@ -322,7 +337,7 @@ class BackendCollector:
                 buckets = _cumulative(m["pause_buckets"])
                 total = m.get("pause_sum")
                 downtime.add_metric(name, buckets, None if total is None else float(total))
-        yield from (moves, kv_bytes, kv_blocks, stages, downtime, projected)
+        yield from (moves, reasons, avoided, kv_bytes, kv_blocks, stages, downtime, projected)
 
 
 def _add(family: Metric, labels: list[str], value: Any) -> None:

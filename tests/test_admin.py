@@ -328,7 +328,7 @@ def test_migration_metrics() -> None:
         "migrations": {
             "out": {"migrated": 3, "aborted": 1},
             "in": {"admitted": 2, "failed": 1},
-            "reasons": {"dest full": 1},
+            "reasons": {"drain": 2, "preemption": 1},
             "bytes": 8192,
             "blocks": 12,
             "stages": 7,
@@ -345,6 +345,9 @@ def test_migration_metrics() -> None:
         sample("tandem:migrations_total", **w, direction="out", outcome="aborted"): 1,
         sample("tandem:migrations_total", **w, direction="in", outcome="admitted"): 2,
         sample("tandem:migrations_total", **w, direction="in", outcome="failed"): 1,
+        sample("tandem:migrations_by_reason_total", **w, reason="drain"): 2,
+        sample("tandem:migrations_by_reason_total", **w, reason="preemption"): 1,
+        sample("tandem:migration_preemptions_avoided_total", **w): 1,
         sample("tandem:migration_kv_bytes_total", **w): 8192,
         sample("tandem:migration_kv_blocks_total", **w): 12,
         sample("tandem:migration_stages_total", **w): 7,
