@@ -72,7 +72,10 @@ class Client:
         if d.moved_to:
             self.moves.append(d.moved_to)
             return
-        assert d.start >= 0
+        if d.start < 0:  # an unpositioned end (an abort): no tokens
+            assert not d.token_ids
+            self.finish = d.finish_reason or self.finish
+            return
         assert d.start <= len(self.tokens), f"gap: {d.start} after {len(self.tokens)} tokens"
         self.tokens += d.token_ids[len(self.tokens) - d.start :]
         self.finish = d.finish_reason or self.finish
@@ -242,6 +245,7 @@ def test_request_that_finishes_during_the_migration(tiny, workers) -> None:
         await start(p, a, rid, prompt_of(60, seed=2), params)
         client = Client({"a": a, "b": b}, rid)
         reader = asyncio.ensure_future(client.run("a"))
+        await wait_tokens(client, 1)  # admitted: decoding on A
         # a slow copy: the request's 5 remaining tokens finish before the stages do
         res = await a.migrate_out(rid, handle(b), "b")
         await reader
@@ -255,5 +259,51 @@ def test_request_that_finishes_during_the_migration(tiny, workers) -> None:
         a.migration = old
     assert res.outcome in ("finished", "migrated"), res
     assert len(client.tokens) == 6 and client.finish == "length"
+    for w in (p, a, b):
+        assert asyncio.run(w.check_idle()) is None
+
+
+@pytest.mark.parametrize("when", ["copying", "paused"])
+def test_client_abort_during_the_migration_cleans_both_sides(tiny, workers, when) -> None:
+    """The request is aborted on A while its KV is being copied (stages) or while it is paused
+    in the last stage: the migration ends ``finished``, B frees its reservation, A frees the
+    request, and the stream ends with ``abort``."""
+    p, a, b = workers
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    class Slow:
+        """B, whose answers are slow where the abort should land."""
+
+        def __getattr__(self, name):
+            method = getattr(handle(b), name)
+            slow = (when == "paused" and name == "migrate_wait") or (
+                when == "copying" and name == "migrate_in"
+            )
+            if not slow:
+                return method
+
+            async def later(*args, **kwargs):
+                result = await method.remote(*args, **kwargs)
+                await asyncio.sleep(0.3)
+                return result
+
+            return SimpleNamespace(remote=later)
+
+    async def main():
+        rid = f"ab-{when}"
+        await start(p, a, rid, prompt_of(40, seed=6), params)
+        client = Client({"a": a, "b": b}, rid)
+        reader = asyncio.ensure_future(client.run("a"))
+        await wait_tokens(client, 3)
+        mig = asyncio.ensure_future(a.migrate_out(rid, Slow(), "b"))
+        await asyncio.sleep(0.15)
+        await a.abort(rid)
+        res = await mig
+        await reader
+        return client, res
+
+    client, res = asyncio.run(main())
+    assert res.outcome == "finished", res
+    assert client.finish == "abort" and client.moves == []
     for w in (p, a, b):
         assert asyncio.run(w.check_idle()) is None
