@@ -52,7 +52,7 @@ def skewed_requests(tokenizer, n: int, max_output: int, seed: int, run: int) -> 
     answer), so round robin sends every heavy one to the same decode worker. Prompts are token
     ids of the real length, distinct per ``run`` (no prefix-cache hit from an earlier run)."""
     pairs = [(p, min(o, max_output)) for p, o in sharegpt_lengths(tokenizer, 4 * n, seed)]
-    pairs = [(p, o) for p, o in pairs if p <= 512][:n]
+    pairs = [(p, o) for p, o in pairs if p <= 1024][:n]
     by_size = sorted(pairs, key=lambda x: x[0] + x[1])
     light, heavy = by_size[: n // 2], by_size[n // 2 :][::-1]
     ordered = [x for pair in zip(heavy, light, strict=False) for x in pair]
@@ -130,16 +130,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.local import LocalCluster
     from engine.tokenizer import load_tokenizer
 
+    engine: dict[str, Any] = {"max_num_batched_tokens": 512, "max_num_seqs": 32}
+    extra: dict[str, Any] = {}
+    if args.device == "cuda":  # the 8B shape, dummy weights; TCP KV (see --transport)
+        engine = {
+            "dtype": "bfloat16",
+            "load_format": "dummy",
+            "max_model_len": 4096,
+            "max_num_batched_tokens": 4096,
+            "max_num_seqs": 128,
+            "cuda_graph_max_batch": 128,
+        }
+        extra = {"gpus": {"prefill": 0.5, "decode": 0.5}, "transport": args.transport}
     cluster = LocalCluster(
         model=args.model,
         num_prefill=1,
         num_decode=2,
-        engine={
-            "max_num_batched_tokens": 512,
-            "max_num_seqs": 32,
-        },
+        device=args.device,
+        engine=engine,
         decode_engine={"num_kv_blocks": args.kv_blocks},
-        prefill_engine={"num_kv_blocks": 1024},
+        prefill_engine={"num_kv_blocks": max(1024, 2 * args.kv_blocks)},
+        **extra,
     )
     results: dict[str, Any] = {"config": vars(args), "runs": {}}
     cfg = SimpleNamespace(
@@ -250,11 +261,18 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="cuda: benchmarks/configs/llama3-8b")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--transport",
+        default="tcp",
+        help="cuda: tcp (two GPUs for three workers: a prefill worker beside a decode worker "
+        "cannot join an NCCL pair on one GPU, and round robin uses every pair)",
+    )
     ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     ap.add_argument("--max-output", type=int, default=192)
-    ap.add_argument("--kv-blocks", type=int, default=96, help="per decode worker")
+    ap.add_argument("--kv-blocks", type=int, default=160, help="per decode worker")
     ap.add_argument("--high", type=float, default=0.85)
     ap.add_argument("--low", type=float, default=0.6)
     ap.add_argument("--interval", type=float, default=0.5)
