@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import threading
 import time
@@ -40,18 +41,25 @@ from benchmarks.serve import (  # noqa: E402
     make_client,
     run_rate,
 )
-from benchmarks.workloads import sharegpt_lengths  # noqa: E402
+from benchmarks.workloads import read_lengths, sharegpt_lengths  # noqa: E402
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def skewed_requests(tokenizer, n: int, max_output: int, seed: int, run: int) -> list[Request]:
+def skewed_requests(
+    tokenizer, n: int, max_output: int, seed: int, run: int, lengths_file: str | None = None
+) -> list[Request]:
     """ShareGPT lengths, heavy and light requests alternating by the KV they need (prompt +
     answer), so round robin sends every heavy one to the same decode worker. Prompts are token
     ids of the real length, distinct per ``run`` (no prefix-cache hit from an earlier run)."""
-    pairs = [(p, min(o, max_output)) for p, o in sharegpt_lengths(tokenizer, 4 * n, seed)]
+    if lengths_file is not None:  # (no ShareGPT text where the run is: its lengths, measured)
+        raw = read_lengths(lengths_file)
+        random.Random(seed).shuffle(raw)
+    else:
+        raw = sharegpt_lengths(tokenizer, 4 * n, seed)
+    pairs = [(p, min(o, max_output)) for p, o in raw]
     pairs = [(p, o) for p, o in pairs if p <= 1024][:n]
     by_size = sorted(pairs, key=lambda x: x[0] + x[1])
     light, heavy = by_size[: n // 2], by_size[n // 2 :][::-1]
@@ -161,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = load_tokenizer(cluster.model_dir)
         for run_index, mode in enumerate(args.modes):
             requests = skewed_requests(
-                tokenizer, args.requests, args.max_output, args.seed, run_index
+                tokenizer, args.requests, args.max_output, args.seed, run_index, args.lengths_file
             )
             log(f"{len(requests)} requests; answers {sum(r.output_len for r in requests)} tokens")
             ray.get(cluster.controller.rebalance.remote(mode=mode, high=args.high, low=args.low,
@@ -263,6 +271,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="cuda: benchmarks/configs/llama3-8b")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--lengths-file",
+        default=None,
+        help="(prompt, output) lengths JSON instead of the ShareGPT text "
+        "(benchmarks/data/sharegpt_llama3_lengths.json: Llama-3 tokens)",
+    )
     ap.add_argument(
         "--transport",
         default="tcp",
