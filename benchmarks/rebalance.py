@@ -125,7 +125,7 @@ def decode_counters(cluster) -> dict[str, int]:
 
 
 async def one_run(gateway, requests, args) -> tuple[list, float]:
-    target = Target(gateway.url, "tandem", ignore_eos=True)
+    target = Target(gateway.url, "tandem", ignore_eos=True, temperature=args.temperature)
     async with make_client(600.0) as client:
         t0 = time.perf_counter()
         records = await run_rate(client, target, requests, args.rate, seed=args.seed)
@@ -292,6 +292,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.5)
     ap.add_argument("--modes", nargs="+", default=["off", "on"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="1.0 with dummy weights (printable text)"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/rebalance.json"))
     args = ap.parse_args()
     results = run(args)

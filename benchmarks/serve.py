@@ -113,6 +113,8 @@ class Target:
     endpoint: str = "completions"
     api_key: str | None = None
     ignore_eos: bool = False
+    temperature: float = 0.0  # dummy weights: 1.0 draws printable text (greedy may repeat one
+    # token that prints nothing, and TTFT / TPOT are timed by text chunks)
 
     @property
     def url(self) -> str:
@@ -234,7 +236,11 @@ def request_body(target: Target, req: Request) -> dict[str, Any]:
     else:
         body["prompt"] = req.prompt
         body["max_tokens"] = req.output_len
-    body |= {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body |= {
+        "temperature": target.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if target.ignore_eos:
         body["ignore_eos"] = True
     return body
