@@ -124,12 +124,54 @@ def decode_counters(cluster) -> dict[str, int]:
     }
 
 
-async def one_run(gateway, requests, args) -> tuple[list, float]:
+async def one_run(gateway, requests, args) -> tuple[list, float, dict]:
+    """The run's records, seconds, and the gateway's token-timed latency histograms over it."""
     target = Target(gateway.url, "tandem", ignore_eos=True, temperature=args.temperature)
     async with make_client(600.0) as client:
+        before = await gateway_histograms(client, gateway.url)
         t0 = time.perf_counter()
         records = await run_rate(client, target, requests, args.rate, seed=args.seed)
-        return records, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        after = await gateway_histograms(client, gateway.url)
+    hist = {}
+    for name, buckets in after.items():
+        old = before.get(name, {})
+        hist[name] = {le: n - old.get(le, 0.0) for le, n in buckets.items()}
+    return records, seconds, hist
+
+
+HISTOGRAMS = ("tandem:inter_token_latency_seconds", "tandem:time_to_first_token_seconds")
+
+
+async def gateway_histograms(client, url: str) -> dict[str, dict[float, float]]:
+    """Cumulative bucket counts of the gateway's ITL and TTFT histograms (timed by tokens at
+    the gateway: right whatever the text looks like, dummy weights included)."""
+    text = (await client.get(f"{url}/metrics")).text
+    out: dict[str, dict[float, float]] = {}
+    for line in text.splitlines():
+        for name in HISTOGRAMS:
+            if line.startswith(f"{name}_bucket{{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                bound = float("inf") if le == "+Inf" else float(le)
+                out.setdefault(name, {})[bound] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def hist_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Prometheus-style quantile from cumulative buckets (linear within a bucket)."""
+    items = sorted(buckets.items())
+    total = items[-1][1] if items else 0.0
+    if total <= 0:
+        return None
+    rank, prev_bound, prev_count = q * total, 0.0, 0.0
+    for bound, count in items:
+        if count >= rank:
+            if bound == float("inf"):
+                return prev_bound
+            span = count - prev_count
+            return prev_bound + (bound - prev_bound) * ((rank - prev_count) / span if span else 1)
+        prev_bound, prev_count = bound, count
+    return prev_bound
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             before = decode_counters(cluster)
             rb0 = ray.get(cluster.controller.migration_stats.remote())["rebalance"]
             with Sampler(cluster) as sampler:
-                records, seconds = asyncio.run(one_run(gateway, requests, args))
+                records, seconds, hist = asyncio.run(one_run(gateway, requests, args))
             ray.get(cluster.controller.rebalance.remote(mode="off"))
             after = decode_counters(cluster)
             rb1 = ray.get(cluster.controller.migration_stats.remote())["rebalance"]
@@ -192,6 +234,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "preemptions": after["preemptions"] - before["preemptions"],
                 "migrations": after["migrations"] - before["migrations"],
                 "preemptions_avoided": rb1["preemptions_avoided"] - rb0["preemptions_avoided"],
+                "gateway_itl_s": {
+                    f"p{q}": hist_quantile(hist.get(HISTOGRAMS[0], {}), q / 100)
+                    for q in (50, 90, 99)
+                },
+                "gateway_ttft_s": {
+                    f"p{q}": hist_quantile(hist.get(HISTOGRAMS[1], {}), q / 100) for q in (50, 99)
+                },
                 "samples": sampler.samples,
             }
             results["runs"][mode] = entry
@@ -236,7 +285,7 @@ def plot(results: dict[str, Any], png: Path) -> None:
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         r = results["runs"][mode]
-        vals = [r["completed_per_s"], _metric(r, "tpot", "p99"), r["preemptions"] / 100]
+        vals = [r["completed_per_s"], 10 * (r["gateway_itl_s"]["p99"] or 0), r["preemptions"] / 100]
         ax.bar([k + i * width for k in range(len(keys))], vals, width, label=f"rebalance {mode}")
     ax.set_xticks(
         [k + width * (len(modes) - 1) / 2 for k in range(len(keys))], [k[1] for k in keys]
@@ -255,13 +304,15 @@ def _metric(run: dict[str, Any], name: str, stat: str) -> float:
 def table(results: dict[str, Any]) -> str:
     lines = [
         f"{'rebalance':>9} {'done':>5} {'req/s':>6} {'TTFT p50':>8} {'TTFT p99':>8} "
-        f"{'TPOT p50':>8} {'TPOT p99':>8} {'preempt':>7} {'migrated':>8} {'avoided':>7}"
+        f"{'TPOT p50':>8} {'TPOT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'preempt':>7} "
+        f"{'migrated':>8} {'avoided':>7}"
     ]
     for mode, r in results["runs"].items():
         lines.append(
             f"{mode:>9} {r['completed']:>5} {r['completed_per_s']:>6.3f} "
             f"{_metric(r, 'ttft', 'p50'):>8.3f} {_metric(r, 'ttft', 'p99'):>8.3f} "
             f"{_metric(r, 'tpot', 'p50'):>8.3f} {_metric(r, 'tpot', 'p99'):>8.3f} "
+            f"{r['gateway_itl_s']['p50'] or 0:>8.3f} {r['gateway_itl_s']['p99'] or 0:>8.3f} "
             f"{r['preemptions']:>7} {r['migrations']:>8} {r['preemptions_avoided']:>7}"
         )
     return "\n".join(lines)
