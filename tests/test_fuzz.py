@@ -44,7 +44,7 @@ pytest.importorskip("fastapi")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from router import protocol  # noqa: E402
+from router import admin, protocol  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -68,6 +68,14 @@ BODY_MODELS = {
     "/v1/chat/completions": protocol.ChatCompletionRequest,
     "/tokenize": protocol.TokenizeRequest,
     "/detokenize": protocol.DetokenizeRequest,
+}
+# The operator's routes (open to this loopback client: the fuzz gateway has no keys). Random
+# worker names and settings are refused (400); a valid one changes nothing harmful here.
+ADMIN_MODELS = {
+    "/admin/migrate": admin.MigrateBody,
+    "/admin/drain": admin.DrainBody,
+    "/admin/undrain": admin.UndrainBody,
+    "/admin/rebalance": admin.RebalanceBody,
 }
 SEEN: Counter[str] = Counter()  # status codes by route, printed at the end
 
@@ -251,7 +259,10 @@ def from_schema(schema: dict[str, Any], defs: dict[str, Any], name: str = "") ->
 
 
 def schema_body(route: str) -> Any:
-    schema = BODY_MODELS[route].model_json_schema()
+    model = BODY_MODELS.get(route) or ADMIN_MODELS.get(route)
+    if model is None:  # a route without a body (/admin/rebalance/once)
+        return st.one_of(st.just({}), st.just(None))
+    schema = model.model_json_schema()
     return from_schema(schema, schema.get("$defs", {}))
 
 
