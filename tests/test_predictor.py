@@ -74,3 +74,19 @@ def test_kendall_tau_matches_the_definition():
     rng = np.random.default_rng(0)
     x = rng.normal(size=3000)
     assert abs(kendall_tau(x, rng.normal(size=3000))) < 0.05  # sampled pairs: near 0
+
+
+def test_the_shipped_artifact_loads_and_ranks():
+    """router/data/length_smollm2 (benchmarks/train_predictor.py): loads by path, carries its
+    held-out evaluation, and ranks an essay request above a one-number answer."""
+    from pathlib import Path
+
+    import router
+
+    path = Path(router.__file__).parent / "data" / "length_smollm2"
+    model = make_predictor(str(path))
+    evaluation = model.meta["evaluation"]["all_turns"]
+    assert evaluation["kendall_tau"] > 0.35 and evaluation["n"] > 10_000, evaluation
+    essay = model.predict(PredictInput(text="Write a detailed essay on the history of Rome"))
+    short = model.predict(PredictInput(text="What is 2+2? Answer with a number."))
+    assert essay.median > short.median
