@@ -97,14 +97,26 @@ class OraclePredictor(LengthPredictor):
 _WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 
+_HEAD, _TAIL = 192, 64  # words of a long prompt that count: its start and its end (the ask)
+
+
+def _words(text: str) -> list[str]:
+    """The prompt's lowercased words and punctuation; a long prompt's first _HEAD and last
+    _TAIL only (bounds the time per prediction; a pasted document's middle says little)."""
+    if len(text) > 8 * (_HEAD + _TAIL):
+        text = text[: 8 * _HEAD] + " " + text[-8 * _TAIL :]
+    words = _WORD.findall(text.lower())
+    return words if len(words) <= _HEAD + _TAIL else words[:_HEAD] + words[-_TAIL:]
+
+
 def _bucket(token: str, dims: int) -> int:
     return zlib.crc32(token.encode()) % dims
 
 
 class HashedFeatures:
-    """A request as a sparse vector: hashed word unigrams and bigrams (count-damped), plus dense
-    numeric features (log prompt length, turns, log previous answer length). Deterministic
-    (crc32), no vocabulary to ship."""
+    """A request as a sparse vector: hashed word unigrams and bigrams (count-damped) of its
+    first and last words, plus dense numeric features (log prompt length, turns, log previous
+    answer length). Deterministic (crc32), no vocabulary to ship."""
 
     NUMERIC = 5
 
@@ -117,7 +129,7 @@ class HashedFeatures:
 
     def sparse(self, x: PredictInput) -> tuple[np.ndarray, np.ndarray]:
         """(indices, values) of the nonzero features."""
-        words = _WORD.findall((x.text or "").lower())[:2048]
+        words = _words(x.text or "")
         counts: dict[int, float] = {}
         for w in words:
             counts[_bucket(w, self.dims)] = counts.get(_bucket(w, self.dims), 0.0) + 1.0
