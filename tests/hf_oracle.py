@@ -23,6 +23,29 @@ def tiny_config(**overrides) -> dict:
     return {**TINY_CONFIG, **overrides}
 
 
+# The shape the GPU tests use (bf16 kernels want wider heads than TINY_CONFIG's).
+GPU_TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_hidden_layers=4,
+    num_key_value_heads=2,
+)
+
+
+def save_tiny(tmp_path_factory, name: str, **overrides) -> str:
+    """A random tiny Llama (transformers-built, seed 0) saved to a fresh folder; its path."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(name)
+    cfg = transformers.LlamaConfig(**tiny_config(**overrides))
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
 def hf_greedy_ids(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False):
     """The oracle: transformers' greedy ``generate`` on one unpadded prompt."""
     import torch

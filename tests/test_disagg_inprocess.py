@@ -14,7 +14,7 @@ import asyncio
 import random
 
 import pytest
-import torch
+from hf_oracle import save_tiny
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
@@ -27,11 +27,8 @@ ENGINE = {"max_num_batched_tokens": 24, "num_kv_blocks": 64, "block_size": 4, "m
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-disagg")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(path)
-    return str(path)
+def tiny(tmp_path_factory):
+    return save_tiny(tmp_path_factory, "tiny-disagg")
 
 
 @pytest.fixture(scope="module")

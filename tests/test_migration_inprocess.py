@@ -14,7 +14,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-import torch
+from hf_oracle import save_tiny
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
@@ -28,11 +28,8 @@ MIGRATION = {"last_stage_blocks": 2, "headroom_blocks": 1, "chunk_tokens": 8, "t
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-migrate")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(path)
-    return str(path)
+def tiny(tmp_path_factory):
+    return save_tiny(tmp_path_factory, "tiny-migrate")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from hf_oracle import GPU_TINY, save_tiny
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -30,26 +31,9 @@ ENGINE = {
 }
 
 
-def save_tiny(tmp_path_factory, tiny_cfg, name: str, **overrides):
-    """A random tiny Llama (transformers-built) saved to a fresh folder; returns the folder."""
-    torch.manual_seed(0)
-    cfg = tiny_cfg(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        **overrides,
-    )
-    path = tmp_path_factory.mktemp(name)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    path = save_tiny(tmp_path_factory, tiny_cfg, "tiny-nccl")
+def tiny(tmp_path_factory):
+    path = save_tiny(tmp_path_factory, "tiny-nccl", **GPU_TINY)
     rng = random.Random(3)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 17, 130, 300)]
     prompts.append(prompts[-1][:200] + [5, 6, 7])  # shares whole blocks with the one before
@@ -82,7 +66,7 @@ def test_nccl_disaggregated_matches_colocated(tiny) -> None:
     assert by_role["prefill"]["prefix_hit_tokens"] >= 192
 
 
-def test_nccl_abort_mid_transfer_frees_both_sides(tmp_path_factory, tiny_cfg) -> None:
+def test_nccl_abort_mid_transfer_frees_both_sides(tmp_path_factory) -> None:
     """A long prompt in small chunks keeps its transfer open for many steps; aborting it there
     must release the receiver's side only after its queued NCCL writes (no late write into a
     reused block) and leave both workers idle with exact accounting; the pair works after."""
@@ -92,7 +76,7 @@ def test_nccl_abort_mid_transfer_frees_both_sides(tmp_path_factory, tiny_cfg) ->
     from cluster.local import LocalCluster
     from engine import SamplingParams
 
-    path = save_tiny(tmp_path_factory, tiny_cfg, "tiny-nccl-abort", max_position_embeddings=8192)
+    path = save_tiny(tmp_path_factory, "tiny-nccl-abort", **GPU_TINY, max_position_embeddings=8192)
     engine = {**ENGINE, "max_num_batched_tokens": 32, "num_kv_blocks": 1024}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LocalCluster(

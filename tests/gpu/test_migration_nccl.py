@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_oracle import GPU_TINY, save_tiny
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
@@ -38,20 +39,10 @@ MIGRATION = {"last_stage_blocks": 4}  # (a tiny model decodes ~1 token a ms: few
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    torch.manual_seed(0)
-    cfg = tiny_cfg(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+def tiny(tmp_path_factory):
+    return save_tiny(
+        tmp_path_factory, "tiny-migrate-nccl", **GPU_TINY, max_position_embeddings=2048
     )
-    path = tmp_path_factory.mktemp("tiny-migrate-nccl")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
-    return path
 
 
 def test_nccl_migration_there_and_back_is_exact(tiny) -> None:
