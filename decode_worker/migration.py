@@ -49,7 +49,15 @@ import torch
 
 from engine.attention import host_to_device, slot_array
 from engine.kv_transfer import KVConnector, TransferEvent, TransferOutcome
-from engine.messages import Delta, Full, MigrationResult, Rejected, Reserved, ReserveResult
+from engine.messages import (
+    Delta,
+    Full,
+    MigrationResult,
+    Rejected,
+    Reserved,
+    ReserveResult,
+    brief,
+)
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -193,7 +201,7 @@ class MigrationMixin:
             why,
             stages=snap["stages"],
             tokens=state.sent,
-            bytes=self.kv_spec().payload_bytes(state.sent) * self.kv_spec().num_layers,
+            bytes=self._copy_bytes(state.sent),
             pause_s=snap.get("pause_s", pause),
             seconds=time.monotonic() - t0,
         )
@@ -221,7 +229,7 @@ class MigrationMixin:
                 timeout=cfg.timeout_s,
             )
         except Exception as exc:  # noqa: BLE001 - B died or did not answer
-            return "dest_failed", f"reserve failed: {_brief(exc)}"
+            return "dest_failed", f"reserve failed: {brief(exc)}"
         if isinstance(res, Full):
             return ("busy" if res.reason == SLOT_TAKEN else "dest_full"), res.reason
         if isinstance(res, Rejected):
@@ -252,7 +260,7 @@ class MigrationMixin:
             answer = await _ask(dest.migrate_wait, state.request_id, timeout=cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - dead or silent: did it take the request?
             answer = await _ask(dest.migrate_cancel, state.request_id, timeout=cfg.timeout_s,
-                                default=f"unreachable: {_brief(exc)}")  # fmt: skip
+                                default=f"unreachable: {brief(exc)}")  # fmt: skip
         snap["pause_s"] = time.monotonic() - (state.paused_at or time.monotonic())
         if answer == "admitted":
             still_here = await self.call(lambda: self._out_finish(state))
@@ -284,10 +292,9 @@ class MigrationMixin:
         """Engine thread: the request, still decoding here with its KV, or _Ended."""
         if state.failed is not None:
             raise _Ended("dest_failed", state.failed)
-        group = self.engine._groups.get(state.request_id)
-        if group is None:
+        request = self.engine.single_request(state.request_id)
+        if request is None:
             raise _Ended("finished", "the request finished during the migration")
-        request = group.seqs[0].request
         if request.num_preemptions != state.preemptions or request.is_finished:
             raise _Ended("preempted", "preempted on the source during the migration")
         return request
@@ -345,7 +352,7 @@ class MigrationMixin:
             state.paused_at = time.monotonic()
         if state.failed is not None:
             raise _Ended("dest_failed", state.failed)
-        request = self.engine._paused.get(state.request_id)
+        request = self.engine.paused_request(state.request_id)
         if request is None:  # aborted while paused
             raise _Ended("finished", "aborted during the migration")
         computed = request.num_computed_tokens
@@ -366,7 +373,7 @@ class MigrationMixin:
         """Engine thread: B runs the request now; free it here and point its router at B.
         False when it was aborted meanwhile."""
         rid = state.request_id
-        request = self.engine._paused.get(rid)
+        request = self.engine.paused_request(rid)
         if request is None:
             return False
         client = self._owner.pop(rid, None)
@@ -390,10 +397,14 @@ class MigrationMixin:
             if state is not None:
                 state.failed = reason
 
+    def _copy_bytes(self, positions: int) -> int:
+        """KV bytes of ``positions`` token positions, every layer."""
+        spec = self.kv_spec()
+        return spec.payload_bytes(positions) * spec.num_layers
+
     async def _pace(self, state: _Out, sender) -> None:
         """Wait until the channel has room for another chunk (bounded by timeout_s)."""
-        limit = self.kv_spec().payload_bytes(self.migration.chunk_tokens)
-        limit *= self.kv_spec().num_layers
+        limit = self._copy_bytes(self.migration.chunk_tokens)
         await self._wait_channel(state, sender, lambda: sender.pending_bytes <= limit)
 
     async def _drained(self, state: _Out, sender) -> None:
@@ -531,19 +542,16 @@ class MigrationMixin:
         """Engine thread: every request here, for drain and rebalance to pick from."""
         out = []
         for rid in list(self._owner):
-            group = self.engine._groups.get(rid)
-            if group is None or len(group.seqs) != 1:
+            request = self.engine.single_request(rid)
+            if request is None:
                 continue
-            request = group.seqs[0].request
             max_tokens = request.params.max_tokens or self.engine.max_model_len
             out.append(
                 {
                     "request_id": rid,
                     "num_tokens": request.num_tokens,
                     "remaining": max(0, max_tokens - request.num_output_tokens),
-                    "decoding": rid not in self.engine._remote
-                    and request.status.name == "RUNNING"
-                    and request.num_computed_tokens == request.num_tokens - 1,
+                    "decoding": self.engine.not_decoding(rid) is None,
                     "migrating": rid in self._out,
                     "block_size": self.engine.cfg.block_size,
                 }
@@ -568,11 +576,6 @@ async def _ask(method: Any, *args: Any, timeout: float, default: Any = _RAISE, *
 def _resolve(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
-
-
-def _brief(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 __all__ = ["PAUSE_BUCKETS", "MigrationConfig", "MigrationMixin", "MigrationStats"]

@@ -276,19 +276,34 @@ class LLMEngine:
 
     # -- migrating out (source side) ---------------------------------------------------------------
 
-    def migratable(self, request_id: str) -> Request:
-        """The running, decoding request ``request_id`` (one sequence), or ValueError why not."""
+    def single_request(self, request_id: str) -> Request | None:
+        """The scheduler request of ``request_id`` when it has one sequence (n = 1) here."""
+        group = self._groups.get(request_id)
+        return group.seqs[0].request if group is not None and len(group.seqs) == 1 else None
+
+    def paused_request(self, request_id: str) -> Request | None:
+        return self._paused.get(request_id)
+
+    def not_decoding(self, request_id: str) -> str | None:
+        """Why ``request_id`` is not a running, decoding request of one sequence (None: it is)."""
         group = self._groups.get(request_id)
         if group is None:
-            raise ValueError(f"no request {request_id!r} here")
+            return f"no request {request_id!r} here"
         if len(group.seqs) != 1:
-            raise ValueError("a request with n > 1 cannot migrate")
+            return "a request with n > 1 cannot migrate"
         request = group.seqs[0].request
         if request_id in self._remote or request.status != RequestStatus.RUNNING:
-            raise ValueError(f"request {request_id!r} is not decoding here (it waits)")
+            return f"request {request_id!r} is not decoding here (it waits)"
         if request.num_computed_tokens != request.num_tokens - 1:
-            raise ValueError(f"request {request_id!r} is mid-prefill")
-        return request
+            return f"request {request_id!r} is mid-prefill"
+        return None
+
+    def migratable(self, request_id: str) -> Request:
+        """The running, decoding request ``request_id`` (one sequence), or ValueError why not."""
+        why = self.not_decoding(request_id)
+        if why is not None:
+            raise ValueError(why)
+        return self._groups[request_id].seqs[0].request
 
     def pause(self, request_id: str) -> Request:
         """Take a decoding request out of the batch after a step, keeping its blocks (a

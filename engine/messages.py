@@ -39,6 +39,13 @@ and slots, apart from the request calls and streams of the default group. Caller
 CONTROL_CONCURRENCY = 32
 
 
+def brief(exc: BaseException) -> str:
+    """An exception as another process or a client may see it: its type and first line (a Ray
+    error's text goes on with the remote traceback; that stays in the logs)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def control(method: Any) -> Any:
     """An actor method sent to the control group (``.remote(...)`` on the result)."""
     return method.options(concurrency_group=CONTROL_GROUP)

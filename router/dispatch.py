@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.detokenizer import SequenceText
-from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, control
+from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, brief, control
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
@@ -353,7 +353,7 @@ class Dispatcher:
             raise RequestError(str(exc).splitlines()[-1]) from None
         except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
             self._worker_failed(worker, exc)
-            raise _Retry(f"worker {worker.name} failed: {_brief(exc)}", "worker_died") from None
+            raise _Retry(f"worker {worker.name} failed: {brief(exc)}", "worker_died") from None
         return inflight
 
     async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef):
@@ -417,7 +417,7 @@ class Dispatcher:
             try:
                 return await pref
             except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
-                return PrefillFailed(f"prefill worker failed: {_brief(exc)}")
+                return PrefillFailed(f"prefill worker failed: {brief(exc)}")
 
         waiting = asyncio.ensure_future(result())
         res = None
@@ -474,7 +474,7 @@ class Dispatcher:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the worker died
-            why = f"worker {worker.name} died: {_brief(exc)}"
+            why = f"worker {worker.name} died: {brief(exc)}"
             self._worker_failed(worker, exc)
         self._seen.pop(worker.name, None)  # no stream to watch until one is started again
         self._step_age.pop(worker.name, None)
@@ -536,13 +536,6 @@ class Dispatcher:
             self.members.clear(name, "stream")
         self._streams.clear()
         self._watchdog = None
-
-
-def _brief(exc: BaseException) -> str:
-    """An exception as a client may see it: its type and first line (a Ray error's text goes
-    on with the remote traceback; that stays in the logs)."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _carried(kwargs: dict[str, Any]) -> int:
