@@ -26,14 +26,17 @@ SLOTS = 64
 
 
 class Events:
-    def __init__(self) -> None:
+    """A receiver's ``on_event``: the events in order (``timeout_s``: how long ``next`` waits)."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
         self.q: queue.Queue = queue.Queue()
+        self.timeout_s = timeout_s
 
     def __call__(self, event) -> None:
         self.q.put(event)
 
-    def next(self, timeout: float = 10.0):
-        return self.q.get(timeout=timeout)
+    def next(self, timeout: float | None = None):
+        return self.q.get(timeout=self.timeout_s if timeout is None else timeout)
 
     def empty_after(self, seconds: float) -> bool:
         try:

@@ -17,13 +17,13 @@
 from __future__ import annotations
 
 import contextlib
-import queue
 import socket
 import threading
 import time
 
 import pytest
 import torch
+from test_kv_transport import Events, Failures
 
 from engine.kv_transfer import nccl as kv_nccl
 from engine.kv_transfer.transport import KVConnector, KVLimits, KVSpec, read_header, write_frame
@@ -36,27 +36,6 @@ SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
 BIG = KVSpec(num_layers=1, num_kv_heads=8, head_dim=1024, dtype="float32")  # 64 KiB a token
 BLOCK = 4
 TOKEN = "secret"
-
-
-class Events:
-    def __init__(self) -> None:
-        self.q: queue.Queue = queue.Queue()
-
-    def __call__(self, event) -> None:
-        self.q.put(event)
-
-    def next(self, timeout: float = 60.0):
-        return self.q.get(timeout=timeout)
-
-
-class Failures:
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[str], str]] = []
-        self.event = threading.Event()
-
-    def __call__(self, tids, reason) -> None:
-        self.calls.append((tids, reason))
-        self.event.set()
 
 
 def wait_until(cond, timeout: float) -> bool:
@@ -146,7 +125,7 @@ def test_the_receiver_gives_up_an_init_the_sender_never_joins() -> None:
     from engine.kv_transfer.nccl import NcclKVReceiver
 
     rx = NcclKVReceiver(
-        SPEC, caches(SPEC, "cuda:0"), BLOCK, Events(), token=TOKEN,
+        SPEC, caches(SPEC, "cuda:0"), BLOCK, Events(timeout_s=60.0), token=TOKEN,
         limits=KVLimits(nccl_init_timeout_s=2),
     )  # fmt: skip
     try:
@@ -177,7 +156,7 @@ def test_the_receiver_gives_up_an_init_the_sender_never_joins() -> None:
 def test_a_pair_moves_kv_and_its_pending_bytes_drain() -> None:
     from engine.kv_transfer.nccl import NcclKVReceiver
 
-    events, failures, kv = Events(), Failures(), caches(SPEC, "cuda:1")
+    events, failures, kv = Events(timeout_s=60.0), Failures(), caches(SPEC, "cuda:1")
     rx = NcclKVReceiver(SPEC, kv, BLOCK, events, token=TOKEN)
     conn = KVConnector(SPEC, failures, token=TOKEN)
     try:
@@ -223,7 +202,7 @@ def test_the_watchdog_aborts_a_send_nobody_receives() -> None:
 def test_the_receiver_drops_a_pair_whose_send_never_comes() -> None:
     from engine.kv_transfer.nccl import NcclKVReceiver
 
-    events = Events()
+    events = Events(timeout_s=60.0)
     rx = NcclKVReceiver(
         SPEC, caches(SPEC, "cuda:1"), BLOCK, events, token=TOKEN,
         limits=KVLimits(nccl_watchdog_s=1),
