@@ -179,7 +179,8 @@ class _AdminRoutes:
 
     def _authorize(self, request: Request) -> None:
         if self.keys:
-            if not _bearer_matches(request.headers.get("authorization", ""), self.keys):
+            header = request.headers.get("authorization", "").encode("latin-1")
+            if not bearer_matches(header, self.keys):
                 raise APIError(
                     401,
                     "missing or invalid admin key: send 'Authorization: Bearer <admin key>'",
@@ -236,11 +237,13 @@ def _not_implemented() -> APIError:
     )
 
 
-def _bearer_matches(header: str, keys: list[bytes]) -> bool:
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer":
+def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
+    """``Authorization: Bearer <one of keys>`` (the raw header value; the gateway's API-key
+    check and the admin routes' both ask this)."""
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer":
         return False
-    given = token.strip().encode()
+    given = token.strip()
     ok = False
     for key in keys:  # every key, so timing says nothing about which one is close
         ok |= hmac.compare_digest(given, key)
