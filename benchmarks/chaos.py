@@ -177,9 +177,11 @@ class Jobs:
         return [*self.load, *(j for use, js in self.long.items() if use not in cut for j in js)]
 
 
+KILL_PREFILL_ROUNDS = 3  # batches of long prompts sent until one is seen in a prefill worker
+
 LONG_USES = {
     "calibrate": lambda cfg: 1,
-    "kill-prefill": lambda cfg: cfg.kill_prefill_longs,
+    "kill-prefill": lambda cfg: cfg.kill_prefill_longs * KILL_PREFILL_ROUNDS,
     "long-burst": lambda cfg: cfg.long_burst,
     "disconnect-prefill": lambda cfg: cfg.disconnects,
     "disconnect-transfer": lambda cfg: cfg.disconnects,
@@ -888,9 +890,8 @@ async def hang_decode(run: Run) -> None:
 @scenario("kill-prefill")
 async def kill_prefill(run: Run) -> None:
     """Send distinct long prompts; once they are mid-prefill, SIGKILL the prefill worker with
-    the most prompts running or waiting."""
-    longs = [run.extra(j, "long") for j in run.jobs.long["kill-prefill"]]
-    await asyncio.sleep(0.3 * run.long_ttft)
+    the most prompts running or waiting. A batch can finish between two looks at the workers
+    (a short prompt on a fast machine), so up to ``KILL_PREFILL_ROUNDS`` batches are sent."""
 
     def busiest():
         stats = run.h.worker_stats()
@@ -898,10 +899,18 @@ async def kill_prefill(run: Run) -> None:
         name = max(load, key=load.get, default=None)
         return (name, load[name]) if name is not None and load[name] > 0 else None
 
+    jobs = run.jobs.long["kill-prefill"]
+    size = run.cfg.kill_prefill_longs
     got = None
-    while got is None and not all(t.done() for t in longs):
-        got = await asyncio.to_thread(busiest)
-        await asyncio.sleep(0.02)
+    for start in range(0, len(jobs), size):
+        longs = [run.extra(j, "long") for j in jobs[start : start + size]]
+        await asyncio.sleep(0.1 * run.long_ttft)
+        while got is None and not all(t.done() for t in longs):
+            got = await asyncio.to_thread(busiest)
+            await asyncio.sleep(0.01)
+        if got is not None:
+            run.notes["rounds"] = start // size + 1
+            break
     if got is None:
         run.notes["skipped"] = "the long prompts finished before a kill"
         return
