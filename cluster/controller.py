@@ -144,6 +144,7 @@ class Controller:
                 endpoint=info["endpoint"],
                 index_id=info["index_id"],
                 pid=info["pid"],
+                max_num_seqs=info.get("max_num_seqs", 0),
             )
             self._meta.setdefault("model_dir", info["model_dir"])
             self._meta.setdefault("block_size", info["block_size"])

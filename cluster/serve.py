@@ -72,6 +72,52 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=256,
         help="requests in flight at once; more get 429 + Retry-After (default: 256)",
     )
+    p.add_argument(
+        "--queue-policy",
+        default="fcfs",
+        choices=["fcfs", "sjf"],
+        help="order of the requests waiting in the router for a slot: fcfs, or sjf (shortest "
+        "predicted output first, with aging) (default: fcfs)",
+    )
+    p.add_argument(
+        "--predictor",
+        default="none",
+        metavar="NAME|PATH",
+        help="output-length predictor: none, learned (the shipped one), oracle (benchmarks: "
+        "the x-tandem-oracle-tokens header), or an artifact path (default: none)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests waiting in the router for a slot at most; more get 429 (default: 1024)",
+    )
+    p.add_argument(
+        "--slots-per-worker",
+        type=int,
+        default=0,
+        help="requests the router runs at once on each decode worker; more wait in its queue "
+        "(default: 0, the worker's max_num_seqs)",
+    )
+    p.add_argument(
+        "--queue-aging",
+        type=float,
+        default=2.0,
+        help="sjf: a request waits at most about this multiple of its FCFS wait (default: 2)",
+    )
+    p.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=120.0,
+        help="sjf: seconds after which a waiting request is served first (default: 120)",
+    )
+    p.add_argument(
+        "--reject-wait",
+        type=float,
+        default=0.0,
+        help="refuse (429 + Retry-After) a request whose projected wait for a slot exceeds "
+        "this many seconds (default: 0, off)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
     p.add_argument(
         "--max-resumes",
@@ -131,6 +177,27 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "h11", "httptools"],
         help="uvicorn's HTTP protocol (auto: httptools when installed)",
     )
+
+
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The router's settings from the gateway's flags (ClusterBackend keyword arguments)."""
+    from router.admission import QueueConfig
+
+    return {
+        "policy": args.policy,
+        "max_resumes": args.max_resumes,
+        "stall_timeout_s": args.stall_timeout,
+        "hang_timeout_s": args.hang_timeout,
+        "predictor": args.predictor,
+        "queue": QueueConfig(
+            policy=args.queue_policy,
+            max_queue=args.max_queue,
+            slots_per_worker=args.slots_per_worker,
+            aging=args.queue_aging,
+            max_wait_s=args.max_queue_wait,
+            reject_wait_s=args.reject_wait,
+        ),
+    }
 
 
 def run_loop(main, loop: str = "auto"):
@@ -406,11 +473,8 @@ def run_serve(args: argparse.Namespace) -> int:
             cluster.members,
             tokenizer=cluster.tokenizer,
             index=index,
-            policy=args.policy,
             model_name=args.served_model_name or args.model,
-            max_resumes=args.max_resumes,
-            stall_timeout_s=args.stall_timeout,
-            hang_timeout_s=args.hang_timeout,
+            **backend_options(args),
         )
         url = f"http://{args.host}:{args.port}/v1"
         banner = [
@@ -446,11 +510,8 @@ def run_gateway(args: argparse.Namespace) -> int:
             cluster.members,
             tokenizer=cluster.tokenizer,
             index=index,
-            policy=args.policy,
             model_name=args.served_model_name or args.model,
-            max_resumes=args.max_resumes,
-            stall_timeout_s=args.stall_timeout,
-            hang_timeout_s=args.hang_timeout,
+            **backend_options(args),
         )
         banner = [f"serving http://{args.host}:{args.port}/v1 (attached to {cluster.cluster_id})"]
         run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)

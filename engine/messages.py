@@ -246,6 +246,7 @@ class WorkerInfo:
     endpoint: str = ""  # decode: where prefill workers send KV
     index_id: str = ""  # its name in the global prefix index ("" when it publishes nothing)
     pid: int = 0
+    max_num_seqs: int = 0  # sequences its engine runs at once (0: not known yet)
 
 
 @dataclass(frozen=True)

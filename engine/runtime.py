@@ -313,6 +313,7 @@ class EngineWorker:
             "device": cfg.device,
             "block_size": cfg.block_size,
             "max_model_len": self.engine.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs,
             "index_id": self._publisher.worker if self._publisher is not None else "",
             "endpoint": "",
         }

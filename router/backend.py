@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from router.predictor import PredictInput
 
 
 class BackendError(Exception):
@@ -49,6 +50,7 @@ class Placement:
     decode: str  # the decode (or colocated) worker that produces the tokens
     reason: str = ""
     cached_blocks: int = 0  # the index's longest cached prefix on the chosen prefill worker
+    predicted_tokens: int | None = None  # the length predictor's median (x-tandem-predicted-tokens)
 
 
 class Generation(Protocol):
@@ -75,8 +77,11 @@ class Backend(Protocol):
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        hints: PredictInput | None = None,
     ) -> Generation:
-        """Admit and start one request. Raises Overloaded, InvalidRequest or BackendError."""
+        """Admit and start one request. Raises Overloaded, InvalidRequest or BackendError.
+        ``hints``: what the length predictor reads of the request (its text, turns, max_tokens,
+        the benchmark's oracle header)."""
 
     async def healthy(self) -> bool:
         """True while a request can be placed (GET /health); cheap: from the state the backend
@@ -102,3 +107,4 @@ class RouterStats:
     worker_states: dict[str, str] = field(default_factory=dict)  # as this router acts on them
     missed_polls: dict[str, int] = field(default_factory=dict)  # consecutive, per worker
     migrations: int = 0  # requests of this router moved live to another decode worker
+    scheduling: dict[str, Any] = field(default_factory=dict)  # router/admission.py stats()

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -54,6 +54,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router import admin, protocol
 from router.backend import Backend, BackendError, Generation, InvalidRequest, Overloaded
 from router.metrics import GatewayMetrics, RequestTimer
+from router.predictor import ORACLE_HEADER, PredictInput
 from router.protocol import APIError
 
 logger = logging.getLogger("tandem.gateway")
@@ -493,15 +494,23 @@ class _Gateway:
     ) -> Response:
         if kind is _CHAT:
             params = protocol.chat_sampling_params(req)
-            ids = await self._tokenize(
-                protocol.chat_prompt, req.messages, req.add_generation_prompt
+            ids, hints = await self._tokenize(
+                protocol.chat_prompt_and_hints, req.messages, req.add_generation_prompt
             )
             text = None
         else:
             params = protocol.completion_sampling_params(req)
             text, ids = await self._tokenize(protocol.completion_prompt, req)
+            hints = PredictInput(text=text)
         protocol.check_context(
             len(ids), params.max_tokens, self.backend.max_model_len, kind.prompt_param
+        )
+        oracle = request.headers.get(ORACLE_HEADER)
+        hints = replace(
+            hints,
+            prompt_len=len(ids),
+            max_tokens=params.max_tokens,
+            headers={ORACLE_HEADER: oracle} if oracle is not None else {},
         )
         opening = self.backend.open(
             request_id,
@@ -510,6 +519,7 @@ class _Gateway:
             prompt=text,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            hints=hints,
         )
         # until the first token: a client that goes away (or the gateway stopping) ends it (a
         # cancelled open closes its generation: the request is aborted everywhere)
@@ -525,6 +535,8 @@ class _Gateway:
             "x-tandem-prefill": placement.prefill or "none",
             "x-tandem-decode": placement.decode,
         }
+        if placement.predicted_tokens is not None:
+            headers["x-tandem-predicted-tokens"] = str(placement.predicted_tokens)
         shape = protocol.Shape(
             request_id,
             int(time.time()),

@@ -34,6 +34,7 @@ class WorkerRef:
     state: WorkerState = WorkerState.ACTIVE
     outstanding: int = 0  # requests this router has in flight on it
     pid: int = 0
+    max_num_seqs: int = 0  # sequences its engine runs at once (0: not known)
 
 
 class MembershipView:
@@ -62,6 +63,7 @@ class MembershipView:
                 self._suspects.pop(info.name, None)  # the controller found it answering
             ref.state, ref.endpoint, ref.handle = info.state, info.endpoint, info.handle
             ref.index_id, ref.pid = info.index_id, info.pid
+            ref.max_num_seqs = info.max_num_seqs
             workers[info.name] = ref
         self._workers = workers
 

@@ -192,7 +192,62 @@ class BackendCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self._router_metrics()
+        yield from self._scheduling_metrics()
         yield from self._worker_metrics()
+
+    def _scheduling_metrics(self) -> Iterator[Metric]:
+        """The admission queue and the length predictor (router/admission.py ``stats()``)."""
+        s = getattr(self._router, "scheduling", None)
+        if not s:
+            return
+        m, pol = [self._model], [self._model, s["policy"]]
+        gauges = (
+            ("tandem:queue_waiting", "Requests waiting in the router for a slot.", "queued"),
+            ("tandem:queue_running", "Requests holding a slot (placed, not finished).", "running"),
+            (
+                "tandem:queue_slots",
+                "Slots of the decode pool (running sequences at once).",
+                "capacity",
+            ),
+        )
+        for name, doc, key in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name", "policy"])
+            g.add_metric(pol, float(s[key]))
+            yield g
+        wait = HistogramMetricFamily(
+            "tandem:queue_wait_seconds",
+            "Arrival at the router to a slot, by queue policy (0 when one was free).",
+            labels=["model_name", "policy"],
+        )
+        wait.add_metric(pol, _cumulative(s["wait"]["buckets"]), s["wait"]["sum"])
+        rejected = CounterMetricFamily(
+            "tandem:early_rejections",
+            "Requests refused at admission: the queue full, or a projected wait over the bound.",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in sorted(s["rejected"].items()):
+            rejected.add_metric([self._model, reason], count)
+        aged = CounterMetricFamily(
+            "tandem:queue_aged",
+            "sjf: requests started ahead of shorter ones because their deadline passed.",
+            labels=["model_name"],
+        )
+        aged.add_metric(m, s["aged"])
+        error = HistogramMetricFamily(
+            "tandem:length_prediction_error",
+            "|log2(actual / predicted median)| of finished requests' output lengths.",
+            labels=["model_name", "predictor"],
+        )
+        e = s["prediction_error"]
+        error.add_metric([self._model, s["predictor"]], _cumulative(e["buckets"]), e["sum"])
+        tau = GaugeMetricFamily(
+            "tandem:length_prediction_tau",
+            "Kendall's tau of predicted vs actual output lengths, last finished requests.",
+            labels=["model_name", "predictor"],
+        )
+        if s["prediction_tau"] is not None:
+            tau.add_metric([self._model, s["predictor"]], s["prediction_tau"])
+        yield from (wait, rejected, aged, error, tau)
 
     def _router_metrics(self) -> Iterator[Metric]:
         decisions = CounterMetricFamily(

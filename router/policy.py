@@ -7,8 +7,9 @@ returns its choice with a reason (counted in ``tandem:routing_decisions_total``)
 ``cache_aware`` (default)
     prefill: the least estimated prefill work, ``uncached prompt tokens + tokens already queued
     there``, so a worker holding the prefix wins until its queue costs more than the recompute
-    elsewhere. decode: among workers with room for the prompt (+ predicted output) in free
-    blocks, the least work (running + waiting + in flight). Ties: a random pick among the
+    elsewhere. decode: among workers with room for the prompt (+ the predicted output's 90th
+    percentile) in free blocks, the least work: with a length predictor the output tokens its
+    requests are still predicted to produce, else requests (running + waiting + in flight). Ties: a random pick among the
     equals, never the first in the list (concurrent requests must not herd onto one worker).
 ``least_loaded``
     prefill and decode by queued work only (no index): the fallback when Redis is down.
@@ -38,6 +39,9 @@ class WorkerView:
     free_blocks: int | None = None
     running: int = 0
     waiting: int = 0
+    # Output tokens this router's requests on it are still predicted to produce (None: no
+    # length predictor); the decode choice then balances predicted work, not request counts.
+    predicted_work: float | None = None
 
 
 @dataclass
@@ -72,7 +76,12 @@ def _pick_min(workers: list[WorkerView], key, rng: random.Random) -> WorkerView:
     return rng.choice([w for w in workers if key(w) == best])
 
 
-def _decode_work(w: WorkerView) -> int:
+def _decode_work(w: WorkerView) -> float:
+    """Work ahead on a decode worker: with a length predictor, the output tokens this router's
+    requests there are still predicted to produce; else requests (running + waiting + in
+    flight)."""
+    if w.predicted_work is not None:
+        return w.predicted_work
     return w.running + w.waiting + w.outstanding
 
 

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
+from router.predictor import PredictInput
 
 MAX_N = 128
 """Largest ``n`` the gateway forwards (each sample is a sequence on a worker)."""
@@ -286,9 +287,29 @@ def chat_prompt(
     messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
 ) -> list[int]:
     """Token ids of the rendered conversation (the engine's own template call)."""
+    return chat_prompt_and_hints(messages, add_generation_prompt, tokenizer)[0]
+
+
+def chat_prompt_and_hints(
+    messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
+) -> tuple[list[int], PredictInput]:
+    """Token ids of the rendered conversation, and what the length predictor reads of it: the
+    last user turn's text, the number of user turns, and the previous answer's tokens."""
     if tokenizer is None:
         raise bad_request("messages: this model has no tokenizer or chat template", "messages")
     rendered = chat_messages(messages)
+    users = [m["content"] for m in rendered if m["role"] == "user"]
+    answers = [m["content"] for m in rendered if m["role"] == "assistant"]
+    last_answer = len(encode_prompt(tokenizer, answers[-1])) if answers and answers[-1] else None
+    hints = PredictInput(
+        text=users[-1] if users else rendered[-1]["content"],
+        turns=max(len(users), 1),
+        last_answer_len=last_answer,
+    )
+    return _render_chat(rendered, add_generation_prompt, tokenizer), hints
+
+
+def _render_chat(rendered: list[dict[str, str]], add_generation_prompt: bool, tokenizer: Any):
     try:
         ids = apply_chat_template(tokenizer, rendered, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # the template is Jinja over user content: its errors are 400s

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -33,6 +34,7 @@ from engine.messages import control
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+from router.admission import Admission, QueueConfig, Ticket
 from router.backend import (
     BackendError,
     InvalidRequest,
@@ -43,6 +45,7 @@ from router.backend import (
 from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
 from router.membership import MembershipView, WorkerRef
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
+from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ class ClusterBackend:
         max_resumes: int = 2,
         stall_timeout_s: float = 10.0,
         hang_timeout_s: float = 60.0,
+        queue: QueueConfig | None = None,
+        predictor: LengthPredictor | str | None = None,
     ) -> None:
         self.members = members
         table = members.table
@@ -101,6 +106,11 @@ class ClusterBackend:
         self._recent: collections.OrderedDict[bytes, tuple[str, float]] = collections.OrderedDict()
         self.recent_ttl_s = 5.0
         self.recent_max_blocks = 100_000
+        if isinstance(predictor, str):
+            predictor = make_predictor(predictor)
+        self.predictor: LengthPredictor = predictor or NoPredictor()
+        self.admission = Admission(queue or QueueConfig(), self._capacity)
+        self._refitting: asyncio.Task | None = None
 
     # -- the Backend interface -------------------------------------------------------------------
 
@@ -113,6 +123,7 @@ class ClusterBackend:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        hints: PredictInput | None = None,
     ):
         self._ensure_poller()
         members = self.members
@@ -131,6 +142,7 @@ class ClusterBackend:
                     prompt=prompt,
                     priority=priority,
                     cache_salt=cache_salt,
+                    hints=hints,
                 )
 
             first = await child(0)  # its prompt blocks are cached once it has a token
@@ -148,14 +160,35 @@ class ClusterBackend:
                     await c.aclose()
                 raise failed[0]
             return _Fanout(request_id, children)
+        if hints is None:
+            hints = PredictInput(prompt_len=len(prompt_token_ids), max_tokens=params.max_tokens)
+        predicted = self.predictor.predict(hints)
+        ticket = await self.admission.acquire(request_id, predicted, params.max_tokens)
+        try:
+            return await self._start(
+                request_id, prompt_token_ids, params, priority, cache_salt, disagg, hints, ticket
+            )
+        except BaseException:
+            self.admission.release(ticket)
+            raise
+
+    async def _start(
+        self, request_id, prompt_token_ids, params, priority, cache_salt, disagg, hints, ticket
+    ):
+        """Place and start a request that holds its slot (``ticket``)."""
         req = await self._route_request(prompt_token_ids, cache_salt)
+        predicted = ticket.predicted
+        if predicted is not None:  # room for the likely tail of the answer
+            req.predicted_output_tokens = math.ceil(predicted.quantiles[0.9])
         p, d, reason = self._place(req, disagg, set())
+        ticket.worker = d
         self._stats.decisions[reason] += 1
         charged = p or d
         self._remember(req.hashes, charged)
         charge = len(prompt_token_ids) - req.cached_tokens(charged)
         self._queued[charged] += charge
-        placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0))
+        median = round(predicted.median) if predicted is not None else None
+        placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0), median)
         first = [True]
 
         def choose(avoid: set[str]) -> tuple[WorkerRef | None, WorkerRef]:
@@ -173,7 +206,14 @@ class ClusterBackend:
             priority=priority,
             cache_salt=cache_salt,
         )
-        generation = _Generation(gen, placement, lambda: self._release(charged, charge))
+        generation = _Generation(
+            gen,
+            placement,
+            lambda: self._release(charged, charge),
+            ticket=ticket,
+            progress=self._progress,
+            end=lambda out: self._ended(ticket, hints, out),
+        )
         await generation.start()
         return generation
 
@@ -188,6 +228,41 @@ class ClusterBackend:
             await self._poll()
         return list(self._polled.values())
 
+    def _capacity(self) -> int:
+        """Slots of the pool that produces tokens: every routable decode (or colocated)
+        worker's running sequences at once."""
+        members = self.members
+        pool = members.decode if members.prefill and members.decode else members.colocated
+        per = self.admission.cfg.slots_per_worker
+        return sum(per or w.max_num_seqs or 256 for w in pool)
+
+    def _progress(self, ticket: Ticket, out: RequestOutput) -> None:
+        if ticket.first_token_at is None:
+            self.admission.first_token(ticket)
+        ticket.produced = max((len(o.token_ids) for o in out.outputs), default=0)
+
+    def _ended(self, ticket: Ticket, hints: PredictInput, out: RequestOutput | None) -> None:
+        """The request's end: its slot frees; a finished one's length is what the predictor
+        learns from (online adaptation)."""
+        finished = (
+            out is not None
+            and out.finished
+            and all(o.finish_reason in ("stop", "length") for o in out.outputs)
+        )
+        actual = ticket.produced if finished else None
+        self.admission.release(ticket, actual)
+        if actual is None:
+            return
+        self.predictor.observe(hints, actual)
+        refit = getattr(self.predictor, "maybe_refit", None)
+        due = getattr(self.predictor, "refit_due", None)
+        if (
+            refit is not None
+            and (due is None or due())
+            and (self._refitting is None or self._refitting.done())
+        ):
+            self._refitting = asyncio.ensure_future(asyncio.to_thread(refit))
+
     def router_stats(self) -> RouterStats:
         members = self.members
         return RouterStats(
@@ -197,7 +272,16 @@ class ClusterBackend:
             worker_states={w.name: members.state_of(w.name) for w in members.all_workers},
             missed_polls=dict(self.missed_polls),
             migrations=self.dispatcher.migrations,
+            scheduling=self._scheduling_stats(),
         )
+
+    def _scheduling_stats(self) -> dict[str, Any]:
+        stats = self.admission.stats()
+        stats["predictor"] = self.predictor.name
+        online = getattr(self.predictor, "stats", None)
+        if callable(online):
+            stats["online"] = online()
+        return stats
 
     async def admin(self, op: str, **kwargs: Any) -> Any:
         """Run the controller's operator method ``op`` (one of ``ADMIN_OPS``) with ``kwargs``
@@ -276,6 +360,10 @@ class ClusterBackend:
         return None, d, reason
 
     def _views(self, pool) -> list[WorkerView]:
+        work: collections.Counter[str] = collections.Counter()
+        if not isinstance(self.predictor, NoPredictor):
+            for t in self.admission.running:
+                work[t.worker] += t.remaining()
         views = []
         for w in pool:
             s = self._polled.get(w.name, {})
@@ -288,6 +376,7 @@ class ClusterBackend:
                     free_blocks=s.get("free_blocks", 0) + s.get("cached_blocks", 0) if s else None,
                     running=s.get("running", 0),
                     waiting=s.get("waiting", 0),
+                    predicted_work=work.get(w.name, 0.0) if work else None,
                 )
             )
         return views
@@ -363,6 +452,7 @@ class ClusterBackend:
                 await self._poll()
             except Exception as exc:  # noqa: BLE001 - e.g. membership mid-change: next round
                 logger.debug("stats poll failed: %s", exc)
+            self.admission.kick()  # the pool may have grown
             await asyncio.sleep(self.stats_interval_s)
 
 
@@ -370,12 +460,28 @@ class _Generation:
     """One request's outputs; the first is fetched by ``start`` (errors before any token raise
     there); ``release`` runs once, at the first output or at the end."""
 
-    def __init__(self, gen: AsyncIterator[RequestOutput], placement: Placement, release) -> None:
+    def __init__(
+        self,
+        gen: AsyncIterator[RequestOutput],
+        placement: Placement,
+        release,
+        *,
+        ticket: Ticket | None = None,
+        progress=None,
+        end=None,
+    ) -> None:
         self.placement = placement
         self._gen = gen
         self._release = release
+        self._ticket, self._progress, self._end = ticket, progress, end
         self._first: RequestOutput | None = None
         self._closed = False
+
+    def _ending(self, out: RequestOutput | None) -> None:
+        """Once: the request's slot is given back (``end``), with its last output if any."""
+        end, self._end = self._end, None
+        if end is not None:
+            end(out)
 
     def _settle(self) -> None:
         if self._release is not None:
@@ -393,7 +499,12 @@ class _Generation:
 
     async def _next(self) -> RequestOutput:
         try:
-            return await self._gen.__anext__()
+            out = await self._gen.__anext__()
+            if self._progress is not None:
+                self._progress(self._ticket, out)
+            if out.finished:
+                self._ending(out)
+            return out
         except StopAsyncIteration:
             raise BackendError("the request's stream ended without finishing") from None
         except RequestError as exc:
@@ -413,6 +524,7 @@ class _Generation:
 
     async def aclose(self) -> None:
         self._settle()
+        self._ending(None)
         if not self._closed:
             self._closed = True
             await self._gen.aclose()

@@ -185,6 +185,68 @@ def test_concurrent_requests_spread_over_the_pairs(cluster, prompts) -> None:
     assert_idle(cluster)
 
 
+def test_sjf_queue_starts_the_shortest_predicted_first(cluster, prompts) -> None:
+    """The full router (router/service.py) with one slot per decode worker and the oracle
+    predictor: requests waiting for a slot start shortest-predicted first (not in arrival
+    order), each carries its prediction, they produce exactly their tokens, and every slot
+    and block comes back."""
+    from router.admission import QueueConfig
+    from router.predictor import ORACLE_HEADER, PredictInput
+    from router.service import ClusterBackend
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    def hints(n: int) -> PredictInput:
+        return PredictInput(max_tokens=n, headers={ORACLE_HEADER: str(n)})
+
+    async def main():
+        backend = ClusterBackend(
+            cluster.members,
+            tokenizer=cluster.tokenizer,
+            queue=QueueConfig("sjf", slots_per_worker=1),
+            predictor="oracle",
+        )
+        started: list[str] = []
+
+        async def one(rid: str, n: int, ids: list[int]) -> int:
+            gen = await backend.open(rid, ids, params(n), hints=hints(n))
+            started.append(rid)
+            assert gen.placement.predicted_tokens == n
+            try:
+                last = [o async for o in gen.outputs()][-1]
+            finally:
+                await gen.aclose()
+            return len(last.outputs[0].token_ids)
+
+        try:
+            # two slots (two decode workers): one frees after 20 tokens, one holds for 100
+            busy = [asyncio.ensure_future(one(f"busy-{n}", n, prompts[2])) for n in (20, 100)]
+            await wait_until(lambda: _running(backend, 2))
+            waiting = [("long", 30), ("short", 3), ("medium", 12)]  # arrival order
+            tasks = [asyncio.ensure_future(one(r, n, prompts[1])) for r, n in waiting]
+            await wait_until(lambda: _queued(backend, 3))
+            counts = await asyncio.gather(*busy, *tasks)
+            stats = backend.router_stats().scheduling
+        finally:
+            await backend.aclose()
+        assert started[2:] == ["short", "medium", "long"], started
+        assert counts == [20, 100, 30, 3, 12]
+        assert stats["running"] == 0 and stats["queued"] == 0 and stats["queued_total"] == 3
+        assert stats["predictions_observed"] == 5
+
+    run(main())
+    assert_idle(cluster)
+
+
+async def _running(backend, n: int) -> bool:
+    return len(backend.admission.running) >= n
+
+
+async def _queued(backend, n: int) -> bool:
+    return len(backend.admission.queue) >= n
+
+
 def test_full_decode_worker_is_skipped(cluster, prompts) -> None:
     """The speculative first choice is full: its prefill is dropped, the other one serves."""
     d0 = worker(cluster, "decode-0").handle

@@ -114,7 +114,15 @@ class FakeBackend:
         self.cancelled_opens: list[str] = []
 
     async def open(
-        self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, cache_salt=None
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        *,
+        prompt=None,
+        priority=0,
+        cache_salt=None,
+        hints=None,
     ):
         if self.fail_open is not None:
             raise self.fail_open
@@ -132,6 +140,7 @@ class FakeBackend:
                 prompt=prompt,
                 priority=priority,
                 cache_salt=cache_salt,
+                hints=hints,
             )
         )
         return FakeGeneration(self, request_id, prompt_token_ids, params)

@@ -1,0 +1,346 @@
+"""The router's admission queue: which request starts next when the decode pool is full.
+
+A request holds a *slot* from admission to its end: one running sequence on a decode (or
+colocated) worker. The pool has as many slots as its routable workers' engines run at once
+(``max_num_seqs`` each, or ``QueueConfig.slots_per_worker``). While a slot is free and nobody
+waits, a request starts at once; otherwise it waits here, in a bounded queue, and the policy
+picks who starts when a slot frees::
+
+    fcfs   arrival order
+    sjf    the shortest predicted output first (the length predictor's median; without a
+           prediction, max_tokens), with aging: each request gets a deadline when it queues,
+           ``arrival + min(aging x its FCFS-projected wait, max_wait_s)``, and a request past
+           its deadline starts before any other (the earliest deadline first), so no request
+           waits much more than ``aging`` times what FCFS would have given it
+
+Waiting in the router rather than in the workers' own queues is what lets the order matter:
+the engines admit whatever reaches them in arrival order.
+
+Projection: the queue knows each request's predicted length, what it has produced so far and
+measured rates (decode tokens per second per sequence, and the time from a slot to the first
+token, both moving averages over finished requests). A new request's *projected wait* is the
+moment a slot frees for it when the requests ahead of it (by the policy) run: list scheduling
+over the slots, each running request finishing after its predicted remaining tokens. Two
+uses::
+
+    the sjf deadline       from the FCFS projection at arrival
+    early rejection        ``reject_wait_s`` > 0: a request whose projected wait exceeds it is
+                           refused at once (429, Retry-After = the excess), rather than queued
+                           to miss its deadline (Mooncake's prediction-based early rejection)
+
+A full queue (``max_queue`` waiting) also answers 429 at once. Until a first request has
+finished there are no rates, hence no projection: nothing is rejected early and sjf deadlines
+are ``max_wait_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.backend import Overloaded
+from router.predictor import Prediction, kendall_tau
+
+QUEUE_POLICIES = ("fcfs", "sjf")
+
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# |log2(actual / predicted median)|: 0.5 is within a factor of 1.41, 1 within 2x, ...
+ERROR_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass
+class QueueConfig:
+    """The router's admission queue (``tandem serve --queue-policy ...``)."""
+
+    policy: str = "fcfs"  # fcfs | sjf
+    max_queue: int = 1024  # requests waiting in the router at most; more get 429 at once
+    slots_per_worker: int = 0  # running sequences per decode worker; 0: its max_num_seqs
+    aging: float = 2.0  # sjf: a request waits at most about this multiple of its FCFS wait
+    max_wait_s: float = 120.0  # sjf: ... and never past this before it is served first
+    reject_wait_s: float = 0.0  # > 0: refuse a request whose projected wait exceeds this
+
+    def __post_init__(self) -> None:
+        if self.policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue policy must be one of {QUEUE_POLICIES}, got {self.policy!r}")
+        if self.max_queue < 0 or self.slots_per_worker < 0:
+            raise ValueError("max_queue and slots_per_worker must be >= 0")
+        if self.aging < 1.0 or self.max_wait_s <= 0 or self.reject_wait_s < 0:
+            raise ValueError("aging must be >= 1, max_wait_s > 0 and reject_wait_s >= 0")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place: queued, then holding a slot until ``Admission.release``."""
+
+    request_id: str
+    predicted: Prediction | None
+    max_tokens: int | None
+    arrival: float
+    key: float  # sjf order: the predicted output tokens
+    deadline: float = math.inf  # sjf: past this it starts before anyone else
+    granted_at: float | None = None
+    first_token_at: float | None = None
+    produced: int = 0  # output tokens so far
+    worker: str = ""  # the decode worker it was placed on
+    _grant: asyncio.Future | None = field(default=None, repr=False)
+
+    def remaining(self) -> float:
+        """Predicted output tokens still to come, given those produced: the first predicted
+        quantile still ahead of it (a request past its median is likely a long one), past
+        them all half as many again as it has (at most max_tokens)."""
+        cap = float(self.max_tokens) if self.max_tokens else math.inf
+        if self.predicted is None:
+            total = cap if self.max_tokens else 2.0 * max(self.produced, 16)
+        else:
+            ahead = [v for _, v in sorted(self.predicted.quantiles.items()) if v > self.produced]
+            total = ahead[0] if ahead else min(1.5 * self.produced + 1, cap)
+        return max(total - self.produced, 1.0)
+
+
+class _Rates:
+    """Moving averages over finished requests: decode tokens/s of one sequence, and the time
+    from a slot to the first token (prefill, transfer, dispatch)."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.tokens_per_s: float | None = None
+        self.first_token_s: float | None = None
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+    def finished(self, t: Ticket, now: float) -> None:
+        if t.granted_at is None or t.first_token_at is None:
+            return
+        self.first_token_s = self._avg(self.first_token_s, t.first_token_at - t.granted_at)
+        decode_s = now - t.first_token_at
+        if t.produced >= 2 and decode_s > 0:
+            self.tokens_per_s = self._avg(self.tokens_per_s, (t.produced - 1) / decode_s)
+
+    @property
+    def known(self) -> bool:
+        return self.tokens_per_s is not None and self.first_token_s is not None
+
+    def service_s(self, tokens: float) -> float:
+        return self.first_token_s + tokens / self.tokens_per_s
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, v: float) -> None:
+        i = next((i for i, b in enumerate(self.bounds) if v <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.total += v
+
+    def snapshot(self) -> dict:
+        bounds = [*self.bounds, math.inf]
+        return {"buckets": list(zip(bounds, self.counts, strict=True)), "sum": self.total}
+
+
+class PredictionQuality:
+    """How the predictions at admission compare with the lengths requests really had: the
+    error histogram and Kendall's tau over the last ``window`` finished requests."""
+
+    def __init__(self, window: int = 500) -> None:
+        self.pairs: deque[tuple[float, int]] = deque(maxlen=window)
+        self.error = _Histogram(ERROR_BUCKETS)
+
+    def observe(self, predicted: float, actual: int) -> None:
+        self.pairs.append((predicted, actual))
+        self.error.observe(abs(math.log2(max(actual, 1) / max(predicted, 1.0))))
+
+    def tau(self) -> float | None:
+        if len(self.pairs) < 20:
+            return None
+        pred, actual = zip(*self.pairs, strict=True)
+        return kendall_tau(pred, actual)
+
+
+class Admission:
+    """The queue and the slots. ``capacity()`` answers the pool's slots now (it follows the
+    membership); every method runs on the router's event loop."""
+
+    def __init__(
+        self,
+        cfg: QueueConfig,
+        capacity: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.capacity = capacity
+        self.clock = clock
+        self.rates = _Rates()
+        self.running: set[Ticket] = set()
+        self.queue: dict[Ticket, None] = {}  # arrival order
+        self.admitted = 0
+        self.queued_total = 0  # requests that had to wait
+        self.rejected: dict[str, int] = {"queue_full": 0, "projected_wait": 0}
+        self.aged = 0  # sjf: started because their deadline passed
+        self.wait = _Histogram(WAIT_BUCKETS)
+        self.quality = PredictionQuality()
+
+    # -- the request's side --------------------------------------------------------------------
+
+    async def acquire(
+        self, request_id: str, predicted: Prediction | None, max_tokens: int | None
+    ) -> Ticket:
+        """A slot for the request: at once, after waiting its turn, or Overloaded (429 with a
+        Retry-After) when the queue is full or the projected wait exceeds ``reject_wait_s``.
+        Cancelled while waiting: it leaves the queue."""
+        now = self.clock()
+        key = predicted.median if predicted is not None else float(max_tokens or 1 << 20)
+        t = Ticket(request_id, predicted, max_tokens, now, key)
+        if self.cfg.reject_wait_s > 0:
+            wait = self.projected_wait(t)
+            if wait is not None and wait > self.cfg.reject_wait_s:
+                self.rejected["projected_wait"] += 1
+                raise Overloaded(
+                    f"the projected wait for a slot is {wait:.1f} s, over this server's "
+                    f"bound of {self.cfg.reject_wait_s:g} s",
+                    retry_after_s=wait - self.cfg.reject_wait_s,
+                )
+        if not self.queue and len(self.running) < self.capacity():
+            self._start(t, now)
+            return t
+        if len(self.queue) >= self.cfg.max_queue:
+            self.rejected["queue_full"] += 1
+            wait = self.projected_wait(t)
+            raise Overloaded(
+                f"the router's queue is full ({self.cfg.max_queue} requests waiting)",
+                retry_after_s=wait if wait is not None else 1.0,
+            )
+        if self.cfg.policy == "sjf":
+            fcfs = self._project(t, list(self.queue))
+            limit = self.cfg.max_wait_s if fcfs is None else self.cfg.aging * fcfs
+            t.deadline = now + min(limit, self.cfg.max_wait_s)
+        t._grant = asyncio.get_running_loop().create_future()
+        self.queue[t] = None
+        self.queued_total += 1
+        self._pump()  # capacity may have grown since the last release
+        try:
+            await t._grant
+        except BaseException:
+            if self.queue.pop(t, None) is None and t in self.running:
+                self.release(t)  # granted as it was cancelled: give the slot back
+            raise
+        return t
+
+    def first_token(self, t: Ticket) -> None:
+        if t.first_token_at is None:
+            t.first_token_at = self.clock()
+
+    def release(self, t: Ticket, actual: int | None = None) -> None:
+        """The request ended (idempotent). ``actual``: its output length when it finished
+        normally (recorded against its prediction)."""
+        if t not in self.running:
+            return
+        self.running.discard(t)
+        now = self.clock()
+        self.rates.finished(t, now)
+        if actual is not None and t.predicted is not None:
+            self.quality.observe(t.predicted.median, actual)
+        self._pump()
+
+    def kick(self) -> None:
+        """The pool may have grown (a worker joined): start whoever fits now."""
+        self._pump()
+
+    # -- projection ----------------------------------------------------------------------------
+
+    def ahead_of(self, t: Ticket) -> list[Ticket]:
+        """The queued requests that start before ``t`` under the policy, in that order."""
+        if self.cfg.policy == "fcfs":
+            return list(self.queue)
+        now = self.clock()
+        due = sorted((q for q in self.queue if q.deadline <= now), key=lambda q: q.deadline)
+        shorter = sorted(
+            (
+                q
+                for q in self.queue
+                if q.deadline > now and (q.key, q.arrival) <= (t.key, t.arrival)
+            ),
+            key=lambda q: (q.key, q.arrival),
+        )
+        return due + shorter
+
+    def projected_wait(self, t: Ticket) -> float | None:
+        """Seconds until a slot frees for ``t`` under the policy (None: no rates yet)."""
+        return self._project(t, self.ahead_of(t))
+
+    def _project(self, t: Ticket, ahead: list[Ticket]) -> float | None:
+        slots = self.capacity()
+        if not ahead and len(self.running) < slots:
+            return 0.0
+        rates = self.rates
+        if not rates.known or slots < 1:
+            return None
+        now = self.clock()
+        ends = []
+        for r in self.running:
+            left = r.remaining() / rates.tokens_per_s
+            if r.first_token_at is None:  # still in prefill
+                left += max(rates.first_token_s - (now - (r.granted_at or now)), 0.0)
+            ends.append(left)
+        ends.sort()
+        # more running than slots (a worker left): the first few ends free nothing usable
+        free = ends[len(ends) - slots :] if len(ends) >= slots else [0.0] * (slots - len(ends))
+        heap = free if len(ends) >= slots else free + ends
+        heapq.heapify(heap)
+        for q in ahead:
+            start = heapq.heappop(heap)
+            heapq.heappush(heap, start + rates.service_s(q.remaining()))
+        return heap[0]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _start(self, t: Ticket, now: float) -> None:
+        t.granted_at = now
+        self.running.add(t)
+        self.admitted += 1
+        self.wait.observe(now - t.arrival)
+
+    def _next(self, now: float) -> Ticket:
+        if self.cfg.policy == "fcfs":
+            return next(iter(self.queue))
+        due = [q for q in self.queue if q.deadline <= now]
+        if due:
+            self.aged += 1
+            return min(due, key=lambda q: q.deadline)
+        return min(self.queue, key=lambda q: (q.key, q.arrival))
+
+    def _pump(self) -> None:
+        now = self.clock()
+        while self.queue and len(self.running) < self.capacity():
+            t = self._next(now)
+            del self.queue[t]
+            self._start(t, now)
+            if t._grant is not None and not t._grant.done():
+                t._grant.set_result(None)
+
+    def stats(self) -> dict:
+        rates = self.rates
+        return {
+            "policy": self.cfg.policy,
+            "capacity": self.capacity(),
+            "running": len(self.running),
+            "queued": len(self.queue),
+            "admitted": self.admitted,
+            "queued_total": self.queued_total,
+            "aged": self.aged,
+            "rejected": dict(self.rejected),
+            "wait": self.wait.snapshot(),
+            "tokens_per_s": rates.tokens_per_s,
+            "first_token_s": rates.first_token_s,
+            "prediction_error": self.quality.error.snapshot(),
+            "prediction_tau": self.quality.tau(),
+            "predictions_observed": len(self.quality.pairs),
+        }
