@@ -50,7 +50,12 @@ def tokenizer(smollm2_dir):
 class FakeGeneration:
     def __init__(self, backend: FakeBackend, request_id: str, ids: list[int], p: SamplingParams):
         self.backend, self.request_id, self.ids, self.params = backend, request_id, ids, p
-        self.placement = Placement(prefill="prefill-0", decode="decode-1", reason="prefix_hit")
+        self.placement = Placement(
+            prefill="prefill-0",
+            decode="decode-1",
+            reason="prefix_hit",
+            predicted_tokens=backend.predicted_tokens,
+        )
 
     async def outputs(self):
         b, p = self.backend, self.params
@@ -112,6 +117,8 @@ class FakeBackend:
         self.is_healthy = True
         self.open_delay = 0.0
         self.cancelled_opens: list[str] = []
+        self.predicted_tokens: int | None = None
+        self.scheduling: dict = {}
 
     async def open(
         self,
@@ -186,6 +193,7 @@ class FakeBackend:
             resumes={"stalled": 1, "worker_died": 2},
             worker_states={"prefill-0": "active", "decode-1": "suspect"},
             missed_polls={"decode-1": 3},
+            scheduling=self.scheduling,
         )
 
 
@@ -364,6 +372,61 @@ async def test_chat_without_generation_prompt(app, backend, tokenizer) -> None:
     ids = apply_chat_template(tokenizer, messages, add_generation_prompt=False)
     assert backend.opened[0]["ids"] == ids
     assert backend.opened[0]["params"].max_tokens == 2
+
+
+async def test_length_prediction_hints_and_header(app, backend, tokenizer) -> None:
+    """The predictor reads the last user turn, the turns, the previous answer's tokens,
+    max_tokens and the benchmark's oracle header; the prediction comes back as a header."""
+    backend.predicted_tokens = 42
+    messages = [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "An apple, crisp and red."},
+        {"role": "user", "content": "Write a poem about it."},
+    ]
+    async with http(app) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 3},
+            headers={"x-tandem-oracle-tokens": "17"},
+        )
+        plain = await c.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 2})
+    assert r.status_code == 200 and plain.status_code == 200, (r.text, plain.text)
+    assert r.headers["x-tandem-predicted-tokens"] == "42"
+    hints = backend.opened[0]["hints"]
+    assert hints.text == "Write a poem about it." and hints.turns == 2
+    assert hints.last_answer_len == len(encode_prompt(tokenizer, "An apple, crisp and red."))
+    assert hints.prompt_len == len(backend.opened[0]["ids"]) and hints.max_tokens == 3
+    assert hints.headers == {"x-tandem-oracle-tokens": "17"}
+    hints = backend.opened[1]["hints"]
+    assert hints.text == "Once upon" and hints.turns == 1 and hints.last_answer_len is None
+    assert hints.headers == {} and hints.max_tokens == 2
+
+
+async def test_scheduling_metrics(app, backend) -> None:
+    backend.scheduling = {
+        "policy": "sjf",
+        "capacity": 8,
+        "running": 5,
+        "queued": 3,
+        "aged": 2,
+        "rejected": {"queue_full": 1, "projected_wait": 4},
+        "wait": {"buckets": [(0.1, 6), (1.0, 2), (float("inf"), 1)], "sum": 9.5},
+        "predictor": "learned",
+        "prediction_error": {"buckets": [(0.5, 3), (float("inf"), 1)], "sum": 2.0},
+        "prediction_tau": 0.61,
+    }
+    async with http(app) as c:
+        t = (await c.get("/metrics")).text
+    m, pol = f'model_name="{MODEL}"', 'policy="sjf"'
+    assert metric_value(t, f"tandem:queue_waiting{{{m},{pol}}}") == 3
+    assert metric_value(t, f"tandem:queue_slots{{{m},{pol}}}") == 8
+    assert metric_value(t, f'tandem:queue_wait_seconds_bucket{{le="1.0",{m},{pol}}}') == 8
+    assert metric_value(t, f"tandem:queue_wait_seconds_count{{{m},{pol}}}") == 9
+    assert metric_value(t, f'tandem:early_rejections_total{{{m},reason="projected_wait"}}') == 4
+    assert metric_value(t, f"tandem:queue_aged_total{{{m}}}") == 2
+    assert metric_value(t, f'tandem:length_prediction_tau{{{m},predictor="learned"}}') == 0.61
+    err = f'tandem:length_prediction_error_count{{{m},predictor="learned"}}'
+    assert metric_value(t, err) == 4
 
 
 async def test_chat_logprobs(app, backend, tokenizer) -> None:
