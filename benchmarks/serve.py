@@ -86,6 +86,7 @@ class Request:
     prompt: str | list[int]
     prompt_len: int
     output_len: int  # max_tokens
+    headers: tuple[tuple[str, str], ...] = ()  # sent with this request only
 
 
 @dataclass
@@ -104,6 +105,8 @@ class Record:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0  # from the usage chunk; 0 when the server sent none
+    predicted_tokens: int | None = None  # tandem's x-tandem-predicted-tokens, when it sent one
+    retry_after: str | None = None  # the Retry-After of a refused request
 
 
 @dataclass(frozen=True)
@@ -308,8 +311,12 @@ async def send_request(client: Any, target: Target, req: Request, t0: float) -> 
     start = time.perf_counter()
     try:
         body = request_body(target, req)
-        async with client.stream("POST", target.url, json=body, headers=target.headers()) as resp:
+        headers = target.headers() | dict(req.headers)
+        async with client.stream("POST", target.url, json=body, headers=headers) as resp:
             rec.status = resp.status_code
+            predicted = resp.headers.get("x-tandem-predicted-tokens")
+            rec.predicted_tokens = int(predicted) if predicted and predicted.isdigit() else None
+            rec.retry_after = resp.headers.get("retry-after")
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text[:300]}"
