@@ -546,11 +546,16 @@ class MigrationMixin:
             if request is None:
                 continue
             max_tokens = request.params.max_tokens or self.engine.max_model_len
+            produced = request.num_output_tokens
+            remaining = max(0, max_tokens - produced)
+            predicted = self._predicted.get(rid)
+            if predicted is not None and predicted > produced:  # past it: max_tokens again
+                remaining = min(remaining, predicted - produced)
             out.append(
                 {
                     "request_id": rid,
                     "num_tokens": request.num_tokens,
-                    "remaining": max(0, max_tokens - request.num_output_tokens),
+                    "remaining": remaining,
                     "decoding": self.engine.not_decoding(rid) is None,
                     "migrating": rid in self._out,
                     "block_size": self.engine.cfg.block_size,

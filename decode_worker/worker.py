@@ -59,6 +59,9 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
         self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
         self._reserved_at: dict[str, float] = {}
+        # request id -> the router's predicted output length (its 90th percentile): what the
+        # projected KV demand counts instead of max_tokens (rebalancing reads it)
+        self._predicted: dict[str, int] = {}
         self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
         super().__init__(engine_config, name)  # starts the engine thread: set its state first
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
@@ -88,11 +91,13 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         prompt: list[int],
         params: SamplingParams,
         client: str = "",
+        predicted_tokens: int | None = None,
         **kwargs: Any,
     ) -> ReserveResult:
         """``Reserved(endpoint)``, ``Full`` (no room now) or ``Rejected`` (invalid request:
         retrying elsewhere will not help). Outputs go to ``outputs(client)``. With
-        ``output_token_ids`` (a resumed request) the KV expected covers them too."""
+        ``output_token_ids`` (a resumed request) the KV expected covers them too.
+        ``predicted_tokens``: the router's estimate of its whole output (projections)."""
 
         def reserve() -> ReserveResult:
             trace(request_id, "decode.reserve")
@@ -103,6 +108,10 @@ class DecodeWorker(MigrationMixin, EngineWorker):
             if table is None:
                 return Full()
             self._register(request_id, client)
+            if predicted_tokens:
+                if len(self._predicted) > 2 * len(self._owner) + 64:  # drop ended requests'
+                    self._predicted = {r: n for r, n in self._predicted.items() if r in self._owner}
+                self._predicted[request_id] = int(predicted_tokens)
             carried = len(kwargs.get("output_token_ids") or ())
             self.receiver.expect(request_id, table, len(prompt) + carried)
             self._deadlines[request_id] = time.monotonic() + self.transfer_timeout_s
@@ -196,8 +205,9 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         return stats
 
     def _projected_blocks(self) -> int:
-        """Blocks in use plus what the running requests will still need to finish (by their
-        max_tokens; a request without one is counted to the context limit)."""
+        """Blocks in use plus what the running requests will still need to finish (by the
+        router's predicted length while they are short of it, else by their max_tokens; a
+        request without one is counted to the context limit)."""
         bm, engine = self.engine.block_manager, self.engine
         need = 0
         for c in self._migration_candidates():

@@ -346,6 +346,7 @@ class Dispatcher:
         return new
 
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
+        kwargs = {k: v for k, v in kwargs.items() if k != "predicted_tokens"}  # decode's only
         inflight = self._expect(irid, worker, _carried(kwargs))
         try:
             await worker.handle.generate.remote(irid, ids, params, self.client_id, **kwargs)
@@ -359,17 +360,19 @@ class Dispatcher:
     async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef):
         """Reserve on ``d`` while ``p`` computes the prompt (gated), falling back to the other
         decode workers when ``d`` is full. Returns (the request's inflight, its decode worker,
-        the id it runs under)."""
+        the id it runs under). ``kwargs["predicted_tokens"]`` goes to the reservation only."""
+        reserve = kwargs
+        kwargs = {k: v for k, v in kwargs.items() if k != "predicted_tokens"}
         inflight = self._expect(irid, d, _carried(kwargs))
         pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
-        res = await self._reserve_on(d, irid, ids, params, kwargs)
+        res = await self._reserve_on(d, irid, ids, params, reserve)
         if isinstance(res, Reserved):
             _quietly(p.handle.release, irid)
         else:
             _quietly(control(p.handle.abort), irid)
             self._inflight.pop(irid, None)
             irid = f"{irid}~r"  # a new id: the dropped prefill may still be finishing
-            d = await self._reserve_anywhere(irid, ids, params, kwargs, avoid={d.name})
+            d = await self._reserve_anywhere(irid, ids, params, reserve, avoid={d.name})
             inflight = self._inflight[irid]
             pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
         asyncio.ensure_future(self._watch_prefill(pref, p, d, irid))

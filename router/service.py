@@ -198,6 +198,7 @@ class ClusterBackend:
             pw = self.members.get(names[0]) if names[0] is not None else None
             return pw, self.members.get(names[1])
 
+        extra = {"predicted_tokens": req.predicted_output_tokens} if predicted is not None else {}
         gen = self.dispatcher.run(
             request_id,
             prompt_token_ids,
@@ -205,6 +206,7 @@ class ClusterBackend:
             choose,
             priority=priority,
             cache_salt=cache_salt,
+            **extra,
         )
         generation = _Generation(
             gen,

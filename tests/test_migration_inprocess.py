@@ -304,3 +304,31 @@ def test_client_abort_during_the_migration_cleans_both_sides(tiny, workers, when
     assert client.finish == "abort" and client.moves == []
     for w in (p, a, b):
         assert asyncio.run(w.check_idle()) is None
+
+
+def test_projection_counts_the_router_s_predicted_length(tiny, workers) -> None:
+    """A reservation that carries the router's predicted length (its 90th percentile) is
+    projected to need blocks for that many tokens, not for its max_tokens (the rebalancer
+    reads it); past the prediction, max_tokens again."""
+    p, a, _ = workers
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompt = prompt_of(12, seed=5)
+
+    async def main():
+        rid = "predicted"
+        res = await a.reserve(rid, prompt, params, rid, predicted_tokens=30)
+        assert isinstance(res, Reserved)
+        assert isinstance(await p.prefill(rid, prompt, params, res.endpoint), PrefillDone)
+        client = Client({"a": a}, rid)
+        reader = asyncio.ensure_future(client.run("a"))
+        await wait_tokens(client, 2)
+        (c,) = [c for c in await a.migration_candidates() if c["request_id"] == rid]
+        await reader
+        return c, client
+
+    c, client = asyncio.run(main())
+    produced = c["num_tokens"] - len(prompt)
+    assert 2 <= produced < 30, c
+    assert c["remaining"] == 30 - produced  # not 48 - produced
+    assert len(client.tokens) == 48  # a prediction never cuts the answer short
+    assert asyncio.run(a.check_idle()) is None
