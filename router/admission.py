@@ -28,7 +28,8 @@ uses::
                            refused at once (429, Retry-After = the excess), rather than queued
                            to miss its deadline (Mooncake's prediction-based early rejection)
 
-A full queue (``max_queue`` waiting) also answers 429 at once. Until a first request has
+A full queue (``max_queue`` waiting) also answers 429 at once; when the pool has no slot left
+at all (every worker dead or suspect) the waiting requests get 503, as a new one would. Until a first request has
 finished there are no rates, hence no projection: nothing is rejected early and sjf deadlines
 are ``max_wait_s``.
 """
@@ -44,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.backend import Overloaded
-from router.predictor import Prediction, kendall_tau
+from router.predictor import QUANTILES, Prediction, kendall_tau
 
 QUEUE_POLICIES = ("fcfs", "sjf")
 
@@ -82,11 +83,13 @@ class Ticket:
     max_tokens: int | None
     arrival: float
     key: float  # sjf order: the predicted output tokens
+    admitted_median: float | None = None  # the router's median at admission (quality metrics)
     deadline: float = math.inf  # sjf: past this it starts before anyone else
     granted_at: float | None = None
     first_token_at: float | None = None
     produced: int = 0  # output tokens so far
     worker: str = ""  # the decode worker it was placed on
+    refined: tuple[float, float, float] | None = None  # the engine's probe (p50, p90, p99)
     _grant: asyncio.Future | None = field(default=None, repr=False)
 
     def remaining(self) -> float:
@@ -186,7 +189,8 @@ class Admission:
         self.rejected: dict[str, int] = {"queue_full": 0, "projected_wait": 0}
         self.aged = 0  # sjf: started because their deadline passed
         self.wait = _Histogram(WAIT_BUCKETS)
-        self.quality = PredictionQuality()
+        self.quality = PredictionQuality()  # the router's prediction at admission
+        self.refined_quality = PredictionQuality()  # the engine's, after the prefill
 
     # -- the request's side --------------------------------------------------------------------
 
@@ -199,6 +203,7 @@ class Admission:
         now = self.clock()
         key = predicted.median if predicted is not None else float(max_tokens or 1 << 20)
         t = Ticket(request_id, predicted, max_tokens, now, key)
+        t.admitted_median = predicted.median if predicted is not None else None
         if self.cfg.reject_wait_s > 0:
             wait = self.projected_wait(t)
             if wait is not None and wait > self.cfg.reject_wait_s:
@@ -238,6 +243,12 @@ class Admission:
         if t.first_token_at is None:
             t.first_token_at = self.clock()
 
+    def refine(self, t: Ticket, quantiles: tuple[float, float, float]) -> None:
+        """The engine's estimate after the prefill (its length probe on the model's own hidden
+        state) replaces the router's for the rest of the request (its remaining work)."""
+        t.refined = tuple(float(q) for q in quantiles)
+        t.predicted = Prediction(dict(zip(QUANTILES, t.refined, strict=True))).capped(t.max_tokens)
+
     def release(self, t: Ticket, actual: int | None = None) -> None:
         """The request ended (idempotent). ``actual``: its output length when it finished
         normally (recorded against its prediction)."""
@@ -246,8 +257,10 @@ class Admission:
         self.running.discard(t)
         now = self.clock()
         self.rates.finished(t, now)
-        if actual is not None and t.predicted is not None:
-            self.quality.observe(t.predicted.median, actual)
+        if actual is not None and t.admitted_median is not None:
+            self.quality.observe(t.admitted_median, actual)
+        if actual is not None and t.refined is not None:
+            self.refined_quality.observe(t.predicted.median, actual)
         self._pump()
 
     def kick(self) -> None:
@@ -319,6 +332,14 @@ class Admission:
 
     def _pump(self) -> None:
         now = self.clock()
+        if self.queue and self.capacity() < 1:  # no worker left to wait for: as a new arrival
+            for t in list(self.queue):
+                del self.queue[t]
+                if t._grant is not None and not t._grant.done():
+                    t._grant.set_exception(
+                        Overloaded("no live workers can take requests now", status=503)
+                    )
+            return
         while self.queue and len(self.running) < self.capacity():
             t = self._next(now)
             del self.queue[t]
@@ -343,4 +364,7 @@ class Admission:
             "prediction_error": self.quality.error.snapshot(),
             "prediction_tau": self.quality.tau(),
             "predictions_observed": len(self.quality.pairs),
+            "refined_error": self.refined_quality.error.snapshot(),
+            "refined_tau": self.refined_quality.tau(),
+            "refined_observed": len(self.refined_quality.pairs),
         }

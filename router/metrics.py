@@ -238,15 +238,19 @@ class BackendCollector:
             "|log2(actual / predicted median)| of finished requests' output lengths.",
             labels=["model_name", "predictor"],
         )
-        e = s["prediction_error"]
-        error.add_metric([self._model, s["predictor"]], _cumulative(e["buckets"]), e["sum"])
         tau = GaugeMetricFamily(
             "tandem:length_prediction_tau",
             "Kendall's tau of predicted vs actual output lengths, last finished requests.",
             labels=["model_name", "predictor"],
         )
-        if s["prediction_tau"] is not None:
-            tau.add_metric([self._model, s["predictor"]], s["prediction_tau"])
+        # the router's prediction at admission, and the engine probe's after the prefill
+        for label, prefix in ((s["predictor"], "prediction"), ("engine_probe", "refined")):
+            e = s.get(f"{prefix}_error")
+            if e is None or (prefix == "refined" and not s.get("refined_observed")):
+                continue
+            error.add_metric([self._model, label], _cumulative(e["buckets"]), e["sum"])
+            if s.get(f"{prefix}_tau") is not None:
+                tau.add_metric([self._model, label], s[f"{prefix}_tau"])
         yield from (wait, rejected, aged, error, tau)
 
     def _router_metrics(self) -> Iterator[Metric]:

@@ -255,3 +255,38 @@ def test_config_is_checked() -> None:
         QueueConfig("lifo")
     with pytest.raises(ValueError):
         QueueConfig("sjf", aging=0.5)
+
+
+def test_the_engine_s_refined_estimate_replaces_the_router_s() -> None:
+    async def main():
+        adm = Admission(QueueConfig("fcfs"), lambda: 2)
+        t = await adm.acquire("a", pred(10), 100)
+        adm.first_token(t)
+        adm.refine(t, (40.0, 80.0, 400.0))  # the p99 is over max_tokens: capped
+        assert t.predicted.quantiles == {0.5: 40.0, 0.9: 80.0, 0.99: 100.0}
+        t.produced = 50
+        assert t.remaining() == 30  # past the refined median: its p90
+        adm.release(t, actual=60)
+        return adm
+
+    adm = run(main())
+    assert adm.quality.pairs[-1] == (10, 60)  # the router's, at admission
+    assert adm.refined_quality.pairs[-1] == (40, 60)
+
+
+def test_waiters_get_503_when_the_pool_has_no_slot_left() -> None:
+    async def main():
+        slots = [1]
+        adm = Admission(QueueConfig("sjf"), lambda: slots[0])
+        held = await adm.acquire("a", pred(10), 100)
+        waiting = asyncio.ensure_future(adm.acquire("b", pred(10), 100))
+        await settle()
+        slots[0] = 0  # the worker died
+        adm.kick()
+        with pytest.raises(Overloaded) as err:
+            await waiting
+        assert err.value.status == 503 and adm.stats()["queued"] == 0
+        adm.release(held)
+        assert adm.stats()["running"] == 0
+
+    run(main())
