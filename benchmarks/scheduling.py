@@ -6,16 +6,25 @@ learned length predictor, and sjf driven by the oracle (the true length: the cei
 
 One colocated worker running ``--slots`` sequences at once (its max_num_seqs; the router holds
 the rest in its queue), real ShareGPT first-turn prompts through /v1/chat/completions, greedy,
-answers capped at ``--max-output`` tokens. Each configuration gets its own gateway (its own
-router) over the same worker::
+``max_tokens`` ``--max-output``. Each configuration gets its own gateway (its own router) over
+the same worker. The answers' lengths (``--workload``)::
 
-    1. calibrate: every prompt once, ``--slots`` at a time: the served model's own answer length
-       for each (sent afterwards as the oracle's x-tandem-oracle-tokens header), and the learned
-       predictor's median for each (its x-tandem-predicted-tokens): the predictor's Kendall tau
-       and MAE against what this model really answers
-    2. the same requests at each offered rate (Poisson, seeded; ``inf``: one burst), once per
-       configuration: mean / p99 end-to-end latency, mean TTFT, throughput
-    3. early rejection: Poisson at ``--overload`` x the measured capacity, fcfs without and with
+    sharegpt   (default) each answer as long as its ShareGPT answer (capped at --max-output):
+               the client stops reading there and the server aborts the rest, so the server
+               is never told the length (only the oracle's header carries it); the learned
+               predictor's tau is taken against these lengths. SmolLM2-135M's own answers run
+               to the cap for most prompts (see ``text``), which leaves no order to choose.
+    text       the served model's own answers: a calibration pass first (every prompt once,
+               ``--slots`` at a time) measures each one's length (sent afterwards as the
+               oracle's x-tandem-oracle-tokens header) and the learned predictor's tau and MAE
+               against them (its x-tandem-predicted-tokens)
+
+Then::
+
+    1. the same requests at each offered rate (multiples of the capacity, Poisson, seeded;
+       ``inf``: one burst, run first; it gives the capacity when there was no calibration),
+       once per configuration: mean / p99 end-to-end latency, mean TTFT, throughput
+    2. early rejection: Poisson at ``--overload`` x the measured capacity, fcfs without and with
        ``--reject-wait``: the share of admitted requests that meet the TTFT SLO (``--slo-ttft``),
        goodput, and whether every refusal carried a Retry-After
 
@@ -72,6 +81,11 @@ LEARNED = str(ROOT / "router" / "data" / "length_smollm2")
 ORACLE = "x-tandem-oracle-tokens"
 CONFIGS = {  # workload -> name -> (queue policy, predictor, what the oracle header carries)
     "text": {
+        "fcfs": ("fcfs", "none", "true"),
+        "sjf-learned": ("sjf", LEARNED, "true"),
+        "sjf-oracle": ("sjf", "oracle", "true"),
+    },
+    "sharegpt": {
         "fcfs": ("fcfs", "none", "true"),
         "sjf-learned": ("sjf", LEARNED, "true"),
         "sjf-oracle": ("sjf", "oracle", "true"),
@@ -178,58 +192,84 @@ def length_requests(args) -> list[Request]:
 
 
 def with_header(requests: list[Request], values: list[int]) -> list[Request]:
+    return [replace(r, headers=((ORACLE, str(v)),)) for r, v in zip(requests, values, strict=True)]
+
+
+def emulated_requests(args, tok) -> list[Request]:
+    """Real ShareGPT prompts whose answers are their ShareGPT answers' lengths (capped): the
+    client stops reading there (the server aborts the rest), max_tokens is the cap, and the
+    server is never told the length (only the oracle's header carries it)."""
+    prompts = sharegpt_prompts(tok, args.num_prompts, max_prompt=args.max_prompt, seed=args.seed)
     return [
-        Request(r.prompt, r.prompt_len, r.output_len, ((ORACLE, str(v)),))
-        for r, v in zip(requests, values, strict=True)
+        Request(text, p, args.max_output, stop_after=min(o, args.max_output))
+        for text, p, o in prompts
     ]
+
+
+def calibrate(args, cluster, target: Target, base: list[Request], cal: dict) -> list[int]:
+    """Every prompt once, ``--slots`` at a time, through an fcfs gateway with the learned
+    predictor: the served model's own answer lengths, the predictor's tau against them, and
+    the capacity."""
+    gw = gateway(cluster, "smollm2", "fcfs", LEARNED)
+    try:
+        tgt = replace(target, base_url=gw.url)
+        recs, seconds = asyncio.run(send_all(tgt, base, math.inf, args.seed, args.slots))
+    finally:
+        gw.stop()
+    bad = [r.error for r in recs if not r.success]
+    if bad:
+        raise RuntimeError(f"calibration failed: {bad[:3]}")
+    actual = [r.output_tokens for r in recs]
+    cal |= {"seconds": round(seconds, 1), "capacity_req_s": round(len(recs) / seconds, 4)}
+    if args.workload == "text":
+        cal |= quality([float(r.predicted_tokens or 0) for r in recs], actual)
+    return actual
+
+
+def quality(predicted: list[float], actual: list[int]) -> dict[str, float]:
+    mae = sum(abs(p - a) for p, a in zip(predicted, actual, strict=True)) / len(actual)
+    return {"learned_tau": kendall(predicted, actual), "learned_mae": round(mae, 1)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine.tokenizer import load_tokenizer
 
     configs = CONFIGS[args.workload]
-    text = args.workload == "text"
-    target = Target("", "smollm2", endpoint="chat" if text else "completions",
-                    ignore_eos=not text, temperature=0.0 if text else 1.0)  # fmt: skip
+    chat = args.workload in ("text", "sharegpt")
+    target = Target("", "smollm2", endpoint="chat" if chat else "completions",
+                    ignore_eos=not chat, temperature=0.0 if chat else 1.0)  # fmt: skip
     cluster = start_cluster(args)
     results: dict[str, Any] = {"config": vars(args), "rates": {}, "rejection": {}}
+    cal = results["calibration"] = {}
     try:
-        if text:
-            base = text_requests(args, load_tokenizer(cluster.model_dir))
-            log(f"{len(base)} ShareGPT prompts; calibrating (the served model's own lengths)")
-        else:
+        if args.workload == "lengths":
             base = length_requests(args)
             log(f"{len(base)} requests of ShareGPT lengths; calibrating (capacity)")
-        gw = gateway(cluster, "smollm2", "fcfs", LEARNED)
-        try:
-            tgt = replace(target, base_url=gw.url)
-            recs, seconds = asyncio.run(send_all(tgt, base, math.inf, args.seed, args.slots))
-        finally:
-            gw.stop()
-        bad = [r.error for r in recs if not r.success]
-        if bad:
-            raise RuntimeError(f"calibration failed: {bad[:3]}")
-        actual = [r.output_tokens for r in recs]
-        capacity = len(recs) / seconds
-        cal = results["calibration"] = {
-            "seconds": round(seconds, 1),
-            "capacity_req_s": round(capacity, 3),
-            "output_tokens": {"mean": sum(actual) / len(actual), "max": max(actual)},
-            "capped": sum(a >= args.max_output for a in actual),
-        }
+            actual = calibrate(args, cluster, target, base, cal)
+        elif args.workload == "text":
+            base = text_requests(args, load_tokenizer(cluster.model_dir))
+            log(f"{len(base)} ShareGPT prompts; calibrating (the served model's own lengths)")
+            actual = calibrate(args, cluster, target, base, cal)
+        else:  # the capacity comes from the first fcfs burst
+            base = emulated_requests(args, load_tokenizer(cluster.model_dir))
+            actual = [r.stop_after for r in base]
+            log(f"{len(base)} ShareGPT prompts, answers of their ShareGPT lengths; warming up")
+            gw = gateway(cluster, "smollm2", "fcfs", "none")
+            try:  # the first requests of a fresh worker are slow: not in any measured run
+                warm = [replace(r, stop_after=8) for r in base[: args.slots]]
+                asyncio.run(send_all(replace(target, base_url=gw.url), warm, math.inf, 0))
+            finally:
+                gw.stop()
+        cal["output_tokens"] = {"mean": sum(actual) / len(actual), "max": max(actual)}
+        cal["capped"] = sum(a >= args.max_output for a in actual)
         headers = {"true": actual}
-        if text:
-            learned = [float(r.predicted_tokens or 0) for r in recs]
-            cal["learned_tau"] = kendall(learned, actual)
-            cal["learned_mae"] = round(
-                sum(abs(p - a) for p, a in zip(learned, actual, strict=True)) / len(actual), 1
-            )
-        else:
+        if args.workload == "lengths":
             headers["noisy"], cal["noisy_sigma"] = noisy(actual, args.noisy_tau, args.seed)
             cal["noisy_tau"] = kendall(headers["noisy"], actual)
         log(f"calibration: {cal}")
-        rates = [math.inf if x == "inf" else float(x) * capacity for x in args.rates]
-        for rate in rates:
+        order = sorted(args.rates, key=lambda x: x != "inf")  # the burst first
+        for x in order:
+            rate = math.inf if x == "inf" else float(x) * cal["capacity_req_s"]
             key = "inf" if rate == math.inf else f"{rate:.3f}"
             results["rates"][key] = {}
             for name, (policy, predictor, header) in configs.items():
@@ -245,12 +285,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 finally:
                     gw.stop()
                 results["rates"][key][name] = entry
+                if "capacity_req_s" not in cal and name == "fcfs":
+                    cal["capacity_req_s"] = round(entry["request_throughput"], 4)
+                if args.workload == "sharegpt" and predictor == LEARNED and rate == math.inf:
+                    cal |= quality([float(r.predicted_tokens or 0) for r in recs], actual)
                 log(f"rate {key} {name}: mean e2e {entry['mean_e2el_ms']:.0f} ms, p99 "
                     f"{entry['p99_e2el_ms']:.0f} ms, mean ttft {entry['mean_ttft_ms']:.0f} ms, "
                     f"{entry['request_throughput']:.3f} req/s")  # fmt: skip
         if args.overload > 0:
-            results["rejection"] = rejection(args, cluster, target, with_header(base, actual),
-                                             capacity)  # fmt: skip
+            requests = with_header(base, actual)
+            results["rejection"] = rejection(args, cluster, target, requests, cal["capacity_req_s"])
     finally:
         cluster.shutdown()
     return results
@@ -320,8 +364,8 @@ def plot(results: dict[str, Any], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = list(results["rates"])
-    finite = [float(r) for r in rates if r != "inf"]
+    finite = sorted(float(r) for r in results["rates"] if r != "inf")
+    rates = [f"{r:.3f}" for r in finite] + (["inf"] if "inf" in results["rates"] else [])
     burst_x = (max(finite) * 1.4) if finite else 1.0
     xs = [burst_x if r == "inf" else float(r) for r in rates]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -353,7 +397,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="bfloat16", help="cuda only (CPU: float32)")
-    ap.add_argument("--workload", default="text", choices=list(CONFIGS))
+    ap.add_argument("--workload", default="sharegpt", choices=list(CONFIGS))
     ap.add_argument("--lengths-file", default=str(ROOT / "benchmarks" / "data" /
                     "sharegpt_llama3_lengths.json"))  # fmt: skip
     ap.add_argument(

@@ -87,6 +87,9 @@ class Request:
     prompt_len: int
     output_len: int  # max_tokens
     headers: tuple[tuple[str, str], ...] = ()  # sent with this request only
+    # the client reads this many text chunks, then closes the stream (the server aborts the
+    # request): an answer of this length without telling the server (scheduling benchmarks)
+    stop_after: int | None = None
 
 
 @dataclass
@@ -271,8 +274,11 @@ async def sse_lines(resp: Any) -> AsyncIterator[str]:
         yield buf.decode()
 
 
-async def read_stream(resp: Any, rec: Record, start: float, chat: bool) -> None:
-    """Fill ``rec`` from an SSE stream: TTFT, ITLs, usage, or the in-band error."""
+async def read_stream(
+    resp: Any, rec: Record, start: float, chat: bool, stop_after: int | None = None
+) -> None:
+    """Fill ``rec`` from an SSE stream: TTFT, ITLs, usage, or the in-band error. With
+    ``stop_after``, a stream that brought that many text chunks counts as complete there."""
     last, chunks, done = start, 0, False
     async for line in sse_lines(resp):
         if not line.startswith("data:"):
@@ -295,6 +301,9 @@ async def read_stream(resp: Any, rec: Record, start: float, chat: bool) -> None:
             else:
                 rec.itl.append(now - last)
             last, chunks = now, chunks + 1
+            if stop_after is not None and chunks >= stop_after:
+                done = True
+                break
         if usage := data.get("usage"):
             rec.output_tokens = usage.get("completion_tokens") or 0
             rec.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -321,7 +330,7 @@ async def send_request(client: Any, target: Target, req: Request, t0: float) -> 
                 text = (await resp.aread()).decode("utf-8", errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text[:300]}"
             else:
-                await read_stream(resp, rec, start, target.endpoint == "chat")
+                await read_stream(resp, rec, start, target.endpoint == "chat", req.stop_after)
     except Exception as exc:  # connection errors, timeouts, malformed frames
         rec.error = f"{type(exc).__name__}: {exc}"
     end = time.perf_counter()
