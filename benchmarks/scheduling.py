@@ -102,13 +102,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+MAX_WAIT_S = 600.0  # sjf's absolute cap: a CPU burst lasts minutes (the default is 120 s)
+
+
 def gateway(cluster, name: str, policy: str, predictor: str, reject_wait_s: float = 0.0):
     from router.admission import QueueConfig
 
     cfg = SimpleNamespace(
         max_resumes=2, stall_timeout_s=60.0, max_concurrent=8192, max_body_bytes=8 << 20
     )
-    queue = QueueConfig(policy, max_queue=8192, reject_wait_s=reject_wait_s)
+    queue = QueueConfig(policy, max_queue=8192, max_wait_s=MAX_WAIT_S, reject_wait_s=reject_wait_s)
     return GatewayThread(cluster, None, cfg, name, queue=queue, predictor=predictor).start()
 
 

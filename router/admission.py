@@ -30,8 +30,8 @@ uses::
 
 A full queue (``max_queue`` waiting) also answers 429 at once; when the pool has no slot left
 at all (every worker dead or suspect) the waiting requests get 503, as a new one would. Until a first request has
-finished there are no rates, hence no projection: nothing is rejected early and sjf deadlines
-are ``max_wait_s``.
+finished there are no rates, hence no projection: nothing is rejected early, and sjf requests
+queued meanwhile get their deadlines once there are (``max_wait_s`` until then).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Ticket:
     key: float  # sjf order: the predicted output tokens
     admitted_median: float | None = None  # the router's median at admission (quality metrics)
     deadline: float = math.inf  # sjf: past this it starts before anyone else
+    projected: bool = False  # its deadline came from a projection (not the cap alone)
     granted_at: float | None = None
     first_token_at: float | None = None
     produced: int = 0  # output tokens so far
@@ -227,6 +228,7 @@ class Admission:
             fcfs = self._project(t, list(self.queue))
             limit = self.cfg.max_wait_s if fcfs is None else self.cfg.aging * fcfs
             t.deadline = now + min(limit, self.cfg.max_wait_s)
+            t.projected = fcfs is not None
         t._grant = asyncio.get_running_loop().create_future()
         self.queue[t] = None
         self.queued_total += 1
@@ -290,10 +292,19 @@ class Admission:
         return self._project(t, self.ahead_of(t))
 
     def _project(self, t: Ticket, ahead: list[Ticket]) -> float | None:
-        slots = self.capacity()
-        if not ahead and len(self.running) < slots:
+        if not ahead and len(self.running) < self.capacity():
             return 0.0
-        rates = self.rates
+        heap = self._slots_free()
+        if heap is None:
+            return None
+        for q in ahead:
+            start = heapq.heappop(heap)
+            heapq.heappush(heap, start + self.rates.service_s(q.remaining()))
+        return heap[0]
+
+    def _slots_free(self) -> list[float] | None:
+        """A heap of the seconds from now at which each slot frees (None: no rates yet)."""
+        slots, rates = self.capacity(), self.rates
         if not rates.known or slots < 1:
             return None
         now = self.clock()
@@ -308,10 +319,25 @@ class Admission:
         free = ends[len(ends) - slots :] if len(ends) >= slots else [0.0] * (slots - len(ends))
         heap = free if len(ends) >= slots else free + ends
         heapq.heapify(heap)
-        for q in ahead:
+        return heap
+
+    def _project_deadlines(self, now: float) -> None:
+        """sjf: requests that queued before there were rates (a fresh router under a burst)
+        got the cap as their deadline; once there are rates, each gets ``aging`` times what
+        FCFS gives it (waited so far + its FCFS-projected start from now): one list-scheduling
+        pass over the queue in arrival order."""
+        if self.cfg.policy != "sjf" or all(q.projected for q in self.queue):
+            return
+        heap = self._slots_free()
+        if heap is None:
+            return
+        for q in self.queue:
             start = heapq.heappop(heap)
-            heapq.heappush(heap, start + rates.service_s(q.remaining()))
-        return heap[0]
+            if not q.projected:
+                fcfs = (now - q.arrival) + start
+                q.deadline = q.arrival + min(self.cfg.aging * fcfs, self.cfg.max_wait_s)
+                q.projected = True
+            heapq.heappush(heap, start + self.rates.service_s(q.remaining()))
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -340,6 +366,7 @@ class Admission:
                         Overloaded("no live workers can take requests now", status=503)
                     )
             return
+        self._project_deadlines(now)
         while self.queue and len(self.running) < self.capacity():
             t = self._next(now)
             del self.queue[t]

@@ -290,3 +290,32 @@ def test_waiters_get_503_when_the_pool_has_no_slot_left() -> None:
         assert adm.stats()["running"] == 0
 
     run(main())
+
+
+def test_sjf_deadlines_of_a_burst_queued_before_there_were_rates() -> None:
+    """A fresh router under a burst: no rates, so the cap is every deadline at first; once
+    rates are known each gets aging x what FCFS gives it (one pass in arrival order)."""
+
+    async def main():
+        clock = Clock()
+        adm = Admission(QueueConfig("sjf", aging=2.0, max_wait_s=1000), lambda: 1, clock)
+        held = await adm.acquire("held", pred(10), 100)
+        tasks = [
+            asyncio.ensure_future(adm.acquire(r, pred(n), 1000))
+            for r, n in (("long", 400), ("short", 5), ("medium", 50))
+        ]
+        await settle()
+        assert [q.deadline - clock.t for q in adm.queue] == [1000.0] * 3
+        with_rates(adm, tokens_per_s=10.0)
+        adm.kick()
+        # FCFS would start long at 1 s (held's 10 tokens), short at 41 s, medium at 41.5 s
+        assert [q.deadline - clock.t for q in adm.queue] == pytest.approx([2.0, 82.0, 83.0])
+        clock.t += 2.5
+        adm.release(held)
+        await settle()
+        assert [t.done() for t in tasks] == [True, False, False]  # long: past its deadline
+        assert adm.stats()["aged"] == 1
+        for t in tasks:
+            t.cancel()
+
+    run(main())
