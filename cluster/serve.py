@@ -81,10 +81,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--predictor",
-        default="none",
+        default="learned",
         metavar="NAME|PATH",
-        help="output-length predictor: none, learned (the shipped one), oracle (benchmarks: "
-        "the x-tandem-oracle-tokens header), or an artifact path (default: none)",
+        help="output-length predictor: learned (the shipped one), none, oracle (benchmarks: "
+        "the x-tandem-oracle-tokens header), or an artifact path (default: learned)",
     )
     p.add_argument(
         "--max-queue",

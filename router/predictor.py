@@ -7,8 +7,18 @@ schedulers need the tail. Predictors are pluggable (``PREDICTORS``, ``make_predi
     none      no prediction (the policies fall back to max_tokens / FCFS)
     oracle    the true length from the request's ``x-tandem-oracle-tokens`` header (benchmarks
               that know it: the ceiling any predictor can reach)
-    learned   hashed word uni- and bigrams plus length and turn features, a ridge regression on
-              log(1 + length), quantiles from its held-out residuals (``HashedRidge``)
+    learned   the shipped artifact router/data/length_smollm2 (``NgramMLP``): hashed word uni-
+              and bigrams with learned embeddings, pooled, plus prompt, turn and chat-history
+              features, into a small MLP ensemble on log(1 + length); quantiles from
+              held-out residuals; its output layer adapts online to the served model
+
+The learned predictor's life in the router::
+
+    admission   predict(x)  ── features ── hidden units ── head ──► p50 / p90 / p99
+    finish      observe(x, actual tokens) ──► the window (hidden, log length), the rolling tau
+    when due    refit_due() ──► maybe_refit() in a thread: ridge of the head on the window,
+                toward the trained head ──► one swap; predict reads the head once
+    metrics     stats(): observations, refits, rolling Kendall tau and MAE
 
 Every prediction is capped by the request's ``max_tokens`` (and never below 1).
 """
@@ -19,28 +29,33 @@ import abc
 import json
 import math
 import re
+import threading
+import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 QUANTILES = (0.5, 0.9, 0.99)
 ORACLE_HEADER = "x-tandem-oracle-tokens"
+DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "data" / "length_smollm2"
 
 
 @dataclass(frozen=True)
 class PredictInput:
     """What the router knows of a request when it predicts."""
 
-    text: str | None = None  # the rendered prompt (chat: the last user turn is what counts most)
-    prompt_len: int = 0  # prompt tokens
+    text: str | None = None  # chat: the last user turn's text; a completion: its prompt
+    prompt_len: int = 0  # prompt tokens (the learned predictor reads them only without text)
     turns: int = 1  # user turns so far (a chat's structure)
     last_answer_len: int | None = None  # tokens of the previous assistant turn, when known
     max_tokens: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    prev_answers: tuple[str, ...] = ()  # a chat's earlier assistant turns' text, oldest first
 
 
 @dataclass(frozen=True)
@@ -92,12 +107,41 @@ class OraclePredictor(LengthPredictor):
         return Prediction(dict.fromkeys(QUANTILES, n)).capped(x.max_tokens)
 
 
-# -- the learned predictor -------------------------------------------------------------------------
+# -- the learned predictor's features ---------------------------------------------------------------
 
 _WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
-
-
 _HEAD, _TAIL = 192, 64  # words of a long prompt that count: its start and its end (the ask)
+_EDGE = 12  # the first and last words once more, in namespaces of their own (where the ask is)
+# words (_WORD's tokens) that mark code, and the units of an asked count ("in 300 words")
+_CODE_WORDS = frozenset(
+    re.findall(r"\S+", "` { } ; = def import return function class const var print")
+)
+_UNIT_WORDS = "word sentence paragraph question example item step line point idea tip name bullet"
+_UNIT_WORDS += " page character tweet title option way reason"
+_UNITS = frozenset(unit + plural for unit in _UNIT_WORDS.split() for plural in ("", "s"))
+_LONG_ANSWER_LOG_CHARS = math.log1p(2000)  # an answer past 2000 characters is a long one
+
+NUMERIC_NAMES = (
+    "log_words",  # of the prompt (its prompt_len tokens when it has no text)
+    "log_turns_before",
+    "log_last_answer_tokens",
+    "no_last_answer",
+    "log_chars",
+    "log_lines",
+    "log_question_marks",
+    "log_code_marks",  # of the words, those in _CODE_WORDS
+    "non_ascii_share",  # the language, roughly: UTF-8 bytes past the first per character
+    "log_asked_count",  # "in 300 words", "10 questions": the largest such number
+    "asks_a_count",
+    "ends_with_question_mark",
+    "mean_log_answer_chars",  # the earlier assistant turns (prev_answers) from here on
+    "max_log_answer_chars",
+    "log_answers",
+    "log_last_answer_chars",
+    "log_last_answer_fences",
+    "log_last_answer_lines",
+    "long_answer_share",
+)
 
 
 def _words(text: str) -> list[str]:
@@ -109,139 +153,395 @@ def _words(text: str) -> list[str]:
     return words if len(words) <= _HEAD + _TAIL else words[:_HEAD] + words[-_TAIL:]
 
 
-def _bucket(token: str, dims: int) -> int:
-    return zlib.crc32(token.encode()) % dims
+class Features(NamedTuple):
+    """A request as the learned predictor reads it."""
+
+    keys: np.ndarray  # (n,) uint32: each distinct word, word bigram, first / last word (hashed)
+    weights: np.ndarray  # (n,) float32: log(1 + count), L2-normalised
+    numeric: np.ndarray  # (len(NUMERIC_NAMES),) float32
 
 
-class HashedFeatures:
-    """A request as a sparse vector: hashed word unigrams and bigrams (count-damped) of its
-    first and last words, plus dense numeric features (log prompt length, turns, log previous
-    answer length). Deterministic (crc32), no vocabulary to ship."""
+_MIX = np.uint64(0x9E3779B1)  # bigram key = crc(a) * _MIX + crc(b), and the namespaces' salt
+_MASK = np.uint64(0xFFFFFFFF)
 
-    NUMERIC = 5
 
-    def __init__(self, dims: int = 1 << 12) -> None:
-        self.dims = dims
+def gram_keys(words: list[str]) -> np.ndarray:
+    """uint32 keys of the words, their bigrams, and (namespaced) the first and last _EDGE
+    words: crc32 of each distinct word, mixed in numpy (deterministic: no vocabulary needed to
+    hash; the model's vocabulary is the keys it has weights for)."""
+    crc = {w: zlib.crc32(w.encode()) for w in set(words)}
+    h = np.array([crc[w] for w in words], dtype=np.uint64)
+    return np.concatenate(
+        [
+            h,
+            (h[:-1] * _MIX + h[1:]) & _MASK,
+            (h[:_EDGE] * _MIX + np.uint64(1)) & _MASK,
+            (h[-_EDGE:] * _MIX + np.uint64(2)) & _MASK,
+        ]
+    ).astype(np.uint32)
+
+
+def request_features(x: PredictInput) -> Features:
+    """The request's hashed n-grams (``gram_keys``, log-count weights) and NUMERIC_NAMES."""
+    words = _words(x.text or "")
+    keys, counts = np.unique(gram_keys(words), return_counts=True)
+    weights = np.log1p(counts.astype(np.float32))
+    weights /= float(np.sqrt((weights * weights).sum())) or 1.0
+    numeric = np.asarray(_prompt_numeric(x, words) + _history_numeric(x), dtype=np.float32)
+    return Features(keys, weights, numeric)
+
+
+def _prompt_numeric(x: PredictInput, words: list[str]) -> list[float]:
+    """NUMERIC_NAMES of the prompt; a long one's counts are read off its first 8000 and last
+    2000 characters, scaled to its length (bounded time)."""
+    text = x.text or ""
+    part = text if len(text) <= 10_000 else text[:8000] + text[-2000:]
+    scale = len(text) / max(len(part), 1)
+    head = part[:2000]
+    asked = _asked_count(words)
+    last = x.last_answer_len
+    return [
+        math.log1p(len(words) if text else x.prompt_len),
+        math.log1p(max(x.turns - 1, 0)),
+        math.log1p(last) if last is not None else 0.0,
+        1.0 if last is None else 0.0,
+        math.log1p(len(text)),
+        math.log1p(part.count("\n") * scale),
+        math.log1p(part.count("?") * scale),
+        math.log1p(sum(w in _CODE_WORDS for w in words)),
+        (len(head.encode("utf-8", "ignore")) - len(head)) / max(len(head), 1),
+        math.log1p(asked),
+        1.0 if asked else 0.0,
+        1.0 if part[-100:].rstrip().endswith("?") else 0.0,
+    ]
+
+
+def _asked_count(words: list[str]) -> int:
+    """The largest N of "N words", "N-step", "10 questions" ... in the words (0: none)."""
+    best = 0
+    for i in [i for i, w in enumerate(words) if w.isdigit() and len(w) <= 5]:
+        after = words[i + 1 : i + 3]
+        if after[:1] == ["-"]:
+            after = after[1:]
+        if after and after[0] in _UNITS:
+            best = max(best, int(words[i]))
+    return best
+
+
+def _history_numeric(x: PredictInput) -> list[float]:
+    answers = x.prev_answers
+    if not answers:
+        return [0.0] * 7
+    chars = [math.log1p(len(a)) for a in answers]
+    last = answers[-1]
+    return [
+        sum(chars) / len(chars),
+        max(chars),
+        math.log1p(len(answers)),
+        chars[-1],
+        math.log1p(last.count("```")),
+        math.log1p(last.count("\n")),
+        sum(c > _LONG_ANSWER_LOG_CHARS for c in chars) / len(chars),
+    ]
+
+
+# -- the learned predictor ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    """The trained part: K members (an ensemble) over one vocabulary of n-gram keys. Member k
+    pools its D-wide embeddings of the request's known keys (by their weights), appends the
+    standardised numeric features and applies one ReLU layer of H units. The embeddings stay
+    int8 in memory (a row per cache line: the gather of a few hundred cold rows is most of a
+    prediction's time)::
+
+        keys ──searchsorted(vocab)──► rows ──(weights * scale[rows]) @ codes[rows]──► (K, D) ┐
+        numeric ──(x - mean) / scale─────────────────────────────────────────────► (K, N) ┤
+        (K, D+N) ◄────────────────────────────────────────────────────────────────────────┘
+            ──@ w1 (K, D+N, H) + b1, ReLU──► hidden (K*H,) ──Head──► log(1 + tokens)
+    """
+
+    vocab: np.ndarray  # (V,) uint32, sorted
+    codes: np.ndarray  # (V, K*D) int8 embeddings: member k's are columns k*D .. k*D+D-1
+    scale: np.ndarray  # (V,) float32: embedding row = codes[row] * scale[row] (quantize_rows)
+    num_mean: np.ndarray  # (N,) float32
+    num_scale: np.ndarray  # (N,) float32
+    w1: np.ndarray  # (K, D+N, H) float32
+    b1: np.ndarray  # (K, H) float32
+    w2: np.ndarray  # (K, H) float32: the trained output layer (the online head's prior)
+    b2: np.ndarray  # (K,) float32
+
+    def __post_init__(self) -> None:
+        k, d_n, h = self.w1.shape
+        v, kd = self.codes.shape
+        n = len(self.num_mean)
+        if kd % k or kd // k + n != d_n or {len(self.vocab), len(self.scale)} != {v}:
+            raise ValueError(
+                f"inconsistent weights: vocab {len(self.vocab)}, embeddings {self.codes.shape}"
+                f", {n} numeric, w1 {self.w1.shape}, w2 {self.w2.shape}"
+            )
 
     @property
-    def width(self) -> int:
-        return self.dims + self.NUMERIC
+    def members(self) -> int:
+        return self.w1.shape[0]
 
-    def sparse(self, x: PredictInput) -> tuple[np.ndarray, np.ndarray]:
-        """(indices, values) of the nonzero features."""
-        words = _words(x.text or "")
-        counts: dict[int, float] = {}
-        for w in words:
-            counts[_bucket(w, self.dims)] = counts.get(_bucket(w, self.dims), 0.0) + 1.0
-        for a, b in zip(words, words[1:], strict=False):
-            k = _bucket(a + " " + b, self.dims)
-            counts[k] = counts.get(k, 0.0) + 1.0
-        idx = np.fromiter(counts, dtype=np.int64, count=len(counts))
-        val = np.log1p(np.fromiter(counts.values(), dtype=np.float64, count=len(counts)))
-        norm = math.sqrt(float((val * val).sum())) or 1.0
-        prev = x.last_answer_len
-        numeric = [
-            1.0,  # bias
-            math.log1p(x.prompt_len or len(words)),
-            math.log1p(max(x.turns - 1, 0)),
-            math.log1p(prev) if prev is not None else 0.0,
-            1.0 if prev is None else 0.0,
-        ]
-        idx = np.concatenate([idx, np.arange(self.dims, self.width)])
-        val = np.concatenate([val / norm, np.asarray(numeric)])
-        return idx, val
+    def hidden(self, f: Features) -> np.ndarray:
+        """The members' hidden units, concatenated: (K*H,) float32."""
+        pos = np.searchsorted(self.vocab, f.keys)
+        pos[pos == len(self.vocab)] = 0
+        known = self.vocab[pos] == f.keys
+        rows = pos[known]
+        pooled = (f.weights[known] * self.scale[rows]) @ self.codes[rows]
+        k = self.members
+        z = (f.numeric - self.num_mean) / self.num_scale
+        inputs = np.concatenate([pooled.reshape(k, -1), np.broadcast_to(z, (k, len(z)))], axis=1)
+        return np.maximum(np.matmul(inputs[:, None, :], self.w1)[:, 0] + self.b1, 0.0).ravel()
 
-    def dense(self, rows: Sequence[PredictInput]) -> np.ndarray:
-        out = np.zeros((len(rows), self.width), dtype=np.float64)
-        for i, x in enumerate(rows):
-            idx, val = self.sparse(x)
-            np.add.at(out[i], idx, val)
-        return out
+    def head(self, residual_quantiles: dict[float, float]) -> Head:
+        """The trained output layer as one linear head over ``hidden``: the members' mean."""
+        k = self.members
+        return Head(
+            (self.w2 / k).ravel().astype(np.float64), float(self.b2.mean()), residual_quantiles
+        )
 
 
-class HashedRidge(LengthPredictor):
-    """Ridge regression on log(1 + output tokens) over ``HashedFeatures``; the quantiles add
-    the held-out residuals' quantiles to the predicted log length."""
+@dataclass(frozen=True)
+class Head:
+    """``log(1 + tokens) = hidden @ w + b``; quantile q adds ``residual_quantiles[q]``."""
 
-    name = "learned"
+    w: np.ndarray
+    b: float
+    residual_quantiles: dict[float, float]
+
+    def predict(self, hidden: np.ndarray, max_tokens: int | None) -> Prediction:
+        mu = float(hidden @ self.w) + self.b
+        return Prediction(
+            {q: max(1.0, math.expm1(min(mu + r, 20.0))) for q, r in self.residual_quantiles.items()}
+        ).capped(max_tokens)
+
+
+def refit_head(hidden: np.ndarray, y: np.ndarray, prior: Head, strength: float) -> Head:
+    """The head that minimises ``||hidden @ w + b - y||^2 + strength * ||w - prior.w||^2`` (the
+    bias is free: a served model that is merely longer or shorter moves it at once), and its
+    residual quantiles: quantiles of leave-one-out residuals (on at most _LOO_ROWS rows),
+    shrunk toward the prior's with the weight of _PRIOR_RESIDUALS observations (a 0.99 of a
+    few hundred is noisy). One (K*H+1)-square solve: ~10 ms for a window of 4096 at K*H 192."""
+    n, m = hidden.shape
+    z = np.empty((n, m + 1))
+    z[:, :m] = hidden
+    z[:, m] = 1.0
+    penalty = np.full(m + 1, float(strength))
+    penalty[m] = 1e-6  # (the bias: free)
+    a_inv = np.linalg.inv(z.T @ z + np.diag(penalty))
+    w = a_inv @ (z.T @ y + penalty * np.append(prior.w, prior.b))
+    sample = z[:: max(1, n // _LOO_ROWS)]
+    leverage = np.einsum("ij,ij->i", sample @ a_inv, sample)
+    loo = (y[:: max(1, n // _LOO_ROWS)] - sample @ w) / np.maximum(1.0 - leverage, 1e-3)
+    share = n / (n + _PRIOR_RESIDUALS)
+    quantiles = sorted(
+        share * float(np.quantile(loo, q)) + (1 - share) * prior.residual_quantiles[q]
+        for q in QUANTILES
+    )
+    return Head(w[:m], float(w[m]), dict(zip(QUANTILES, quantiles, strict=True)))
+
+
+_LOO_ROWS = 1024
+_PRIOR_RESIDUALS = 256
+
+
+class OnlineHead:
+    """The learned predictor's output layer, adapted online to the served model's lengths.
+
+    Finished requests come in through ``observe`` (their hidden units and true length) into a
+    ring of the last ``window``; every ``refit_every`` of them ``refit_due()`` turns true and
+    ``maybe_refit()`` refits the head on the ring (``refit_head``, toward the trained head as
+    its prior, never toward an earlier refit) and swaps it in with one assignment: ``head`` is
+    read once per prediction, so a prediction uses the old head or the new, never a mix.
+    ``observe`` is O(1) under a lock; ``maybe_refit`` takes ~10-50 ms (numpy, which releases
+    the GIL in its BLAS calls) in whatever thread calls it, and refits never overlap."""
 
     def __init__(
         self,
-        weights: np.ndarray,
-        residual_quantiles: dict[float, float],
-        features: HashedFeatures | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> None:
-        self.features = features or HashedFeatures(len(weights) - HashedFeatures.NUMERIC)
-        if len(weights) != self.features.width:
-            raise ValueError(f"{len(weights)} weights for {self.features.width} features")
-        self.weights = np.asarray(weights, dtype=np.float64)
-        self.residual_quantiles = {float(q): float(v) for q, v in residual_quantiles.items()}
-        self.meta = meta or {}
-
-    @classmethod
-    def fit(
-        cls,
-        rows: Sequence[PredictInput],
-        lengths: Sequence[int],
+        prior: Head,
         *,
-        alpha: float = 1.0,
-        holdout: tuple[Sequence[PredictInput], Sequence[int]] | None = None,
-        features: HashedFeatures | None = None,
-        chunk: int = 2048,
-    ) -> HashedRidge:
-        """Closed-form ridge (X'X + alpha I) w = X'y, accumulated in dense chunks; residual
-        quantiles from ``holdout`` (the training rows when None)."""
-        feats = features or HashedFeatures()
-        y = np.log1p(np.asarray(lengths, dtype=np.float64))
-        xtx = np.zeros((feats.width, feats.width))
-        xty = np.zeros(feats.width)
-        for start in range(0, len(rows), chunk):
-            block = feats.dense(rows[start : start + chunk])
-            xtx += block.T @ block
-            xty += block.T @ y[start : start + chunk]
-        xtx[np.diag_indices_from(xtx)] += alpha
-        model = cls(np.linalg.solve(xtx, xty), {}, feats)
-        eval_rows, eval_y = holdout if holdout is not None else (rows, lengths)
-        resid = np.log1p(np.asarray(eval_y, dtype=np.float64)) - model._mu(eval_rows)
-        model.residual_quantiles = {q: float(np.quantile(resid, q)) for q in QUANTILES}
-        return model
+        refit_every: int = 256,
+        window: int = 4096,
+        strength: float = 300.0,
+        tau_window: int = 500,
+    ) -> None:
+        self.prior = prior
+        self.head = prior
+        self.refit_every = refit_every
+        self.strength = strength
+        self._hidden = np.zeros((window, len(prior.w)), dtype=np.float32)
+        self._y = np.zeros(window)
+        self._filled = self._next = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=tau_window)
+        self._lock = threading.Lock()
+        self._refit_lock = threading.Lock()
+        self._observations = self._refits = self._since_refit = 0
+        self._last_refit_ms = 0.0
 
-    def _mu(self, rows: Sequence[PredictInput]) -> np.ndarray:
-        return np.array([self._mu_one(x) for x in rows])
+    def observe(self, hidden: np.ndarray, actual: int, predicted: float) -> None:
+        with self._lock:
+            self._hidden[self._next] = hidden
+            self._y[self._next] = math.log1p(actual)
+            self._next = (self._next + 1) % len(self._y)
+            self._filled = min(self._filled + 1, len(self._y))
+            self._recent.append((predicted, actual))
+            self._observations += 1
+            self._since_refit += 1
 
-    def _mu_one(self, x: PredictInput) -> float:
-        idx, val = self.features.sparse(x)
-        return float(self.weights[idx] @ val)
+    def refit_due(self) -> bool:
+        return self._since_refit >= self.refit_every
+
+    def maybe_refit(self) -> bool:
+        """Refit if due (and no other refit is running); whether it did."""
+        if not self._refit_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                if not self.refit_due():
+                    return False
+                self._since_refit = 0
+                hidden, y = self._hidden[: self._filled].copy(), self._y[: self._filled].copy()
+            start = time.perf_counter()
+            self.head = refit_head(hidden, y, self.prior, self.strength)  # the swap
+            self._last_refit_ms = 1e3 * (time.perf_counter() - start)
+            self._refits += 1
+            return True
+        finally:
+            self._refit_lock.release()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics: observations, refits, the window's fill, the last refit's
+        time, and over the last ``tau_window`` observed requests the Kendall tau and MAE of the
+        prediction made at observation (by the head of that time) against the true length."""
+        with self._lock:
+            recent = list(self._recent)
+            out: dict[str, Any] = {
+                "observations": self._observations,
+                "refits": self._refits,
+                "since_refit": self._since_refit,
+                "window": self._filled,
+                "last_refit_ms": round(self._last_refit_ms, 3),
+            }
+        pred = np.array([p for p, _ in recent])
+        actual = np.array([a for _, a in recent], dtype=np.float64)
+        out["rolling_n"] = len(recent)
+        out["rolling_kendall_tau"] = (
+            round(kendall_tau(pred, actual), 4) if len(recent) > 1 else None
+        )
+        out["rolling_mae_tokens"] = (
+            round(float(np.abs(pred - actual).mean()), 2) if recent else None
+        )
+        return out
+
+
+class NgramMLP(LengthPredictor):
+    """The learned predictor: ``MLPWeights`` (trained offline, benchmarks/train_predictor.py)
+    and an ``OnlineHead`` over them. predict costs one feature pass (~0.2 ms; long prompts are
+    cut to their first and last words); so does observe, on the caller's thread.
+
+    The online contract (the router's): call ``observe(x, actual)`` for every request that
+    finished (``x`` as it was predicted; ``actual`` its output tokens), then, when
+    ``refit_due()``, run ``maybe_refit()`` off the event loop (a thread: it is numpy). ``stats()``
+    gives the counters. The adapted head lives in memory only: ``save`` writes the trained one."""
+
+    name = "learned"
+    KIND = "ngram_mlp"
+
+    def __init__(
+        self,
+        weights: MLPWeights,
+        residual_quantiles: dict[float, float],
+        meta: dict[str, Any] | None = None,
+        **online: Any,
+    ) -> None:
+        self.weights = weights
+        self.meta = meta or {}
+        prior = weights.head({float(q): float(v) for q, v in residual_quantiles.items()})
+        self.online = OnlineHead(prior, **online)
+
+    def fresh(self, **online: Any) -> NgramMLP:
+        """The same trained weights with a new online state (settings ``online``)."""
+        return NgramMLP(self.weights, self.online.prior.residual_quantiles, self.meta, **online)
 
     def predict(self, x: PredictInput) -> Prediction | None:
-        mu = self._mu_one(x)
-        qs = {q: math.expm1(mu + r) for q, r in self.residual_quantiles.items()}
-        return Prediction(qs).capped(x.max_tokens)
+        return self.online.head.predict(self.weights.hidden(request_features(x)), x.max_tokens)
+
+    def observe(self, x: PredictInput, actual: int) -> None:
+        if actual < 0:
+            return
+        hidden = self.weights.hidden(request_features(x))
+        self.online.observe(hidden, actual, self.online.head.predict(hidden, x.max_tokens).median)
+
+    def refit_due(self) -> bool:
+        return self.online.refit_due()
+
+    def maybe_refit(self) -> bool:
+        return self.online.maybe_refit()
+
+    def stats(self) -> dict[str, Any]:
+        return self.online.stats()
 
     # -- the artifact --------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        np.savez_compressed(path.with_suffix(".npz"), weights=self.weights.astype(np.float32))
+        """``path``.npz (int8 embeddings with a float16 scale per row, float32 the rest) and
+        ``path``.json (settings, trained residual quantiles, ``meta``)."""
+        path, w = Path(path), self.weights
+        np.savez_compressed(
+            path.with_suffix(".npz"),
+            vocab=w.vocab,
+            codes=w.codes,
+            scale=w.scale.astype(np.float16),
+            **{k: getattr(w, k) for k in ("num_mean", "num_scale", "w1", "b1", "w2", "b2")},
+        )
         meta = {
-            "kind": self.name,
-            "dims": self.features.dims,
-            "residual_quantiles": {str(q): v for q, v in self.residual_quantiles.items()},
+            "kind": self.KIND,
+            "members": w.members,
+            "embedding_dims": w.codes.shape[1] // w.members,
+            "hidden": w.w1.shape[2],
+            "vocab": len(w.vocab),
+            "numeric": list(NUMERIC_NAMES),
+            "residual_quantiles": {
+                str(q): v for q, v in self.online.prior.residual_quantiles.items()
+            },
             **self.meta,
         }
         path.with_suffix(".json").write_text(json.dumps(meta, indent=1))
 
     @classmethod
-    def load(cls, path: str | Path) -> HashedRidge:
+    def load(cls, path: str | Path, **online: Any) -> NgramMLP:
         path = Path(path)
         meta = json.loads(path.with_suffix(".json").read_text())
-        if meta.get("kind") != cls.name:
-            raise ValueError(f"{path} is not a {cls.name} predictor artifact")
+        if meta.get("kind") != cls.KIND:
+            raise ValueError(
+                f"{path}.json is a {meta.get('kind')!r} artifact, not {cls.KIND!r}: retrain it "
+                "with benchmarks/train_predictor.py"
+            )
+        if meta.get("numeric") != list(NUMERIC_NAMES):
+            raise ValueError(f"{path}.json was trained on other numeric features: retrain it")
         with np.load(path.with_suffix(".npz")) as data:
-            weights = data["weights"].astype(np.float64)
+            arrays = {k: data[k] for k in data.files}
+        weights = MLPWeights(
+            vocab=arrays.pop("vocab"),
+            codes=arrays.pop("codes"),
+            **{k: v.astype(np.float32) for k, v in arrays.items()},
+        )
         quantiles = {float(q): v for q, v in meta["residual_quantiles"].items()}
-        return cls(weights, quantiles, HashedFeatures(int(meta["dims"])), meta)
+        return cls(weights, quantiles, meta, **online)
+
+
+def quantize_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes and a scale per row (symmetric: ``row ~ codes * scale``); the scale is
+    float16-exact (the artifact stores it as float16), returned as float32."""
+    scale = (np.abs(matrix).max(axis=1) / 127.0).astype(np.float16).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1)[:, None]
+    codes = np.clip(np.rint(matrix / safe), -127, 127).astype(np.int8)
+    return codes, scale
 
 
 # -- evaluation ------------------------------------------------------------------------------------
@@ -284,20 +584,49 @@ def evaluate(model: LengthPredictor, rows: Sequence[PredictInput], lengths: Sequ
     }
 
 
-PREDICTORS: dict[str, Callable[..., LengthPredictor]] = {
+def evaluate_adaptation(
+    model: NgramMLP,
+    adapt: tuple[Sequence[PredictInput], Sequence[int]],
+    held_out: tuple[Sequence[PredictInput], Sequence[int]],
+    **online: Any,
+) -> dict:
+    """Online adaptation toward another model's lengths: ``evaluate`` on ``held_out`` (rows,
+    their lengths under the served model) before and after a fresh copy of ``model`` (settings
+    ``online``; ``model`` itself is untouched) observed ``adapt``'s requests in order, refitting
+    whenever due as the router does. The rows of the two must not overlap."""
+    fresh = model.fresh(**online)
+    before = evaluate(fresh, *held_out)
+    for x, n in zip(*adapt, strict=True):
+        fresh.observe(x, n)
+        if fresh.refit_due():
+            fresh.maybe_refit()
+    return {
+        "adapted_on": len(adapt[0]),
+        "before": before,
+        "after": evaluate(fresh, *held_out),
+        "online": fresh.stats(),
+    }
+
+
+def _learned() -> LengthPredictor:
+    return NgramMLP.load(DEFAULT_ARTIFACT)
+
+
+PREDICTORS: dict[str, Callable[[], LengthPredictor]] = {
     "none": NoPredictor,
     "oracle": OraclePredictor,
+    "learned": _learned,  # router/data/length_smollm2 (benchmarks/train_predictor.py)
 }
 
 
 def make_predictor(spec: str) -> LengthPredictor:
-    """A registered name (``none``, ``oracle``) or the path of a ``learned`` artifact (its .json
-    and .npz side by side)."""
+    """A registered name (``none``, ``oracle``, ``learned``) or the path of an ``NgramMLP``
+    artifact (its .json and .npz side by side, the suffix left off)."""
     if spec in PREDICTORS:
         return PREDICTORS[spec]()
     path = Path(spec)
     if path.with_suffix(".json").exists():
-        return HashedRidge.load(path)
+        return NgramMLP.load(path)
     raise ValueError(
         f"predictor must be one of {sorted(PREDICTORS)} or an artifact path, got {spec!r}"
     )
