@@ -136,6 +136,10 @@ class Delta:
     retryable: bool = False
     start: int = -1  # output position of its first token (-1: not positioned)
     moved_to: str | None = None  # the request now runs on this worker (a live migration)
+    # The first delta of a request, when its prefill ran with a length probe: (p50, p90, p99)
+    # of its whole output's length in tokens, refined on the model's own hidden state (not
+    # capped by max_tokens; the reader caps).
+    predicted: tuple[float, float, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -155,6 +159,7 @@ class Delta:
             num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
             start=self.start if self.start >= 0 else later.start,
             moved_to=later.moved_to or self.moved_to,
+            predicted=self.predicted or later.predicted,
         )
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -13,6 +17,9 @@ class SampledToken:
     token_id: int
     logprob: float | None  # log-prob of the sampled token; None unless params.logprobs set
     top_logprobs: list[tuple[int, float]] | None  # top-N (token, logprob), best first
+    # A request's first token only, when the engine has a length probe: (p50, p90, p99) of the
+    # whole output's length in tokens, estimated at the end of its prefill (not capped).
+    predicted: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -45,3 +52,8 @@ class RequestOutput:
     finished: bool
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # (p50, p90, p99) output tokens from the engine's length probe (EngineConfig.length_probe),
+    # from the first output on; None without a probe. Not capped by max_tokens.
+    predicted_tokens: tuple[float, float, float] | None = None
+    # {layer: float32 [hidden]} at the last prompt token (EngineConfig.prompt_hidden_layers).
+    prompt_hidden: dict[int, np.ndarray] | None = None

@@ -172,6 +172,8 @@ class Assembler:
             return False
         if d.num_cached_tokens and not self.output.num_cached_tokens:  # the first attempt's
             self.output.num_cached_tokens = d.num_cached_tokens
+        if d.predicted is not None and self.output.predicted_tokens is None:  # prefill's probe
+            self.output.predicted_tokens = d.predicted
         text = self._texts[d.index]
         stopped = None
         for i, tok in enumerate(d.token_ids):

@@ -217,6 +217,8 @@ class ClusterBackend:
             end=lambda out: self._ended(ticket, hints, out),
         )
         await generation.start()
+        if ticket.refined is not None:  # the header tells the refined estimate
+            generation.placement = replace(placement, predicted_tokens=round(ticket.refined[0]))
         return generation
 
     async def healthy(self) -> bool:
@@ -241,6 +243,8 @@ class ClusterBackend:
     def _progress(self, ticket: Ticket, out: RequestOutput) -> None:
         if ticket.first_token_at is None:
             self.admission.first_token(ticket)
+            if out.predicted_tokens is not None:  # the engine's probe, after the prefill
+                self.admission.refine(ticket, out.predicted_tokens)
         ticket.produced = max((len(o.token_ids) for o in out.outputs), default=0)
 
     def _ended(self, ticket: Ticket, hints: PredictInput, out: RequestOutput | None) -> None:
