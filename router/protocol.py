@@ -294,7 +294,8 @@ def chat_prompt_and_hints(
     messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
 ) -> tuple[list[int], PredictInput]:
     """Token ids of the rendered conversation, and what the length predictor reads of it: the
-    last user turn's text, the number of user turns, and the previous answer's tokens."""
+    last user turn's text, the number of user turns, the previous answer's tokens and the
+    earlier answers' text."""
     if tokenizer is None:
         raise bad_request("messages: this model has no tokenizer or chat template", "messages")
     rendered = chat_messages(messages)
@@ -305,6 +306,7 @@ def chat_prompt_and_hints(
         text=users[-1] if users else rendered[-1]["content"],
         turns=max(len(users), 1),
         last_answer_len=last_answer,
+        prev_answers=tuple(a for a in answers if a),
     )
     return _render_chat(rendered, add_generation_prompt, tokenizer), hints
 

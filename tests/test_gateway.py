@@ -397,6 +397,7 @@ async def test_length_prediction_hints_and_header(app, backend, tokenizer) -> No
     assert hints.last_answer_len == len(encode_prompt(tokenizer, "An apple, crisp and red."))
     assert hints.prompt_len == len(backend.opened[0]["ids"]) and hints.max_tokens == 3
     assert hints.headers == {"x-tandem-oracle-tokens": "17"}
+    assert hints.prev_answers == ("An apple, crisp and red.",)
     hints = backend.opened[1]["hints"]
     assert hints.text == "Once upon" and hints.turns == 1 and hints.last_answer_len is None
     assert hints.headers == {} and hints.max_tokens == 2
