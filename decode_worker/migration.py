@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 
 from engine.attention import host_to_device, slot_array
+from engine.histogram import Buckets
 from engine.kv_transfer import KVConnector, TransferEvent, TransferOutcome
 from engine.messages import (
     Delta,
@@ -127,8 +127,7 @@ class MigrationStats:
         # from a worker projected past its whole pool)
         self.reasons: Counter[str] = Counter()
         self.bytes = self.tokens = self.stages = 0
-        self.pause_buckets = [0] * (len(PAUSE_BUCKETS) + 1)
-        self.pause_sum = 0.0
+        self.pauses = Buckets(PAUSE_BUCKETS)
 
     def record(self, r: MigrationResult, reason: str) -> None:
         self.out[r.outcome] += 1
@@ -138,9 +137,7 @@ class MigrationStats:
         self.tokens += r.tokens
         self.stages += r.stages
         if r.ok:
-            i = next((i for i, b in enumerate(PAUSE_BUCKETS) if r.pause_s <= b), -1)
-            self.pause_buckets[i] += 1
-            self.pause_sum += r.pause_s
+            self.pauses.observe(r.pause_s)
 
     def as_dict(self, block_size: int) -> dict[str, Any]:
         return {
@@ -150,8 +147,8 @@ class MigrationStats:
             "bytes": self.bytes,
             "blocks": -(-self.tokens // block_size),
             "stages": self.stages,
-            "pause_buckets": list(zip([*PAUSE_BUCKETS, math.inf], self.pause_buckets, strict=True)),
-            "pause_sum": self.pause_sum,
+            "pause_buckets": self.pauses.pairs(),
+            "pause_sum": self.pauses.total,
         }
 
 

@@ -29,9 +29,10 @@ uses::
                            to miss its deadline (Mooncake's prediction-based early rejection)
 
 A full queue (``max_queue`` waiting) also answers 429 at once; when the pool has no slot left
-at all (every worker dead or suspect) the waiting requests get 503, as a new one would. Until a first request has
-finished there are no rates, hence no projection: nothing is rejected early, and sjf requests
-queued meanwhile get their deadlines once there are (``max_wait_s`` until then).
+at all (every worker dead or suspect) the waiting requests get 503, as a new one would. Until
+a first request has finished there are no rates, hence no projection: nothing is rejected
+early, and sjf requests queued meanwhile get their deadlines once there are (``max_wait_s``
+until then).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.histogram import Buckets
 from router.backend import Overloaded
 from router.predictor import QUANTILES, Prediction, kendall_tau
 
@@ -134,20 +136,8 @@ class _Rates:
         return self.first_token_s + tokens / self.tokens_per_s
 
 
-class _Histogram:
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, v: float) -> None:
-        i = next((i for i, b in enumerate(self.bounds) if v <= b), len(self.bounds))
-        self.counts[i] += 1
-        self.total += v
-
-    def snapshot(self) -> dict:
-        bounds = [*self.bounds, math.inf]
-        return {"buckets": list(zip(bounds, self.counts, strict=True)), "sum": self.total}
+def _snapshot(h: Buckets) -> dict:
+    return {"buckets": h.pairs(), "sum": h.total}
 
 
 class PredictionQuality:
@@ -156,7 +146,7 @@ class PredictionQuality:
 
     def __init__(self, window: int = 500) -> None:
         self.pairs: deque[tuple[float, int]] = deque(maxlen=window)
-        self.error = _Histogram(ERROR_BUCKETS)
+        self.error = Buckets(ERROR_BUCKETS)
 
     def observe(self, predicted: float, actual: int) -> None:
         self.pairs.append((predicted, actual))
@@ -189,7 +179,7 @@ class Admission:
         self.queued_total = 0  # requests that had to wait
         self.rejected: dict[str, int] = {"queue_full": 0, "projected_wait": 0}
         self.aged = 0  # sjf: started because their deadline passed
-        self.wait = _Histogram(WAIT_BUCKETS)
+        self.wait = Buckets(WAIT_BUCKETS)
         self.quality = PredictionQuality()  # the router's prediction at admission
         self.refined_quality = PredictionQuality()  # the engine's, after the prefill
 
@@ -385,13 +375,13 @@ class Admission:
             "queued_total": self.queued_total,
             "aged": self.aged,
             "rejected": dict(self.rejected),
-            "wait": self.wait.snapshot(),
+            "wait": _snapshot(self.wait),
             "tokens_per_s": rates.tokens_per_s,
             "first_token_s": rates.first_token_s,
-            "prediction_error": self.quality.error.snapshot(),
+            "prediction_error": _snapshot(self.quality.error),
             "prediction_tau": self.quality.tau(),
             "predictions_observed": len(self.quality.pairs),
-            "refined_error": self.refined_quality.error.snapshot(),
+            "refined_error": _snapshot(self.refined_quality.error),
             "refined_tau": self.refined_quality.tau(),
             "refined_observed": len(self.refined_quality.pairs),
         }

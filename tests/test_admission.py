@@ -319,3 +319,13 @@ def test_sjf_deadlines_of_a_burst_queued_before_there_were_rates() -> None:
             t.cancel()
 
     run(main())
+
+
+def test_buckets_count_at_inclusive_upper_edges() -> None:
+    from engine.histogram import Buckets
+
+    h = Buckets((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 7.0):
+        h.observe(v)
+    assert h.pairs() == [(0.1, 2), (1.0, 2), (float("inf"), 1)]
+    assert h.total == pytest.approx(8.65)
