@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.histogram import Buckets
-from router.backend import Overloaded
+from router.backend import Overloaded, no_live_workers
 from router.predictor import QUANTILES, Prediction, kendall_tau
 
 QUEUE_POLICIES = ("fcfs", "sjf")
@@ -352,9 +352,7 @@ class Admission:
             for t in list(self.queue):
                 del self.queue[t]
                 if t._grant is not None and not t._grant.done():
-                    t._grant.set_exception(
-                        Overloaded("no live workers can take requests now", status=503)
-                    )
+                    t._grant.set_exception(no_live_workers())
             return
         self._project_deadlines(now)
         while self.queue and len(self.running) < self.capacity():

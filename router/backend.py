@@ -42,6 +42,11 @@ class Overloaded(BackendError):
         self.status = status
 
 
+def no_live_workers() -> Overloaded:
+    """The refusal when no worker can take a request now (every one dead or suspect): 503."""
+    return Overloaded("no live workers can take requests now", status=503)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Which workers serve a request and why (a routing reason, for metrics)."""

@@ -135,6 +135,12 @@ class _Inflight:
         return deltas
 
 
+def _for_prefill(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A request's arguments without ``predicted_tokens``: that one is for a decode worker's
+    reservation only (its projected KV demand); prefill and colocated workers take none."""
+    return {k: v for k, v in kwargs.items() if k != "predicted_tokens"}
+
+
 class Assembler:
     """A request's cumulative output, built in place from its deltas (the work per delta is
     O(its tokens)); detokenizes and checks stop strings when the worker did not."""
@@ -348,7 +354,7 @@ class Dispatcher:
         return new
 
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
-        kwargs = {k: v for k, v in kwargs.items() if k != "predicted_tokens"}  # decode's only
+        kwargs = _for_prefill(kwargs)
         inflight = self._expect(irid, worker, _carried(kwargs))
         try:
             await worker.handle.generate.remote(irid, ids, params, self.client_id, **kwargs)
@@ -363,8 +369,7 @@ class Dispatcher:
         """Reserve on ``d`` while ``p`` computes the prompt (gated), falling back to the other
         decode workers when ``d`` is full. Returns (the request's inflight, its decode worker,
         the id it runs under). ``kwargs["predicted_tokens"]`` goes to the reservation only."""
-        reserve = kwargs
-        kwargs = {k: v for k, v in kwargs.items() if k != "predicted_tokens"}
+        reserve, kwargs = kwargs, _for_prefill(kwargs)
         inflight = self._expect(irid, d, _carried(kwargs))
         pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
         res = await self._reserve_on(d, irid, ids, params, reserve)

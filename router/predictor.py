@@ -86,6 +86,19 @@ class LengthPredictor(abc.ABC):
     def observe(self, x: PredictInput, actual: int) -> None:  # noqa: B027 - optional hook
         """A finished request's true length (online adaptation; default: ignored)."""
 
+    def refit_due(self) -> bool:
+        """Enough observations since the last refit that ``maybe_refit`` would run one."""
+        return False
+
+    def maybe_refit(self) -> bool:
+        """Refit on what was observed if due (blocking: callers run it off the event loop);
+        whether it did."""
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        """Online-adaptation counters for metrics (none by default)."""
+        return {}
+
 
 class NoPredictor(LengthPredictor):
     name = "none"

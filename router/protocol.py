@@ -287,7 +287,7 @@ def chat_prompt(
     messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
 ) -> list[int]:
     """Token ids of the rendered conversation (the engine's own template call)."""
-    return chat_prompt_and_hints(messages, add_generation_prompt, tokenizer)[0]
+    return _render_chat(_chat_messages_for(messages, tokenizer), add_generation_prompt, tokenizer)
 
 
 def chat_prompt_and_hints(
@@ -296,9 +296,7 @@ def chat_prompt_and_hints(
     """Token ids of the rendered conversation, and what the length predictor reads of it: the
     last user turn's text, the number of user turns, the previous answer's tokens and the
     earlier answers' text."""
-    if tokenizer is None:
-        raise bad_request("messages: this model has no tokenizer or chat template", "messages")
-    rendered = chat_messages(messages)
+    rendered = _chat_messages_for(messages, tokenizer)
     users = [m["content"] for m in rendered if m["role"] == "user"]
     answers = [m["content"] for m in rendered if m["role"] == "assistant"]
     last_answer = len(encode_prompt(tokenizer, answers[-1])) if answers and answers[-1] else None
@@ -309,6 +307,12 @@ def chat_prompt_and_hints(
         prev_answers=tuple(a for a in answers if a),
     )
     return _render_chat(rendered, add_generation_prompt, tokenizer), hints
+
+
+def _chat_messages_for(messages: list[ChatMessage], tokenizer: Any) -> list[dict[str, str]]:
+    if tokenizer is None:
+        raise bad_request("messages: this model has no tokenizer or chat template", "messages")
+    return chat_messages(messages)
 
 
 def _render_chat(rendered: list[dict[str, str]], add_generation_prompt: bool, tokenizer: Any):

@@ -41,6 +41,7 @@ from router.backend import (
     Overloaded,
     Placement,
     RouterStats,
+    no_live_workers,
 )
 from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
 from router.membership import MembershipView, WorkerRef
@@ -128,7 +129,7 @@ class ClusterBackend:
         self._ensure_poller()
         members = self.members
         if not members.routable():
-            raise Overloaded("no live workers can take requests now", status=503)
+            raise no_live_workers()
         disagg = bool(members.prefill and members.decode)
         if params.n > 1 and disagg:
             # A decode worker takes single sequences: the n samples run as n requests (seeds
@@ -212,8 +213,7 @@ class ClusterBackend:
             gen,
             placement,
             lambda: self._release(charged, charge),
-            ticket=ticket,
-            progress=self._progress,
+            progress=lambda out: self._progress(ticket, out),
             end=lambda out: self._ended(ticket, hints, out),
         )
         await generation.start()
@@ -260,14 +260,8 @@ class ClusterBackend:
         if actual is None:
             return
         self.predictor.observe(hints, actual)
-        refit = getattr(self.predictor, "maybe_refit", None)
-        due = getattr(self.predictor, "refit_due", None)
-        if (
-            refit is not None
-            and (due is None or due())
-            and (self._refitting is None or self._refitting.done())
-        ):
-            self._refitting = asyncio.ensure_future(asyncio.to_thread(refit))
+        if self.predictor.refit_due() and (self._refitting is None or self._refitting.done()):
+            self._refitting = asyncio.ensure_future(asyncio.to_thread(self.predictor.maybe_refit))
 
     def router_stats(self) -> RouterStats:
         members = self.members
@@ -284,9 +278,8 @@ class ClusterBackend:
     def _scheduling_stats(self) -> dict[str, Any]:
         stats = self.admission.stats()
         stats["predictor"] = self.predictor.name
-        online = getattr(self.predictor, "stats", None)
-        if callable(online):
-            stats["online"] = online()
+        if online := self.predictor.stats():
+            stats["online"] = online
         return stats
 
     async def admin(self, op: str, **kwargs: Any) -> Any:
@@ -355,7 +348,7 @@ class ClusterBackend:
 
         def pool(workers: list[WorkerRef]) -> list[WorkerView]:
             if not workers:  # every one of the role is dead or suspect now
-                raise Overloaded("no live workers can take requests now", status=503)
+                raise no_live_workers()
             return self._views([w for w in workers if w.name not in avoid] or workers)
 
         if disagg:
@@ -472,14 +465,13 @@ class _Generation:
         placement: Placement,
         release,
         *,
-        ticket: Ticket | None = None,
         progress=None,
         end=None,
     ) -> None:
         self.placement = placement
         self._gen = gen
         self._release = release
-        self._ticket, self._progress, self._end = ticket, progress, end
+        self._progress, self._end = progress, end  # each output; the end (once)
         self._first: RequestOutput | None = None
         self._closed = False
 
@@ -507,7 +499,7 @@ class _Generation:
         try:
             out = await self._gen.__anext__()
             if self._progress is not None:
-                self._progress(self._ticket, out)
+                self._progress(out)
             if out.finished:
                 self._ending(out)
             return out
