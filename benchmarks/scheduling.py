@@ -105,21 +105,32 @@ def log(msg: str) -> None:
 MAX_WAIT_S = 600.0  # sjf's absolute cap: a CPU burst lasts minutes (the default is 120 s)
 
 
-def gateway(cluster, name: str, policy: str, predictor: str, reject_wait_s: float = 0.0):
+def through_gateway(
+    cluster, target: Target, requests: list[Request], rate: float, seed: int, policy: str,
+    predictor: str, *, reject_wait_s: float = 0.0, limit: int | None = None,
+) -> tuple[list, float, dict[str, Any]]:  # fmt: skip
+    """``requests`` sent at ``rate`` through a gateway of its own (its own router: queue
+    ``policy``, ``predictor``) over ``cluster``: (records, seconds, its scheduling stats)."""
     from router.admission import QueueConfig
 
     cfg = SimpleNamespace(
         max_resumes=2, stall_timeout_s=60.0, max_concurrent=8192, max_body_bytes=8 << 20
     )
     queue = QueueConfig(policy, max_queue=8192, max_wait_s=MAX_WAIT_S, reject_wait_s=reject_wait_s)
-    return GatewayThread(cluster, None, cfg, name, queue=queue, predictor=predictor).start()
+    gw = GatewayThread(cluster, None, cfg, "smollm2", queue=queue, predictor=predictor).start()
 
+    async def send():
+        async with make_client(1800.0) as client:
+            t0 = time.perf_counter()
+            tgt = replace(target, base_url=gw.url)
+            records = await run_rate(client, tgt, requests, rate, seed, max_concurrency=limit)
+            return records, time.perf_counter() - t0
 
-async def send_all(target: Target, requests: list[Request], rate, seed, limit=None):
-    async with make_client(1800.0) as client:
-        t0 = time.perf_counter()
-        records = await run_rate(client, target, requests, rate, seed, max_concurrency=limit)
-        return records, time.perf_counter() - t0
+    try:
+        records, seconds = asyncio.run(send())
+        return records, seconds, gw.backend.router_stats().scheduling
+    finally:
+        gw.stop()
 
 
 def kendall(a, b) -> float:
@@ -213,12 +224,9 @@ def calibrate(args, cluster, target: Target, base: list[Request], cal: dict) -> 
     """Every prompt once, ``--slots`` at a time, through an fcfs gateway with the learned
     predictor: the served model's own answer lengths, the predictor's tau against them, and
     the capacity."""
-    gw = gateway(cluster, "smollm2", "fcfs", LEARNED)
-    try:
-        tgt = replace(target, base_url=gw.url)
-        recs, seconds = asyncio.run(send_all(tgt, base, math.inf, args.seed, args.slots))
-    finally:
-        gw.stop()
+    recs, seconds, _ = through_gateway(
+        cluster, target, base, math.inf, args.seed, "fcfs", LEARNED, limit=args.slots
+    )
     bad = [r.error for r in recs if not r.success]
     if bad:
         raise RuntimeError(f"calibration failed: {bad[:3]}")
@@ -257,12 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             base = emulated_requests(args, load_tokenizer(cluster.model_dir))
             actual = [r.stop_after for r in base]
             log(f"{len(base)} ShareGPT prompts, answers of their ShareGPT lengths; warming up")
-            gw = gateway(cluster, "smollm2", "fcfs", "none")
-            try:  # the first requests of a fresh worker are slow: not in any measured run
-                warm = [replace(r, stop_after=8) for r in base[: args.slots]]
-                asyncio.run(send_all(replace(target, base_url=gw.url), warm, math.inf, 0))
-            finally:
-                gw.stop()
+            # the first requests of a fresh worker are slow: not in any measured run
+            warm = [replace(r, stop_after=8) for r in base[: args.slots]]
+            through_gateway(cluster, target, warm, math.inf, 0, "fcfs", "none")
         cal["output_tokens"] = {"mean": sum(actual) / len(actual), "max": max(actual)}
         cal["capped"] = sum(a >= args.max_output for a in actual)
         headers = {"true": actual}
@@ -277,16 +282,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["rates"][key] = {}
             for name, (policy, predictor, header) in configs.items():
                 requests = with_header(base, headers[header])
-                gw = gateway(cluster, "smollm2", policy, predictor)
-                try:
-                    tgt = replace(target, base_url=gw.url)
-                    recs, _ = asyncio.run(send_all(tgt, requests, rate, args.seed))
-                    got = [r.output_tokens for r in recs]
-                    entry = summary(recs)
-                    entry["same_lengths"] = sum(g == a for g, a in zip(got, actual, strict=True))
-                    entry["scheduling"] = gw.backend.router_stats().scheduling
-                finally:
-                    gw.stop()
+                recs, _, scheduling = through_gateway(
+                    cluster, target, requests, rate, args.seed, policy, predictor
+                )
+                got = [r.output_tokens for r in recs]
+                entry = summary(recs)
+                entry["same_lengths"] = sum(g == a for g, a in zip(got, actual, strict=True))
+                entry["scheduling"] = scheduling
                 results["rates"][key][name] = entry
                 if "capacity_req_s" not in cal and name == "fcfs":
                     cal["capacity_req_s"] = round(entry["request_throughput"], 4)
@@ -309,12 +311,9 @@ def rejection(args, cluster, target: Target, requests: list[Request], capacity: 
     out = {}
     rate = args.overload * capacity
     for label, wait in (("off", 0.0), ("on", args.reject_wait)):
-        gw = gateway(cluster, "smollm2", "fcfs", LEARNED, reject_wait_s=wait)
-        try:
-            tgt = replace(target, base_url=gw.url)
-            recs, _ = asyncio.run(send_all(tgt, requests, rate, args.seed + 1))
-        finally:
-            gw.stop()
+        recs, _, _ = through_gateway(
+            cluster, target, requests, rate, args.seed + 1, "fcfs", LEARNED, reject_wait_s=wait
+        )
         done = [r for r in recs if r.success]
         refused = [r for r in recs if r.status in (429, 503)]
         met = [r for r in done if r.ttft <= args.slo_ttft]
