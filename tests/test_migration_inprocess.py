@@ -266,10 +266,15 @@ def test_client_abort_during_the_migration_cleans_both_sides(tiny, workers, when
     in the last stage: the migration ends ``finished``, B frees its reservation, A frees the
     request, and the stream ends with ``abort``."""
     p, a, b = workers
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     class Slow:
-        """B, whose answers are slow where the abort should land."""
+        """B, whose answer is held where the abort should land: the abort is sent once B has
+        answered (``inside``) and before A sees the answer, so the timing is not a race with
+        the request's remaining decode steps."""
+
+        def __init__(self):
+            self.inside = asyncio.Event()
 
         def __getattr__(self, name):
             method = getattr(handle(b), name)
@@ -281,6 +286,7 @@ def test_client_abort_during_the_migration_cleans_both_sides(tiny, workers, when
 
             async def later(*args, **kwargs):
                 result = await method.remote(*args, **kwargs)
+                self.inside.set()
                 await asyncio.sleep(0.3)
                 return result
 
@@ -292,8 +298,9 @@ def test_client_abort_during_the_migration_cleans_both_sides(tiny, workers, when
         client = Client({"a": a, "b": b}, rid)
         reader = asyncio.ensure_future(client.run("a"))
         await wait_tokens(client, 3)
-        mig = asyncio.ensure_future(a.migrate_out(rid, Slow(), "b"))
-        await asyncio.sleep(0.15)
+        slow = Slow()
+        mig = asyncio.ensure_future(a.migrate_out(rid, slow, "b"))
+        await slow.inside.wait()
         await a.abort(rid)
         res = await mig
         await reader
