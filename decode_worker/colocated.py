@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 
 class ColocatedWorker(EngineWorker):
     role = "colocated"
+    length_probe = "auto"
 
     async def generate(
         self,

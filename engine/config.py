@@ -157,6 +157,15 @@ class EngineConfig:
     # detokenizes their token-id streams in its own process, off the engine thread (as vLLM's
     # front end does), and aborts a request whose text hit a stop string.
     detokenize: bool = True
+    # Output-length refinement: a LengthProbe artifact (engine/length_probe.py; the path of its
+    # .npz/.json pair), or "auto": the probe shipped in engine/data for a model of this shape,
+    # if any (prefill and colocated workers default to it). At the end of each prompt's prefill
+    # the probe reads the model's hidden state at the last prompt token; the estimate rides on
+    # the request's first output.
+    length_probe: str | None = None
+    # Hidden states to hand back on each RequestOutput (``prompt_hidden``) at the last prompt
+    # token: a layer's output, or -1 for after the final norm (collecting a probe's data).
+    prompt_hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -25,6 +25,7 @@ from typing import Protocol
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import SequenceText
+from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, SampledToken
@@ -73,6 +74,8 @@ class _Group:
     finished: bool = False
     dirty: set[int] = field(default_factory=set)
     error: str | None = None  # it failed alone in a step (the message its client gets)
+    predicted: tuple[float, float, float] | None = None  # the length probe's, after prefill
+    prompt_hidden: dict | None = None  # {layer: hidden} at the last prompt token, when asked
 
 
 def _queue_time(group: _Group, output_token_ids: Sequence[int]) -> float:
@@ -98,7 +101,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids(cfg.model_dir, self.tokenizer)) or (
             self.model_config.eos_token_ids
         )
+        self.length_probe = self._load_probe(cfg.length_probe)
+        capture = self._capture_layers()
         self.runner = ModelRunner(cfg, self.model_config, max_len)
+        self.runner.capture_layers = capture
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
         )
@@ -240,6 +246,7 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish_requests([request_id], status)
         group.first_token_time = time.monotonic()
+        group.predicted = first.predicted
         self._on_token(seq, first)
         if status is not None:
             self._finish_seq(seq, request)
@@ -374,6 +381,8 @@ class LLMEngine:
                 raise  # its hooks already streamed layers of this step: no re-execution
             sampled, culprits = self._isolate(sched_out.scheduled, exc)
             faulted = self._fail_culprits(culprits, exc)
+        if self.runner.capture_layers:
+            self._on_prompt_hidden(sampled)
         if observer is not None:
             observer.end_step(sched_out, sampled)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
@@ -440,6 +449,50 @@ class LLMEngine:
             groups.append(group)
         return groups
 
+    def _load_probe(self, where: str | None) -> LengthProbe | None:
+        """``where``: a probe's path, ``auto`` (the shipped probe trained on this model's
+        shape, when there is one), or None / ``none``."""
+        if where is None or where == "none":
+            return None
+        if where == "auto":
+            mc = self.model_config
+            found = shipped_for(model_shape(mc.vocab_size, mc.hidden_size, mc.num_layers))
+            if found is None:
+                logger.info("length probe: none shipped for this model; router estimates only")
+                return None
+            where = str(found)
+        return LengthProbe.load(where)
+
+    def _capture_layers(self) -> tuple[int, ...]:
+        """The hidden states the runner keeps at each prompt's last token: the probe's layers
+        and ``prompt_hidden_layers``. Raises ValueError on a layer the model does not have."""
+        mc = self.model_config
+        if self.length_probe is not None:
+            self.length_probe.check(mc.hidden_size, mc.num_layers)
+        asked = self.cfg.prompt_hidden_layers
+        bad = [i for i in asked if not -1 <= i < mc.num_layers]
+        if bad:
+            raise ValueError(
+                f"prompt_hidden_layers {bad} out of range: -1 (after the final norm) or a layer "
+                f"in [0, {mc.num_layers})"
+            )
+        probe = self.length_probe.layers if self.length_probe is not None else ()
+        return tuple(dict.fromkeys((*probe, *asked)))
+
+    def _on_prompt_hidden(self, sampled: dict[str, SampledToken]) -> None:
+        """Requests whose prompt completed this step: the probe's estimate goes on the first
+        token (which a prefill worker sends on with the KV), and onto the group's outputs."""
+        for rid, hidden in self.runner.take_prompt_hidden().items():
+            owner, token = self._seq_owner.get(rid), sampled.get(rid)
+            if owner is None or token is None:
+                continue  # failed alone in this step
+            group, seq = owner
+            if self.length_probe is not None:
+                token.predicted = self.length_probe.predict(hidden, seq.request.num_prompt_tokens)
+                group.predicted = token.predicted
+            if self.cfg.prompt_hidden_layers:
+                group.prompt_hidden = {i: hidden[i] for i in self.cfg.prompt_hidden_layers}
+
     def _on_token(self, seq: _Sequence, token: SampledToken) -> None:
         request, out = seq.request, seq.output
         out.token_ids.append(token.token_id)
@@ -486,6 +539,8 @@ class LLMEngine:
             finished=finished,
             arrival_time=group.arrival_time,
             first_token_time=group.first_token_time,
+            predicted_tokens=group.predicted,
+            prompt_hidden=group.prompt_hidden,
         )
         if finished:
             self._retire(group)
@@ -522,6 +577,7 @@ class LLMEngine:
                     out.stop_reason if finish is not None else None,
                     cached if first else 0,
                     start=start,
+                    predicted=group.predicted if first else None,
                 )
             )
         if all(s.output.finished for s in group.seqs):

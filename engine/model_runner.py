@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -54,6 +55,10 @@ class ModelRunner:
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
         self.graphs: DecodeGraphs | None = None
+        # Hidden states kept at each new prompt's last token (``take_prompt_hidden``): layer i's
+        # output (before the final norm), or -1: after the final norm, what feeds the LM head.
+        self.capture_layers: tuple[int, ...] = ()
+        self._prompt_hidden: dict[str, dict[int, np.ndarray]] = {}
         if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -168,14 +173,18 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        capture: dict[str, int] = {}  # request id -> row of its prompt's last token
         for c in chunks:
             input_ids += c.request.all_token_ids[c.start : c.start + c.num_tokens]
             positions += range(c.start, c.start + c.num_tokens)
             if c.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(c)
+                if self.capture_layers and not c.request.output_token_ids:
+                    capture[c.request.request_id] = len(input_ids) - 1
         specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
-        if self.graphs is not None and layer_hook is None and self.graphs.fits(specs):
+        eager = layer_hook is not None or bool(capture)
+        if self.graphs is not None and not eager and self.graphs.fits(specs):
             logits = self.graphs.run(specs, input_ids)
             if not sampling:
                 return {}
@@ -183,20 +192,61 @@ class ModelRunner:
                 logits = logits[self._to_device(sample_rows)]
         else:
             meta = self.backend.build(specs, self.cfg.block_size, self.device)
-            hidden = self.model(
-                self._to_device(input_ids),
-                self._to_device(positions),
-                self.kv_caches,
-                meta,
-                self.backend,
-                layer_hook,
-            )
+            capture_rows = self._to_device(list(capture.values())) if capture else None
+            with self._layer_taps(capture_rows) as taps:
+                hidden = self.model(
+                    self._to_device(input_ids),
+                    self._to_device(positions),
+                    self.kv_caches,
+                    meta,
+                    self.backend,
+                    layer_hook,
+                )
+            if capture:
+                self._keep_prompt_hidden(list(capture), hidden[capture_rows], taps)
             if not sampling:
                 return {}
             logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         rows = [self._sampling_row(c) for c in sampling]
         tokens = self.sampler(logits, rows)
         return {c.request.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    # -- hidden states at the prompt's last token (the length probe's input) ----------------------
+
+    def take_prompt_hidden(self) -> dict[str, dict[int, np.ndarray]]:
+        """Per request whose prompt completed in the steps run since the last call: its hidden
+        state at the last prompt token, ``{layer: float32 [hidden]}`` for ``capture_layers``."""
+        taken, self._prompt_hidden = self._prompt_hidden, {}
+        return taken
+
+    @contextmanager
+    def _layer_taps(self, rows: torch.Tensor | None) -> Iterator[dict[int, torch.Tensor]]:
+        """Forward hooks on the captured intermediate layers, only for this forward pass:
+        each copies its residual stream (the layer's output) at ``rows``."""
+        taps: dict[int, torch.Tensor] = {}
+        handles = []
+        for i in [i for i in self.capture_layers if i >= 0] if rows is not None else []:
+
+            def tap(_module, _args, out, i=i) -> None:
+                x, residual = out
+                taps[i] = x[rows] + residual[rows]  # a copy: later layers may fuse in place
+
+            handles.append(self.model.layers[i].register_forward_hook(tap))
+        try:
+            yield taps
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _keep_prompt_hidden(
+        self, request_ids: list[str], last: torch.Tensor, taps: dict[int, torch.Tensor]
+    ) -> None:
+        """``last``: the final layer's output at the captured rows (before the final norm)."""
+        if -1 in self.capture_layers:
+            taps[-1] = self.model.norm(last, self.model.ops)
+        host = {i: taps[i].float().cpu().numpy() for i in self.capture_layers}
+        for k, rid in enumerate(request_ids):
+            self._prompt_hidden[rid] = {i: host[i][k] for i in self.capture_layers}
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return host_to_device(np.asarray(values, dtype=np.int64), self.device)

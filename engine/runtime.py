@@ -77,6 +77,9 @@ class EngineWorker:
     role = "engine"
     orphan_grace_s = 5.0  # a client's requests outlive its reader this long (it may come back)
     heartbeat_s = 1.0  # an idle stream still yields an empty batch this often (liveness)
+    # The engine's length probe when the config names none: roles that prefill new prompts
+    # refine the router's length estimate with the shipped probe ("auto"); decode needs none.
+    length_probe: str | None = None
 
     def __init__(
         self, engine_config: dict[str, Any], name: str = "", index: dict[str, Any] | None = None
@@ -85,7 +88,7 @@ class EngineWorker:
         given, the blocks this worker caches and evicts are published there as ``worker``."""
         # Ray gives an actor with num_cpus=1 one OpenMP thread; on CPU the launcher hands each
         # worker its share of the node's cores instead (TANDEM_TORCH_THREADS overrides).
-        engine_config = dict(engine_config)
+        engine_config = {"length_probe": self.length_probe, **engine_config}
         threads = engine_config.pop("cpu_threads", None)
         threads = os.environ.get("TANDEM_TORCH_THREADS") or threads
         if threads:

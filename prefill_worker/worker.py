@@ -42,6 +42,7 @@ from engine.tracing import trace
 
 class PrefillWorker(EngineWorker):
     role = "prefill"
+    length_probe = "auto"
 
     def __init__(
         self,

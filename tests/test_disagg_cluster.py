@@ -139,6 +139,11 @@ def test_greedy_matches_colocated_and_transformers(cluster, prompts, hf) -> None
         # Streamed deltas add up to the final output, one token at a time after the first.
         assert sum((o.outputs[0].delta_token_ids for o in d), []) == e
         assert d[-1].finished and d[-1].prompt_token_ids == p
+        # The shipped length probe (prefill and colocated workers load it by default) refines
+        # each estimate after prefill; it reaches the client on both paths, and they agree.
+        dp, cp = d[-1].predicted_tokens, c[-1].predicted_tokens
+        assert dp is not None and cp is not None and dp[0] <= dp[1] <= dp[2]
+        assert dp == pytest.approx(cp, rel=1e-2)
     assert_idle(cluster)
 
 

@@ -14,6 +14,7 @@ and their ``done`` is not reported.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -28,11 +29,14 @@ from engine.tracing import trace
 
 
 def token_to_dict(token: SampledToken) -> dict:
-    return {
+    d = {
         "token_id": token.token_id,
         "logprob": token.logprob,
         "top_logprobs": [[t, lp] for t, lp in token.top_logprobs or []],
     }
+    if token.predicted is not None:  # the length probe's estimate (engine/length_probe.py)
+        d["predicted"] = list(token.predicted)
+    return d
 
 
 def token_from_dict(d: dict) -> SampledToken:
@@ -41,7 +45,18 @@ def token_from_dict(d: dict) -> SampledToken:
         int(d["token_id"]),
         d.get("logprob"),
         [(int(t), float(lp)) for t, lp in top] if top else None,
+        _estimate(d.get("predicted")),
     )
+
+
+def _estimate(value: object) -> tuple[float, float, float] | None:
+    """A peer's length estimate when it is three finite numbers; advisory, so anything else
+    is dropped rather than failing the request."""
+    if not isinstance(value, list) or len(value) != 3:
+        return None
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in value):
+        return None
+    return (float(value[0]), float(value[1]), float(value[2]))
 
 
 @dataclass
