@@ -96,16 +96,17 @@ class Ticket:
     _grant: asyncio.Future | None = field(default=None, repr=False)
 
     def remaining(self) -> float:
-        """Predicted output tokens still to come, given those produced: the first predicted
-        quantile still ahead of it (a request past its median is likely a long one), past
-        them all half as many again as it has (at most max_tokens)."""
+        """Predicted output tokens still to come, updated as tokens arrive: the median of the
+        predicted length distribution given that the request has produced ``produced`` and
+        goes on (a request past its median is likely a long one); past every quantile, half
+        as many again as it has. At most max_tokens."""
         cap = float(self.max_tokens) if self.max_tokens else math.inf
         if self.predicted is None:
             total = cap if self.max_tokens else 2.0 * max(self.produced, 16)
         else:
-            ahead = [v for _, v in sorted(self.predicted.quantiles.items()) if v > self.produced]
-            total = ahead[0] if ahead else min(1.5 * self.produced + 1, cap)
-        return max(total - self.produced, 1.0)
+            given = self.predicted.median_given(self.produced)
+            total = given if given is not None else 1.5 * self.produced + 1
+        return max(min(total, cap) - self.produced, 1.0)
 
 
 class _Rates:

@@ -68,6 +68,28 @@ class Prediction:
     def median(self) -> float:
         return self.quantiles[0.5]
 
+    def median_given(self, produced: int) -> float | None:
+        """The median total length of a request that has produced ``produced`` tokens and is
+        still going: ``F^-1((1 + F(produced)) / 2)``, with F piecewise linear in log length
+        through the quantiles, mirrored below the median (the lower half log-symmetric to the
+        upper) and 0 at one token. None once it is past every quantile: the distribution
+        then says nothing about how far it goes."""
+        knots = sorted((q, max(v, 1.0)) for q, v in self.quantiles.items())
+        if produced >= knots[-1][1]:
+            return None
+        points = [(0.0, 0.0)]  # (F, log length)
+        if len(knots) > 1:
+            (q0, v0), (q1, v1) = knots[0], knots[1]
+            points.append((max(2 * q0 - q1, 0.0), math.log(max(v0 * v0 / v1, 1.0))))
+        points += [(q, math.log(v)) for q, v in knots]
+        points = [p for i, p in enumerate(points) if i == 0 or p[1] > points[i - 1][1]]
+        x = math.log(max(produced, 1))
+        f = max((_lerp(x, (a[1], a[0]), (b[1], b[0])) for a, b in _spans(points, x, 1)), default=0)
+        target = f + (1.0 - f) / 2.0
+        for a, b in _spans(points, target, 0):
+            return max(math.exp(_lerp(target, a, b)), produced + 1.0)
+        return max(knots[-1][1], produced + 1.0)
+
     def capped(self, max_tokens: int | None) -> Prediction:
         if max_tokens is None:
             return self
@@ -643,3 +665,16 @@ def make_predictor(spec: str) -> LengthPredictor:
     raise ValueError(
         f"predictor must be one of {sorted(PREDICTORS)} or an artifact path, got {spec!r}"
     )
+
+
+def _spans(points: list[tuple[float, float]], value: float, axis: int):
+    """The segment of ``points`` (sorted on both axes) whose ``axis`` range holds ``value``."""
+    for a, b in zip(points, points[1:], strict=False):
+        if a[axis] <= value <= b[axis]:
+            yield a, b
+            return
+
+
+def _lerp(value: float, a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Linear interpolation from a[0]..b[0] onto a[1]..b[1] at ``value``."""
+    return a[1] if b[0] == a[0] else a[1] + (b[1] - a[1]) * (value - a[0]) / (b[0] - a[0])

@@ -4,6 +4,7 @@ the bounded queue, early rejection by projected wait, and the projection itself.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -139,10 +140,13 @@ def test_early_rejection_by_projected_wait() -> None:
             await adm.acquire("c", pred(5), 200)
         assert err.value.retry_after_s == pytest.approx(15.0)
         assert adm.stats()["rejected"]["projected_wait"] == 1
-        held.produced = 60  # before its median (100): 40 tokens to go
-        assert adm.projected_wait(Ticket("x", pred(5), 100, 0.0, 5.0)) == pytest.approx(14.0)
-        held.produced = 150  # past it: its 90th percentile (200) is the estimate now
-        assert adm.projected_wait(Ticket("x", pred(5), 100, 0.0, 5.0)) == pytest.approx(15.0)
+        # a has produced 60 and goes on: its median given that (> 100) is what is left of it
+        for produced in (60, 150):
+            held.produced = produced
+            left = (held.predicted.median_given(produced) - produced) / 10.0
+            wait = adm.projected_wait(Ticket("x", pred(5), 100, 0.0, 5.0))
+            assert wait == pytest.approx(left + 10.0)
+        assert held.predicted.median_given(60) > 100
         queued.cancel()
 
     run(main())
@@ -214,10 +218,19 @@ def test_cancelled_waiter_leaves_the_queue_and_a_granted_one_gives_back_its_slot
 
 
 def test_remaining_follows_the_quantiles_as_tokens_arrive() -> None:
-    t = Ticket("r", Prediction({0.5: 100.0, 0.9: 300.0, 0.99: 800.0}), 1000, 0.0, 100.0)
-    assert t.remaining() == 100
+    pred_ = Prediction({0.5: 100.0, 0.9: 300.0, 0.99: 800.0})
+    t = Ticket("r", pred_, 1000, 0.0, 100.0)
+    assert t.remaining() == pytest.approx(100)
+    # Past the median, F(150) = 0.5 + 0.4 * log(1.5) / log(3); the conditional median is
+    # F^-1((1 + F) / 2), interpolated in log length between the 50th and 90th percentiles.
+    f = 0.5 + 0.4 * math.log(1.5) / math.log(3)
+    expected = 100 * 3 ** (((1 + f) / 2 - 0.5) / 0.4)
     t.produced = 150
-    assert t.remaining() == 150  # past the median: the 90th percentile is the estimate
+    assert t.remaining() == pytest.approx(expected - 150)
+    # The longer it has run, the longer it is expected to run in all, never less than one more.
+    totals = [pred_.median_given(k) for k in range(0, 800, 7)]
+    assert all(b >= a for a, b in zip(totals, totals[1:], strict=False))
+    assert all(tot > k for k, tot in zip(range(0, 800, 7), totals, strict=True))
     t.produced = 900
     assert t.remaining() == 100  # past them all: half again, capped by max_tokens
     no = Ticket("r", None, 64, 0.0, 64.0)
@@ -265,7 +278,9 @@ def test_the_engine_s_refined_estimate_replaces_the_router_s() -> None:
         adm.refine(t, (40.0, 80.0, 400.0))  # the p99 is over max_tokens: capped
         assert t.predicted.quantiles == {0.5: 40.0, 0.9: 80.0, 0.99: 100.0}
         t.produced = 50
-        assert t.remaining() == 30  # past the refined median: its p90
+        # past the refined median: the median given 50, between its p50 and p90 (in log)
+        assert 80 - 50 > t.remaining() > 0
+        assert t.remaining() == pytest.approx(t.predicted.median_given(50) - 50)
         adm.release(t, actual=60)
         return adm
 
