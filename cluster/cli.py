@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     _add_gateway(subparsers)
     _add_stop(subparsers)
+    _add_status(subparsers)
+    _add_scale(subparsers)
+    _add_drain(subparsers)
+    _add_undrain(subparsers)
+    _add_migrate(subparsers)
+    _add_rebalance(subparsers)
+    _add_policy(subparsers)
+    _add_events(subparsers)
     return parser
 
 
@@ -180,6 +188,189 @@ def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
     gw.add_argument("--model", default="smollm2", help="the model id clients send")
     add_gateway_args(gw)
     gw.set_defaults(handler=lambda args: __import__("cluster.serve").serve.run_gateway(args))
+
+
+# ----------------------------------------------------------------------------- operator commands
+# status, scale, drain, undrain, migrate, rebalance, policy, events: calls on the controller's gRPC
+# operator API (cluster/operator.py); cluster/operator_client.py finds it, calls it and prints
+# the answers (its docstring has the exit codes). grpc is imported there, inside the handlers.
+
+OPERATOR_EPILOG = (
+    "The operator API's address and token come from the file `tandem serve` writes "
+    "($TANDEM_CACHE_DIR/run/operator-PORT.json), or --address and --token-file / "
+    "TANDEM_OPERATOR_TOKEN. Exit codes: 0 done, 1 done in part, 2 bad argument, 3 no operator "
+    "there, 4 token refused, 5 refused as things are (--force)."
+)
+
+
+def _operator_parser(subparsers: argparse._SubParsersAction, name: str, **kwargs):
+    p = subparsers.add_parser(name, epilog=OPERATOR_EPILOG, **kwargs)
+    c = p.add_argument_group("connection")
+    c.add_argument("--address", default=None, metavar="HOST:PORT", help="the operator API")
+    c.add_argument(
+        "--serve-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the `tandem serve` (by its gateway --port) whose connection file to read, when "
+        "several run here",
+    )
+    c.add_argument(
+        "--token-file", default=None, metavar="PATH", help="the bearer token (file mode 0600)"
+    )
+    c.add_argument(
+        "--token",
+        default=None,
+        help="the bearer token (visible in process listings: prefer TANDEM_OPERATOR_TOKEN)",
+    )
+    c.add_argument(
+        "--tls-ca", default=None, metavar="PEM", help="verify the server's TLS certificate"
+    )
+    c.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds a call may take (default: 30)"
+    )
+    return p
+
+
+def _operator_handler(command: str):
+    """``args -> exit code`` running ``cluster.operator_client.<command>`` (imported then)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from cluster import operator_client
+
+        return operator_client.run(args, getattr(operator_client, command))
+
+    return handler
+
+
+def _output_arg(p: argparse.ArgumentParser, choices=("text", "json")) -> None:
+    p.add_argument("-o", "--output", default=choices[0], choices=list(choices))
+
+
+def _add_status(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "status",
+        help="every worker: role, node, state, load, KV use, TTFT / ITL, migrations",
+    )
+    _output_arg(p, ("table", "json"))
+    p.set_defaults(handler=_operator_handler("status"))
+
+
+def _add_scale(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "scale",
+        help="add or remove workers of one role (removal drains first)",
+        description="Start new workers (on nodes with the role's resource) until ROLE has N, "
+        "or drain and stop the least loaded ones. Refused below 1 worker per role or below the "
+        "running load unless --force.",
+    )
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument("--replicas", required=True, type=int, metavar="N")
+    p.add_argument("--wait", action="store_true", help="return once it is done")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="go below 1 worker or the running load; stop a worker its drain could not empty",
+    )
+    p.add_argument(
+        "--drain-deadline",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds to empty each removed worker (default: 60)",
+    )
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("scale"))
+
+
+def _add_drain(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "drain",
+        help="place nothing new on a worker and move its requests away",
+        description="Exit code 1 when a request was left on the worker (still running at the "
+        "deadline, or its move failed); the worker stays DRAINING until `tandem undrain`.",
+    )
+    p.add_argument("worker", metavar="WORKER")
+    p.add_argument("--deadline", type=float, default=60.0, metavar="S", help="(default: 60)")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("drain"))
+
+
+def _add_undrain(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(subparsers, "undrain", help="place requests on a drained worker again")
+    p.add_argument("worker", metavar="WORKER")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("undrain"))
+
+
+def _add_migrate(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "migrate",
+        help="live-migrate running requests between decode workers",
+        description="Exit code 1 unless every request picked was migrated.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--request", default=None, metavar="ID", help="one running request")
+    what.add_argument(
+        "--from", dest="from_worker", default=None, metavar="WORKER", help="a worker's requests"
+    )
+    p.add_argument("--count", type=int, default=1, help="with --from: how many (default: 1)")
+    p.add_argument("--to", default=None, metavar="WORKER", help="(default: the least loaded)")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("migrate"))
+
+
+def _add_rebalance(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "rebalance",
+        help="one rebalance round now (moves from decode workers above the high KV mark)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show the moves, make none")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("rebalance"))
+
+
+def _add_policy(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "policy",
+        help="show or change the controller's settings (rebalancer, health checks)",
+    )
+    p.add_argument("--rebalance-mode", default=None, choices=["off", "on", "dry-run"])
+    p.add_argument("--rebalance-high", type=float, default=None, metavar="USE")
+    p.add_argument("--rebalance-low", type=float, default=None, metavar="USE")
+    p.add_argument("--rebalance-interval-s", type=float, default=None, metavar="S")
+    p.add_argument("--rebalance-max-moves", type=int, default=None, metavar="N")
+    p.add_argument("--health-interval-s", type=float, default=None, metavar="S")
+    p.add_argument("--health-timeout-s", type=float, default=None, metavar="S")
+    p.add_argument("--health-suspect-after", type=int, default=None, metavar="N")
+    p.add_argument("--health-hang-after-s", type=float, default=None, metavar="S")
+    p.add_argument("--health-dead-after-s", type=float, default=None, metavar="S")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("policy"))
+
+
+def _add_events(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "events",
+        help="follow the cluster's events (workers, scaling, migrations) until Ctrl-C",
+    )
+    p.add_argument(
+        "--since",
+        type=int,
+        default=None,
+        metavar="SEQ",
+        help="first replay the kept events after this sequence number (0: all kept)",
+    )
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="stop after N events")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("events"))
 
 
 if __name__ == "__main__":

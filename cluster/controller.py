@@ -17,6 +17,19 @@ removed from the global prefix index, so its entries stop counting for every rou
 
 Live migration is orchestrated here too (cluster/migrations.py): the admin ``migrate`` call,
 ``drain`` and the rebalance loop pick what moves where and ask the source decode worker.
+
+Scaling (``scale(role, replicas)``), the operator's way in::
+
+    out   _spawn each new worker (on a node with the role's resource when the cluster has
+          them): STARTING, routers send it nothing -> ready() answers -> ACTIVE, published
+    in    pick the least loaded (refused below 1 worker or below the running load unless
+          forced) -> drain (decode: migrate away; prefill, colocated: wait until idle)
+          -> shutdown() + kill -> out of the table and of the prefix index, published
+
+Every state change, scale decision and migration is an event in a bounded log with sequence
+numbers (``events(since)`` long-polls it); ``status()`` joins the table with each worker's
+stats. The operator's gRPC API (cluster/operator.py, ``start_operator``) serves all of it from
+this actor's event loop.
 """
 
 from __future__ import annotations
@@ -25,7 +38,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from cluster.migrations import Migrator
@@ -36,6 +50,7 @@ from engine.messages import (
     MigrationResult,
     WorkerInfo,
     WorkerState,
+    brief,
     control,
 )
 
@@ -64,6 +79,9 @@ class WorkerSpec:
     # sizes its KV cache with kv_cache_memory_gb rather than the GPU's free memory)
     gpus: dict[str, float] = field(default_factory=dict)
     migration: dict[str, Any] = field(default_factory=dict)  # MigrationConfig fields (decode)
+    # a worker added by scale() that has not answered after this long is killed (no node with
+    # its resources came up, say)
+    start_timeout_s: float = 900.0
 
 
 @dataclass
@@ -73,6 +91,49 @@ class HealthConfig:
     suspect_after: int = 2  # misses in a row that make a worker SUSPECT
     hang_after_s: float = 30.0  # an engine step running this long: SUSPECT (a hung thread)
     dead_after_s: float = 60.0  # SUSPECT this long: DEAD, and its actor is killed
+
+    def check(self) -> None:
+        for name in ("interval_s", "timeout_s", "hang_after_s", "dead_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"health {name} must be > 0, got {getattr(self, name)}")
+        if self.suspect_after < 1:
+            raise ValueError(f"health suspect_after must be >= 1, got {self.suspect_after}")
+
+
+ROLES = ("prefill", "decode", "colocated")
+EVENTS_KEPT = 4096  # the event log's length (older events are dropped; Watch says how many)
+STATS_TIMEOUT_S = 3.0  # status() and scale() wait this long for a worker's stats
+DRAIN_DEADLINE_S = 60.0
+
+
+class Refused(ValueError):
+    """The operator asked for something the controller will not do as things are (scaling
+    below one worker or below the running load without ``force``; a second scale of a role
+    while one runs). The message says why and what would make it go through."""
+
+
+class _EventedMigrator(Migrator):
+    """The Migrator, with every migration it asks for counted in flight and logged as an
+    event once it ends."""
+
+    async def move(self, source, rid: str, dest, reason: str) -> MigrationResult:
+        c = self.controller
+        c.migrations_in_flight += 1
+        try:
+            result = await super().move(source, rid, dest, reason)
+        finally:
+            c.migrations_in_flight -= 1
+        c._event(
+            "migration",
+            request=result.request_id,
+            source=result.source,
+            dest=result.dest,
+            outcome=result.outcome,
+            cause=reason,
+            seconds=result.seconds,
+            pause_s=result.pause_s,
+        )
+        return result
 
 
 class Controller:
@@ -88,7 +149,15 @@ class Controller:
         self._changed = asyncio.Event()
         self._meta: dict[str, Any] = {}
         self._health: asyncio.Task | None = None
-        self.migrator = Migrator(self)
+        self.migrator = _EventedMigrator(self)
+        self.migrations_in_flight = 0
+        self._nodes: dict[str, dict[str, str]] = {}  # worker -> {node_id, node_ip}
+        self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self._event_seq = 0
+        self._event_added = asyncio.Event()
+        self._scaling: dict[str, dict[str, Any]] = {}  # role -> the scale running now
+        self._tasks: set[asyncio.Task] = set()  # scales running without a caller waiting
+        self._operator: Any = None  # cluster.operator.OperatorServer once started
 
     # -- membership --------------------------------------------------------------------------
 
@@ -138,24 +207,30 @@ class Controller:
                 await self.kill(n)
             raise
         for n, info in zip(names, infos, strict=True):
-            self._workers[n] = replace(
-                self._workers[n],
-                state=WorkerState.ACTIVE,
-                endpoint=info["endpoint"],
-                index_id=info["index_id"],
-                pid=info["pid"],
-                max_num_seqs=info.get("max_num_seqs", 0),
-            )
-            self._meta.setdefault("model_dir", info["model_dir"])
-            self._meta.setdefault("block_size", info["block_size"])
-            mml = self._meta.get("max_model_len")
-            self._meta["max_model_len"] = (
-                min(mml, info["max_model_len"]) if mml else info["max_model_len"]
-            )
+            self._activate(n, info)
         self._publish()
         if self._health is None:
             self._health = asyncio.ensure_future(self._check_health())
         return self._table()
+
+    def _activate(self, name: str, info: dict[str, Any]) -> None:
+        """``name`` answered ``ready()`` with ``info``: ACTIVE (the caller publishes)."""
+        self._workers[name] = replace(
+            self._workers[name],
+            state=WorkerState.ACTIVE,
+            endpoint=info["endpoint"],
+            index_id=info["index_id"],
+            pid=info["pid"],
+            max_num_seqs=info.get("max_num_seqs", 0),
+        )
+        self._nodes[name] = {k: info.get(k, "") for k in ("node_id", "node_ip")}
+        self._meta.setdefault("model_dir", info["model_dir"])
+        self._meta.setdefault("block_size", info["block_size"])
+        mml = self._meta.get("max_model_len")
+        self._meta["max_model_len"] = (
+            min(mml, info["max_model_len"]) if mml else info["max_model_len"]
+        )
+        self._worker_event("up", name, "answered ready()")
 
     def _spawn(self, role: str) -> str:
         import ray
@@ -206,6 +281,8 @@ class Controller:
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(cls)
         handle = actor.options(**options).remote(engine, name, **kwargs)
         self._workers[name] = WorkerInfo(name, role, handle, WorkerState.STARTING)
+        where = f"on a node with the {role!r} resource" if "resources" in options else ""
+        self._worker_event("starting", name, f"actor requested {where}".strip())
         return name
 
     # -- health ------------------------------------------------------------------------------
@@ -236,6 +313,7 @@ class Controller:
         self._workers[name] = replace(info, state=state)
         self.transitions.append((time.time(), name, state.name, why))
         del self.transitions[:-1000]
+        self._worker_event(state.name.lower(), name, why)
         self._publish()
 
     async def _mark_dead(self, name: str, why: str) -> None:
@@ -245,6 +323,10 @@ class Controller:
         self._missed.pop(name, None)
         self._suspect_since.pop(name, None)
         self._set_state(name, WorkerState.DEAD, why)
+        await self._forget_index(info)
+
+    async def _forget_index(self, info: WorkerInfo) -> None:
+        """Remove a gone worker's entries from the global prefix index."""
         if self.spec.index_url and info.index_id:
             from engine.prefix_index import PrefixIndex
 
@@ -333,23 +415,37 @@ class Controller:
         (None: the least loaded other decode worker). Raises ValueError on a bad name."""
         return await self.migrator.migrate(request_id, to=to, from_=from_, count=count)
 
-    async def drain(self, worker: str, deadline_s: float = 60.0) -> dict[str, Any]:
-        """Stop placing requests on ``worker`` and migrate every one it runs away; returns
-        what happened to each and whether it is idle (it can be removed)."""
-        return await self.migrator.drain(worker, deadline_s)
+    async def drain(self, worker: str, deadline_s: float = DRAIN_DEADLINE_S) -> dict[str, Any]:
+        """Stop placing requests on ``worker`` and empty it: a decode worker's requests are
+        migrated away, a prefill or colocated worker's finish there. Returns what happened to
+        each (decode) and whether it is idle (it can be removed)."""
+        info = self._workers.get(worker)
+        if info is None:
+            raise ValueError(f"no worker named {worker!r}")
+        if deadline_s <= 0:
+            raise ValueError(f"the drain deadline must be > 0 s, got {deadline_s}")
+        if info.role == "decode":
+            return await self.migrator.drain(worker, deadline_s)
+        return await self._drain_by_waiting(worker, deadline_s)
 
-    async def undrain(self, worker: str) -> None:
-        """Place requests on a drained worker again."""
-        self.migrator.undrain(worker)
+    async def undrain(self, worker: str) -> WorkerState:
+        """Place requests on a drained worker again; returns its state after."""
+        info = self._workers.get(worker)
+        if info is None or info.state == WorkerState.DEAD:
+            raise ValueError(f"no live worker named {worker!r}")
+        if info.state == WorkerState.DRAINING:
+            self._set_state(worker, WorkerState.ACTIVE, "undrained by the operator")
+        return self._workers[worker].state
 
     async def rebalance(self, **settings: Any) -> dict[str, Any]:
         """The rebalancer's settings (mode off | on | dry-run, high, low, interval_s,
         max_moves) changed by ``settings``, and what it has done."""
         return self.migrator.configure(**settings)
 
-    async def rebalance_once(self) -> list[dict[str, Any]]:
-        """One rebalance round now, in the configured mode (dry-run: planned moves only)."""
-        return await self.migrator.rebalance_once()
+    async def rebalance_once(self, dry_run: bool | None = None) -> list[dict[str, Any]]:
+        """One rebalance round now, in the configured mode (dry-run: planned moves only), or
+        planning only / moving when ``dry_run`` says so."""
+        return await self.migrator.rebalance_once(dry_run)
 
     async def migration_stats(self) -> dict[str, Any]:
         return {
@@ -357,9 +453,446 @@ class Controller:
             "rebalance": self.migrator.rebalance_state.as_dict(),
         }
 
+    # -- events --------------------------------------------------------------------------------
+
+    def _event(self, type_: str, **fields: Any) -> None:
+        """Append one event to the log (a worker's state change, a scale decision, a
+        migration, a policy change) and wake the ``events`` long-polls."""
+        self._event_seq += 1
+        self._events.append({"seq": self._event_seq, "time": time.time(), "type": type_, **fields})
+        self._event_added.set()
+        self._event_added = asyncio.Event()
+
+    def _worker_event(self, kind: str, name: str, reason: str) -> None:
+        info = self._workers.get(name)
+        self._event(
+            "worker",
+            kind=kind,
+            worker=name,
+            role=info.role if info is not None else "",
+            reason=reason,
+            node_ip=self._nodes.get(name, {}).get("node_ip", ""),
+        )
+
+    async def events(self, since: int | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The kept events with ``seq`` > ``since``, once there is one (or after
+        ``timeout_s``, none); ``since`` None: none, only where the log is (``last_seq``).
+        ``missed``: events after ``since`` that the log no longer keeps."""
+        if since is None:
+            return {"events": [], "last_seq": self._event_seq, "missed": 0}
+        if self._event_seq <= since and timeout_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._event_added.wait(), timeout_s)
+        events = [e for e in self._events if e["seq"] > since]
+        first = events[0]["seq"] if events else self._event_seq + 1
+        return {"events": events, "last_seq": self._event_seq, "missed": max(0, first - since - 1)}
+
+    # -- status --------------------------------------------------------------------------------
+
+    async def _stats_of(self, workers: list[WorkerInfo]) -> list[dict[str, Any] | BaseException]:
+        """Each worker's ``stats()``, or the exception instead (a STARTING one is not asked:
+        its actor answers nothing before its model is loaded)."""
+
+        async def one(w: WorkerInfo) -> dict[str, Any]:
+            if w.state == WorkerState.STARTING:
+                raise RuntimeError("starting")
+            return await asyncio.wait_for(control(w.handle.stats).remote(), STATS_TIMEOUT_S)
+
+        return await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
+
+    async def status(self) -> dict[str, Any]:
+        """Every live worker (role, node, state, load, KV use, latencies, migrations in
+        flight), the policies and the scales running: what ``tandem status`` shows."""
+        live = [w for w in self._workers.values() if w.state != WorkerState.DEAD]
+        stats = await self._stats_of(live)
+        return {
+            "cluster_id": self.spec.cluster_id,
+            "model": self._meta.get("model_dir", self.spec.model_dir),
+            "membership_version": self.version,
+            "workers": [self._worker_row(w, s) for w, s in zip(live, stats, strict=True)],
+            "policy": self.policy(),
+            "migrations_in_flight": self.migrations_in_flight,
+            "migration_outcomes": dict(self.migrator.outcomes),
+            "scaling": list(self._scaling.values()),
+            "last_event_seq": self._event_seq,
+        }
+
+    def _worker_row(self, w: WorkerInfo, s: dict[str, Any] | BaseException) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "name": w.name,
+            "role": w.role,
+            "state": w.state.name.lower(),
+            **self._nodes.get(w.name, {}),
+            "pid": w.pid,
+            "max_num_seqs": w.max_num_seqs,
+        }
+        if isinstance(s, BaseException):
+            starting = w.state == WorkerState.STARTING
+            row["error"] = "starting: loading its model" if starting else brief(s)
+            return row
+        total = max(int(s.get("total_blocks", 0)), 1)
+        latency = s.get("latency") or {}
+        migrating = s.get("migrating") or {}
+        row.update(
+            running=s.get("running", 0),
+            waiting=s.get("waiting", 0),
+            kv_blocks_total=s.get("total_blocks", 0),
+            kv_blocks_used=s.get("in_use_blocks", 0),
+            kv_use=s.get("in_use_blocks", 0) / total,
+            kv_projected_use=s.get("projected_blocks", 0) / total,
+            ttft=latency.get("ttft_s"),
+            # a decode step gives each running request a token: the gap between two steps is
+            # the inter-token latency (a prefill worker's steps are prompt chunks: none)
+            itl=latency.get("step_gap_s") if w.role != "prefill" else None,
+            migrations_out=migrating.get("out", 0),
+            migrations_in=migrating.get("in", 0),
+        )
+        return row
+
+    # -- policy --------------------------------------------------------------------------------
+
+    def policy(self) -> dict[str, Any]:
+        """Every setting the operator may change: the rebalancer's and the health checks'."""
+        return {
+            "rebalance": asdict(self.migrator.rebalance_state.settings),
+            "health": asdict(self.health),
+        }
+
+    async def set_policy(
+        self, rebalance: dict[str, Any] | None = None, health: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Change some settings (``rebalance``: RebalanceSettings fields, ``health``:
+        HealthConfig fields); both are checked before either applies (ValueError)."""
+        rebalance, health = rebalance or {}, health or {}
+        try:
+            new_health = replace(self.health, **health)
+            replace(self.migrator.rebalance_state.settings, **rebalance).check()
+        except TypeError as exc:  # an unknown field
+            raise ValueError(str(exc)) from None
+        new_health.check()
+        if rebalance:
+            self.migrator.configure(**rebalance)
+        self.health = new_health
+        policy = self.policy()
+        self._event("policy", policy=policy)
+        return policy
+
+    # -- scaling -------------------------------------------------------------------------------
+
+    def _pool(self, role: str) -> list[WorkerInfo]:
+        """The live workers of ``role`` (starting, active, suspect, draining)."""
+        return [w for w in self._workers.values() if w.role == role and w.state != WorkerState.DEAD]
+
+    async def scale(
+        self,
+        role: str,
+        replicas: int,
+        wait: bool = True,
+        force: bool = False,
+        drain_deadline_s: float = DRAIN_DEADLINE_S,
+        reason: str = "operator",
+    ) -> dict[str, Any]:
+        """Make ``role`` have ``replicas`` live workers. Out: new workers start and join the
+        membership once ready. In: the least loaded are drained, then stopped and removed;
+        refused (``Refused``) below one worker or below the running load unless ``force``,
+        which also stops a worker its drain could not empty. ``wait`` False: the plan now,
+        the work goes on (its end is an event). Returns added / removed / failed workers."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        if drain_deadline_s <= 0:
+            raise ValueError(f"the drain deadline must be > 0 s, got {drain_deadline_s}")
+        if role in self._scaling:
+            running = self._scaling[role]
+            raise self._refuse(
+                role,
+                replicas,
+                reason,
+                f"a scale of {role} to {running['replicas']} is still running: wait for it "
+                "(`tandem events` shows its end)",
+            )
+        t0 = time.monotonic()
+        self._scaling[role] = {"role": role, "replicas": replicas, "started": time.time()}
+        try:
+            pool = self._pool(role)
+            plan = {"role": role, "previous_replicas": len(pool), "replicas": replicas}
+            if replicas > len(pool):
+                added = [self._spawn(role) for _ in range(replicas - len(pool))]
+                self._publish()
+                plan |= {"added": added, "removed": []}
+                work = self._scale_out(added)
+            elif replicas < len(pool):
+                victims = await self._pick_for_removal(role, pool, replicas, force)
+                plan |= {"added": [], "removed": victims}
+                work = self._scale_in(victims, drain_deadline_s, force)
+            else:
+                self._scaling.pop(role)
+                return self._scale_result(plan | {"added": [], "removed": []}, {}, t0, done=True)
+        except Refused as exc:
+            self._scaling.pop(role, None)
+            raise self._refuse(role, replicas, reason, str(exc)) from None
+        except BaseException:
+            self._scaling.pop(role, None)
+            raise
+        self._event(
+            "scale",
+            phase="started",
+            role=role,
+            from_replicas=len(pool),
+            to_replicas=replicas,
+            reason=reason,
+            added=plan["added"],
+            removed=plan["removed"],
+        )
+        task = asyncio.ensure_future(self._finish_scale(plan, work, t0, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if wait:
+            return await asyncio.shield(task)  # a caller that goes away leaves it running
+        return self._scale_result(plan, {}, t0, done=False)
+
+    def _refuse(self, role: str, replicas: int, reason: str, why: str) -> Refused:
+        """A refused scale: logged as an event, returned to be raised."""
+        self._event(
+            "scale",
+            phase="refused",
+            role=role,
+            from_replicas=len(self._pool(role)),
+            to_replicas=replicas,
+            reason=f"{reason}: {why}",
+        )
+        return Refused(why)
+
+    async def _finish_scale(self, plan: dict[str, Any], work, t0: float, reason: str):
+        try:
+            outcome = await work
+        except Exception as exc:  # noqa: BLE001 - reported as the scale's failure
+            logger.exception("scale of %s failed", plan["role"])
+            outcome = {"failed": {"*": brief(exc)}}
+        finally:
+            self._scaling.pop(plan["role"], None)
+        result = self._scale_result(plan, outcome, t0, done=True)
+        self._event(
+            "scale",
+            phase="done",
+            role=plan["role"],
+            from_replicas=plan["previous_replicas"],
+            to_replicas=plan["replicas"],
+            reason=reason,
+            added=result["added"],
+            removed=result["removed"],
+            failed=result["failed"],
+        )
+        return result
+
+    def _scale_result(self, plan, outcome: dict[str, Any], t0: float, done: bool):
+        failed = dict(outcome.get("failed", {}))
+        added = [n for n in plan["added"] if n not in failed]
+        removed = [n for n in plan["removed"] if n not in failed]
+        if not done:
+            message = f"{plan['role']}: {plan['previous_replicas']} -> {plan['replicas']} started"
+        elif not failed:
+            message = f"{plan['role']}: {plan['previous_replicas']} -> {plan['replicas']}"
+        else:
+            message = f"{plan['role']}: {len(failed)} worker(s) failed: " + "; ".join(
+                f"{n}: {why}" for n, why in failed.items()
+            )
+        return {
+            **plan,
+            "added": added,
+            "removed": removed,
+            "failed": failed,
+            "aborted_requests": outcome.get("aborted_requests", 0),
+            "migrated_requests": outcome.get("migrated_requests", 0),
+            "done": done,
+            "message": message,
+            "seconds": round(time.monotonic() - t0, 3),
+        }
+
+    async def _scale_out(self, names: list[str]) -> dict[str, Any]:
+        """Wait for each new worker's ``ready()``; one that fails or does not answer within
+        ``start_timeout_s`` is killed (and reported), the others join."""
+
+        async def ready(name: str) -> dict[str, Any]:
+            call = control(self._workers[name].handle.ready).remote()
+            return await asyncio.wait_for(call, self.spec.start_timeout_s)
+
+        infos = await asyncio.gather(*(ready(n) for n in names), return_exceptions=True)
+        failed = {}
+        for name, info in zip(names, infos, strict=True):
+            if isinstance(info, BaseException):
+                why = (
+                    f"not ready after {self.spec.start_timeout_s:.0f} s"
+                    if isinstance(info, asyncio.TimeoutError)
+                    else brief(info)
+                )
+                failed[name] = why
+                await self._kill_actor(self._workers[name])
+                await self._mark_dead(name, f"did not start: {why}")
+            elif self._workers[name].state == WorkerState.STARTING:
+                self._activate(name, info)
+        self._publish()
+        if self._health is None:
+            self._health = asyncio.ensure_future(self._check_health())
+        return {"failed": failed}
+
+    async def _pick_for_removal(
+        self, role: str, pool: list[WorkerInfo], replicas: int, force: bool
+    ) -> list[str]:
+        """The ``len(pool) - replicas`` workers to remove: draining ones first, then suspect
+        ones, then the least loaded (the newest among equals). Refused, unless ``force``,
+        when fewer than one would be left or the rest cannot hold what runs now."""
+        if replicas < 1 and not force:
+            raise Refused(
+                f"scaling {role} to 0 leaves no {role} worker: at least 1 stays (--force to "
+                "remove every one)"
+            )
+        stats = await self._stats_of(pool)
+        load = {w.name: s for w, s in zip(pool, stats, strict=True) if isinstance(s, dict)}
+        order = {WorkerState.DRAINING: 0, WorkerState.SUSPECT: 1}
+
+        def key(w: WorkerInfo):
+            s = load.get(w.name, {})
+            busy = s.get("running", 0) + s.get("waiting", 0)
+            return (order.get(w.state, 2), busy, s.get("in_use_blocks", 0), -_index(w.name))
+
+        victims = sorted(pool, key=key)[: len(pool) - replicas]
+        if not force:
+            self._check_fits(role, pool, victims, load)
+        return [w.name for w in victims]
+
+    def _check_fits(self, role, pool, victims, load: dict[str, dict[str, Any]]) -> None:
+        """Refused when the workers left cannot hold the requests running or waiting on the
+        whole pool now, in running slots or in KV blocks (decode: projected use)."""
+        gone = {w.name for w in victims}
+        left = [w for w in pool if w.name not in gone and w.state == WorkerState.ACTIVE]
+        requests = sum(s.get("running", 0) + s.get("waiting", 0) for s in load.values())
+        blocks = sum(s.get("projected_blocks", s.get("in_use_blocks", 0)) for s in load.values())
+        slots = sum(load.get(w.name, {}).get("max_num_seqs", w.max_num_seqs) for w in left)
+        room = sum(load.get(w.name, {}).get("total_blocks", 0) for w in left)
+        if requests > slots or blocks > room:
+            raise Refused(
+                f"scaling {role} to {len(pool) - len(victims)} leaves {len(left)} active "
+                f"worker(s) with {slots} running slots and {room} KV blocks for the "
+                f"{requests} requests and {blocks} blocks the {role} pool holds now: wait for "
+                "the load to fall, or --force"
+            )
+
+    async def _scale_in(self, names: list[str], deadline_s: float, force: bool):
+        """Drain each worker (at once), then stop and remove it; one its drain could not empty
+        is undrained and kept, unless ``force``."""
+
+        async def one(name: str) -> dict[str, Any]:
+            report = await self.drain(name, deadline_s)
+            if not report["idle"] and not force:
+                with contextlib.suppress(ValueError):
+                    await self.undrain(name)
+                raise Refused(f"not empty after {deadline_s:g} s ({report['note']}): kept")
+            left = not_moved(report)
+            await self._remove(name, "scaled in" + (f" (forced: {left} running)" if left else ""))
+            return report | {"aborted": left}
+
+        results = await asyncio.gather(*(one(n) for n in names), return_exceptions=True)
+        failed, aborted, migrated = {}, 0, 0
+        for name, report in zip(names, results, strict=True):
+            if isinstance(report, BaseException):
+                failed[name] = str(report) if isinstance(report, Refused) else brief(report)
+                continue
+            aborted += report["aborted"]
+            migrated += report["counts"].get("migrated", 0)
+        return {"failed": failed, "aborted_requests": aborted, "migrated_requests": migrated}
+
+    async def _drain_by_waiting(self, name: str, deadline_s: float) -> dict[str, Any]:
+        """A prefill or colocated worker: DRAINING (routers send it nothing new), then wait
+        until it runs and queues nothing and has no KV left to send."""
+        if self._workers[name].state == WorkerState.DEAD:
+            raise ValueError(f"worker {name!r} is dead")
+        self._set_state(name, WorkerState.DRAINING, "drained by the operator")
+        t0 = time.monotonic()
+        note, idle = "deadline passed", False
+        s: dict[str, Any] | BaseException = {}
+        while time.monotonic() - t0 < deadline_s:
+            (s,) = await self._stats_of([self._workers[name]])
+            if isinstance(s, BaseException):
+                note = f"no stats: {brief(s)}"
+            elif not any(
+                s.get(k, 0)
+                for k in (
+                    "running",
+                    "waiting",
+                    "open_streams",
+                    "remote_pending",
+                    "kv_pending_bytes",
+                )
+            ):
+                note, idle = "", True
+                break
+            await asyncio.sleep(0.1)
+        busy = 0 if idle or not isinstance(s, dict) else s.get("running", 0) + s.get("waiting", 0)
+        return {
+            "worker": name,
+            "idle": idle,
+            "requests": {},  # not known by id here: they finish where they run
+            "counts": {"still running": busy} if busy else {},
+            "seconds": round(time.monotonic() - t0, 3),
+            "note": note,
+        }
+
+    async def _remove(self, name: str, why: str) -> None:
+        """Out of the table (routers stop seeing it), then its actor is shut down and killed
+        and its prefix-index entries removed."""
+        info = self._workers.pop(name)
+        self._missed.pop(name, None)
+        self._suspect_since.pop(name, None)
+        self._publish()
+        with contextlib.suppress(Exception):  # it is killed next either way
+            await asyncio.wait_for(info.handle.shutdown.remote(), 10.0)
+        await self._kill_actor(info)
+        await self._forget_index(info)
+        self._event(
+            "worker",
+            kind="removed",
+            worker=name,
+            role=info.role,
+            reason=why,
+            node_ip=self._nodes.pop(name, {}).get("node_ip", ""),
+        )
+
+    # -- the operator API ----------------------------------------------------------------------
+
+    async def start_operator(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str = "",
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        audit_log: str | None = None,
+    ) -> str:
+        """Serve the gRPC operator API (cluster/operator.py) from this actor's event loop on
+        ``host``:``port`` (0: a free port), asking every call for ``token``; TLS with
+        ``tls_cert`` / ``tls_key`` (PEM files on this node). Returns the bound address."""
+        from cluster.operator import OperatorServer
+
+        if self._operator is not None:
+            raise ValueError(f"the operator API already listens on {self._operator.address}")
+        server = OperatorServer(self, token=token, audit_log=audit_log)
+        address = await server.start(host, port, tls_cert=tls_cert, tls_key=tls_key)
+        self._operator = server
+        return address
+
+    async def stop_operator(self) -> None:
+        if self._operator is not None:
+            server, self._operator = self._operator, None
+            await server.stop()
+
     async def shutdown(self) -> None:
         import ray
 
+        await self.stop_operator()
+        for task in list(self._tasks):
+            task.cancel()
         if self._health is not None:
             self._health.cancel()
         self.migrator.stop()
@@ -370,3 +903,15 @@ class Controller:
                 ray.kill(w.handle, no_restart=True)
             self._workers[w.name] = replace(w, state=WorkerState.DEAD)
         self._publish()
+
+
+def _index(name: str) -> int:
+    """The number in a worker's name ("decode-3" -> 3)."""
+    tail = name.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+def not_moved(report: dict[str, Any]) -> int:
+    """Requests a drain report leaves on its worker (still running, or their moves failed)."""
+    counts = report.get("counts", {})
+    return sum(n for k, n in counts.items() if k not in ("migrated", "finished"))

@@ -49,8 +49,11 @@ __all__ = [
 ]
 
 CONTROLLER = "controller"
+SCALE_HEADROOM = 8  # workers a new local Ray has room for beyond those it starts with
 # Secrets `tandem serve` takes from the environment: never copied into a Ray runtime_env.
-SECRET_ENV = frozenset({"TANDEM_API_KEY", "TANDEM_ADMIN_KEY", "TANDEM_REDIS_URL"})
+SECRET_ENV = frozenset(
+    {"TANDEM_API_KEY", "TANDEM_ADMIN_KEY", "TANDEM_REDIS_URL", "TANDEM_OPERATOR_TOKEN"}
+)
 
 
 def init_local_ray(**options: Any) -> None:
@@ -135,6 +138,10 @@ class ClusterConfig:
     hang_timeout_s: float = 60.0  # one engine step running this long: its thread is stuck
     dead_after_s: float = 60.0  # a worker suspect (unresponsive) this long is killed
     ray_address: str | None = None
+    # custom resources `prefill` / `decode` on worker actors: "on" (a `ray up` cluster's
+    # autoscaler starts a node of the role's type for them), "off", or "auto" (when the
+    # cluster has both now)
+    role_resources: str = "auto"
     namespace: str = "tandem"  # Ray namespace of the named actors (gateways attach by it)
     index_url: str | None = None  # Redis of the global prefix index (None: workers publish nothing)
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields for every worker
@@ -157,6 +164,16 @@ class ClusterConfig:
             self.transport = "nccl" if self.device == "cuda" else "tcp"
         if self.transport not in ("tcp", "nccl"):
             raise ValueError(f"transport must be tcp, nccl or auto, got {self.transport!r}")
+        if self.role_resources not in ("auto", "on", "off"):
+            raise ValueError(f"role_resources must be auto, on or off, got {self.role_resources!r}")
+
+
+def _use_role_resources(mode: str, resources: dict[str, float]) -> bool:
+    """Whether worker actors ask for the custom resource of their role (``prefill`` /
+    ``decode``): always ("on"), never ("off"), or when the cluster has both now ("auto")."""
+    if mode == "auto":
+        return bool(resources.get("prefill") and resources.get("decode"))
+    return mode == "on"
 
 
 class LocalCluster:
@@ -194,7 +211,9 @@ class LocalCluster:
                 with _loopback_stays_loopback():
                     ray.init(address=cfg.ray_address, **options)
             else:
-                init_local_ray(num_cpus=max(os.cpu_count() or 1, workers), **options)
+                # one logical CPU per worker actor, and room for `tandem scale` to add some
+                cpus = max(os.cpu_count() or 1, workers) + SCALE_HEADROOM
+                init_local_ray(num_cpus=cpus, **options)
         resources = ray.cluster_resources()
         spec = WorkerSpec(
             model_dir=self.model_dir,
@@ -211,10 +230,12 @@ class LocalCluster:
             decode_engine=cfg.decode_engine,
             gpus=cfg.gpus,
             migration=cfg.migration,
-            use_role_resources=bool(resources.get("prefill") and resources.get("decode")),
+            use_role_resources=_use_role_resources(cfg.role_resources, resources),
             # a local CPU cluster shares this machine's cores among its workers
             cpu_threads=None if cfg.ray_address else max(1, (os.cpu_count() or 1) // workers),
         )
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         self.controller = (
             ray.remote(Controller)
             .options(
@@ -222,6 +243,10 @@ class LocalCluster:
                 lifetime="detached",
                 num_cpus=0,
                 max_concurrency=1000,
+                # on this node: its operator API listens where `tandem serve` runs
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=False
+                ),
             )
             .remote(
                 spec, HealthConfig(hang_after_s=cfg.hang_timeout_s, dead_after_s=cfg.dead_after_s)
@@ -474,6 +499,13 @@ class LocalCluster:
 
         ray.get(self.controller.undrain.remote(worker))
         self.refresh()
+
+    def start_operator(self, token: str, **options: Any) -> str:
+        """Serve the gRPC operator API from the controller (Controller.start_operator:
+        ``host``, ``port``, ``tls_cert``, ``tls_key``, ``audit_log``); returns its address."""
+        import ray
+
+        return ray.get(self.controller.start_operator.remote(token=token, **options))
 
     def forget(self, name: str) -> None:
         """Stop routing to a worker (its actor died)."""

@@ -286,10 +286,12 @@ class Migrator:
                 logger.exception("rebalance round failed")
             await asyncio.sleep(state.settings.interval_s)
 
-    async def rebalance_once(self) -> list[dict[str, Any]]:
-        """One round: plan (and unless dry-run, make) the moves the marks call for."""
+    async def rebalance_once(self, dry_run: bool | None = None) -> list[dict[str, Any]]:
+        """One round: plan (and unless dry-run, make) the moves the marks call for.
+        ``dry_run`` None: as the mode says; True / False: plan only / move, whatever it is."""
         state = self.rebalance_state
         s = state.settings
+        dry = s.mode == "dry-run" if dry_run is None else dry_run
         state.rounds += 1
         loads = await self._loads(self._decode())
         sources = sorted((x for x in loads if x.use > s.high), key=lambda x: -x.use)
@@ -317,7 +319,7 @@ class Migrator:
                     "blocks": need,
                     "avoids_preemption": src.projected > src.total,
                 }
-                if s.mode == "dry-run":
+                if dry:
                     action["outcome"] = "planned"
                     logger.warning("rebalance (dry run) would move %s", action)
                 else:

@@ -15,6 +15,9 @@
 ``tandem gateway --redis-url URL --ray-address ADDR``: another gateway process over the workers a
 ``tandem serve`` started (it prints both addresses); the two share the one prefix index.
 
+``tandem serve --config FILE`` reads these settings from a YAML or JSON file first
+(cluster/config_file.py); flags on the command line win over it.
+
 Secrets (API keys, admin keys, a Redis password) come from the environment or a 0600 file, are
 read once and leave the environment before any child starts, and never go into a child's argv or
 a Ray runtime_env; the local Ray listens on 127.0.0.1 with token auth. docs/security.md has every
@@ -241,7 +244,157 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="an EngineConfig field for every worker, e.g. max_num_batched_tokens=512",
     )
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start one)")
+    p.add_argument(
+        "--role-resources",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="ask Ray for the custom resource `prefill` / `decode` per worker: on (a `ray up` "
+        "cluster: its autoscaler starts a node of that type), off, or auto (when the cluster "
+        "already has both) (default: auto)",
+    )
+    p.add_argument(
+        "--kv-host",
+        default="127.0.0.1",
+        metavar="ADDR|node",
+        help="where decode workers listen for KV: 127.0.0.1, node (the Ray node's IP, for "
+        "prefill workers on other nodes), or an address (default: 127.0.0.1)",
+    )
+    add_operator_args(p)
     add_gateway_args(p)
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML or JSON file of these settings (docs/config.md); flags given here win",
+    )
+    _read_config_first(p)
+
+
+def _read_config_first(p: argparse.ArgumentParser) -> None:
+    """Make ``p`` read ``--config FILE`` before the rest: the file's settings become the
+    parser's defaults, so a flag on the command line wins over the file wherever it stands.
+    (argparse gives an action no way to tell a flag left at its default from one given with
+    the default's value, so the arguments are parsed twice: once to find the file.)"""
+    parse = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        first, _ = parse(args, None)
+        if getattr(first, "config", None):
+            from cluster.config_file import ConfigError, load_serve_config
+
+            try:
+                config = load_serve_config(first.config)
+            except ConfigError as exc:
+                p.error(str(exc))
+            p.set_defaults(**config.as_defaults())
+        return parse(args, namespace)
+
+    p.parse_known_args = parse_known_args
+
+
+def add_operator_args(p: argparse.ArgumentParser) -> None:
+    """The gRPC operator API the controller serves (`tandem status`, `scale`, `drain`, ...)."""
+    p.add_argument(
+        "--operator-host",
+        default="127.0.0.1",
+        help="address the operator API binds, on the node that runs `tandem serve` "
+        "(default: 127.0.0.1)",
+    )
+    p.add_argument(
+        "--operator-port",
+        type=int,
+        default=0,
+        help="its port (default: 0, a free one: the banner and the connection file name it; "
+        "fix it to reach the API through an ssh tunnel)",
+    )
+    p.add_argument(
+        "--operator-token-file",
+        default=None,
+        metavar="PATH",
+        help="its bearer token, in a file of mode 0600 (default: TANDEM_OPERATOR_TOKEN, else "
+        "a random one); the tandem CLI finds it in the connection file",
+    )
+    p.add_argument(
+        "--operator-tls-cert",
+        default=None,
+        metavar="PEM",
+        help="serve it over TLS with this certificate (and --operator-tls-key)",
+    )
+    p.add_argument("--operator-tls-key", default=None, metavar="PEM", help="the key of that")
+    p.add_argument("--no-operator", action="store_true", help="do not serve the operator API")
+
+
+def operator_file(port: int) -> Path:
+    """The operator API's connection file of the `tandem serve` whose gateway is on ``port``
+    (mode 0600: it may hold the token), read by the tandem CLI."""
+    from engine.model_hub import cache_dir
+
+    return cache_dir() / "run" / f"operator-{port}.json"
+
+
+def _operator_env_token(args: argparse.Namespace) -> str:
+    """``TANDEM_OPERATOR_TOKEN``, read once; the variable leaves the environment."""
+    if getattr(args, "operator_env_token", None) is None:
+        args.operator_env_token = os.environ.pop("TANDEM_OPERATOR_TOKEN", "").strip()
+    return args.operator_env_token
+
+
+def _operator_token(args: argparse.Namespace) -> str:
+    """The operator API's token: ``--operator-token-file``, else ``TANDEM_OPERATOR_TOKEN``,
+    else a new random one (the connection file holds it)."""
+    if (args.operator_tls_cert is None) != (args.operator_tls_key is None):
+        raise ValueError("--operator-tls-cert and --operator-tls-key go together")
+    if getattr(args, "operator_token", None) is None:
+        from_env = _operator_env_token(args)
+        if args.operator_token_file:
+            args.operator_token = _read_secret_file(args.operator_token_file).strip()
+        else:
+            import secrets
+
+            args.operator_token = from_env or secrets.token_urlsafe(32)
+    return args.operator_token
+
+
+def _start_operator(cluster, args: argparse.Namespace) -> tuple[str, Path]:
+    """Start the controller's operator API and write its connection file (0600, removed by
+    the caller at exit); returns the address and the file."""
+    path = operator_file(args.port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tls = args.operator_tls_cert is not None
+    options = {
+        "host": args.operator_host,
+        "tls_cert": os.path.abspath(args.operator_tls_cert) if tls else None,
+        "tls_key": os.path.abspath(args.operator_tls_key) if tls else None,
+        "audit_log": str(path.with_suffix(".audit.jsonl")),
+    }
+    try:
+        address = cluster.start_operator(_operator_token(args), port=args.operator_port, **options)
+    except Exception as exc:  # noqa: BLE001 - Ray wraps the controller's ValueError
+        raise ValueError(f"the operator API could not start: {_last_line(exc)}") from None
+    connection: dict[str, Any] = {
+        "address": address,
+        "cluster_id": cluster.cluster_id,
+        "pid": os.getpid(),
+        "tls_ca": os.path.abspath(args.operator_tls_cert) if tls else None,
+        "audit_log": str(path.with_suffix(".audit.jsonl")),
+    }
+    if args.operator_token_file:  # the operator's own file: named, not copied
+        connection["token_file"] = os.path.abspath(args.operator_token_file)
+    else:
+        connection["token"] = args.operator_token
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(connection, f, indent=1)
+    tmp.replace(path)
+    return address, path
+
+
+def _last_line(exc: BaseException) -> str:
+    """A remote error's message (Ray prints the remote traceback before it)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
 
 
 def _engine_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -435,6 +588,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     _api_keys(args)  # before any child process starts (and a bad key file stops us here)
     _admin_keys(args)
+    if not args.no_operator:
+        _operator_token(args)
     redis_url = _redis_url(args)
     device = args.device
     if device == "auto":
@@ -465,8 +620,14 @@ def run_serve(args: argparse.Namespace) -> int:
             index_url=redis_url,
             stall_timeout_s=args.stall_timeout,
             hang_timeout_s=args.hang_timeout,
+            **_cluster_options(args),
         )
         stack.callback(cluster.shutdown)
+        _start_rebalancer(cluster, args)
+        operator = None
+        if not args.no_operator:
+            operator, connection = _start_operator(cluster, args)
+            stack.callback(connection.unlink, missing_ok=True)
         index = PrefixIndex(redis_url, cluster.index_namespace)
         stack.callback(index.close)
         backend = ClusterBackend(
@@ -479,11 +640,38 @@ def run_serve(args: argparse.Namespace) -> int:
         url = f"http://{args.host}:{args.port}/v1"
         banner = [
             f"ray: {ray.get_runtime_context().gcs_address} (cluster {cluster.cluster_id})",
+            *(
+                [f"operator: {operator} (token in {connection}; `tandem status`)"]
+                if operator
+                else []
+            ),
             f"serving {url} (model {backend.model_name!r}, ready in {time.monotonic() - t0:.0f} s)",
         ]
         run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)
     print("stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _cluster_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ClusterConfig settings of ``--role-resources`` / ``--kv-host`` and of a config file's
+    sections that have no flag (per-role engine overrides, GPUs per worker, migration)."""
+    return {
+        "role_resources": getattr(args, "role_resources", "auto"),
+        "host": getattr(args, "kv_host", "127.0.0.1"),
+        "prefill_engine": dict(getattr(args, "prefill_engine", None) or {}),
+        "decode_engine": dict(getattr(args, "decode_engine", None) or {}),
+        "gpus": dict(getattr(args, "gpus", None) or {}),
+        "migration": dict(getattr(args, "migration", None) or {}),
+    }
+
+
+def _start_rebalancer(cluster, args: argparse.Namespace) -> None:
+    """A config file's ``rebalance`` section (mode on or dry-run): set it on the controller."""
+    import ray
+
+    settings = getattr(args, "rebalance", None)
+    if settings and settings.get("mode", "off") != "off":
+        ray.get(cluster.controller.rebalance.remote(**settings))
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -587,6 +775,10 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     """``tandem serve`` arguments that give ``args`` again, less --detach and the secrets."""
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_args(parser)
+    if getattr(args, "config", None):  # the child reads the file too: pass what differs from it
+        from cluster.config_file import load_serve_config
+
+        parser.set_defaults(**load_serve_config(args.config).as_defaults())
     argv: list[str] = []
     for action in parser._actions:
         value = getattr(args, action.dest, action.default)
@@ -610,6 +802,8 @@ def _secret_env(args: argparse.Namespace) -> dict[str, str]:
         env["TANDEM_ADMIN_KEY"] = "\n".join(keys)
     if redis_url := _redis_url(args):
         env["TANDEM_REDIS_URL"] = redis_url
+    if not args.no_operator and (token := _operator_env_token(args)):
+        env["TANDEM_OPERATOR_TOKEN"] = token  # (a random one: the child makes its own)
     return env
 
 

@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -42,6 +43,8 @@ from engine.messages import Delta, StreamBatch, aborted
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineWorker"]
+
+LATENCY_WINDOW = 256  # latency samples a worker keeps (its stats() report their p50 / p99)
 
 
 class _Channel:
@@ -106,6 +109,12 @@ class EngineWorker:
         self._closed = False
         self.steps = 0
         self._step_started: float | None = None  # monotonic start of the step running now
+        # Latency, as this worker sees it (stats()["latency"]): the time between two engine
+        # steps in a row (a decode step gives every running request a token: the inter-token
+        # latency), and from a request's arrival here to its first token (TTFT here).
+        self._step_gaps: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._ttfts: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._arrived: dict[str, float] = {}  # request id -> arrival, until its first token
         self._publisher = None
         if index is not None:
             from engine.prefix_index import IndexPublisher, PrefixIndex
@@ -134,14 +143,21 @@ class EngineWorker:
         return None
 
     def _run(self) -> None:
+        last_end: float | None = None  # the previous step's end, while steps follow each other
         while not self._closed:
             try:
-                self._drain_inbox(block=not self._has_work())
+                idle = not self._has_work()
+                self._drain_inbox(block=idle)
+                if idle:
+                    last_end = None
                 self._on_tick()
                 if self._has_work():
-                    self._step_started = time.monotonic()
+                    start = self._step_started = time.monotonic()
                     deltas = self.engine.step()
+                    end = time.monotonic()
                     self._step_started = None
+                    self._step_gaps.append(end - (start if last_end is None else last_end))
+                    last_end = end
                     self.steps += 1
                     self._emit(deltas)
                     self._publish_blocks()
@@ -184,13 +200,19 @@ class EngineWorker:
         """Hook run once per loop iteration in the engine thread (deadlines)."""
 
     def _register(self, request_id: str, client: str) -> None:
-        """Engine thread: the request's deltas go to ``client``'s channel ("": nowhere)."""
+        """Engine thread: the request's deltas go to ``client``'s channel ("": nowhere); its
+        first token's delay is counted from now (the TTFT in ``stats()``)."""
+        if len(self._arrived) >= 4 * LATENCY_WINDOW:  # some ended without a token (aborts)
+            self._arrived = {r: t for r, t in self._arrived.items() if self.engine.has_request(r)}
+        self._arrived[request_id] = time.monotonic()
         if client:
             self._owner[request_id] = client
 
     def _emit(self, deltas: list[Delta]) -> None:
         """Engine thread: hand a step's deltas to the event loop, grouped by client, in one
         call (the channels and their readers live there)."""
+        if self._arrived and deltas:
+            self._first_tokens(deltas)
         if not deltas or self._loop is None:
             return
         by_client: dict[str, list[Delta]] = {}
@@ -203,6 +225,16 @@ class EngineWorker:
                 del self._owner[d.request_id]
         if by_client:
             self._send_to_loop(self._deliver, by_client)
+
+    def _first_tokens(self, deltas: list[Delta]) -> None:
+        """Engine thread: a TTFT sample for each request whose first output token is in
+        ``deltas`` (a request continued here from elsewhere, ``start`` > 0, gives none)."""
+        now = time.monotonic()
+        for d in deltas:
+            if d.token_ids or d.finished:
+                arrived = self._arrived.pop(d.request_id, None)
+                if arrived is not None and d.token_ids and d.start == 0:
+                    self._ttfts.append(now - arrived)
 
     def _send_to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -319,6 +351,7 @@ class EngineWorker:
             "max_num_seqs": cfg.max_num_seqs,
             "index_id": self._publisher.worker if self._publisher is not None else "",
             "endpoint": "",
+            **_ray_node(),
         }
 
     # ``ready``, ``health``, ``stats``, ``check_idle`` and ``abort`` are control methods: callers
@@ -339,6 +372,11 @@ class EngineWorker:
         stats = await self.call(self._stats, control=True)
         stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in self._channels.values())
         stats["stream_clients"] = len(self._channels)
+        # quantiles off the engine thread, over copies (appends there are atomic)
+        stats["latency"] = {
+            "ttft_s": _quantiles(tuple(self._ttfts)),
+            "step_gap_s": _quantiles(tuple(self._step_gaps)),
+        }
         return stats
 
     def _stats(self) -> dict[str, Any]:
@@ -393,6 +431,34 @@ class EngineWorker:
                 self._send_to_loop(ch.ready.set)
         if self._publisher is not None:
             self._publisher.close()  # its entries stop counting at once
+
+
+def _quantiles(samples: tuple[float, ...]) -> dict[str, float] | None:
+    """p50, p90 and p99 (nearest rank) of ``samples`` and their number; None without any."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def rank(q: int) -> float:
+        return ordered[min(n - 1, max(0, -(-q * n // 100) - 1))]
+
+    return {"p50": rank(50), "p90": rank(90), "p99": rank(99), "n": n}
+
+
+def _ray_node() -> dict[str, str]:
+    """The Ray node this worker runs on (none outside Ray: in-process tests)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return {}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+        }
+    except Exception:  # noqa: BLE001 - where it runs is for the operator's table only
+        return {}
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -106,6 +106,7 @@ class PrefillWorker(EngineWorker):
         def add() -> None:
             trace(request_id, "prefill.add")
             self.engine.add_request(request_id, prompt, one, **kwargs)
+            self._register(request_id, "")  # no stream (the result is the call's); for TTFT
             self.streamer.add(request_id, request_id, endpoint, len(prompt) + carried, gate)
 
         try:

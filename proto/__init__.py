@@ -1,1 +1,1 @@
-"""The operator API (gRPC / protobuf): operator.proto and its generated stubs (issue 16)."""
+"""The operator API (gRPC / protobuf): operator.proto and its generated stubs (README.md)."""

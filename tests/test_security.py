@@ -105,7 +105,14 @@ def served(tmp_path_factory, smollm2_dir):
     try:
         gcs = proc.wait_for(r"^ray: (\S+) ", 300)[1]
         proc.wait_for(r"^serving http://", 300)
-        yield {"proc": proc, "port": port, "gcs": gcs, "snapshot": snapshot(proc.proc.pid)}
+        operator_port = int(proc.wait_for(r"^operator: 127\.0\.0\.1:(\d+) ", 1)[1])
+        yield {
+            "proc": proc,
+            "port": port,
+            "gcs": gcs,
+            "operator_port": operator_port,
+            "snapshot": snapshot(proc.proc.pid),
+        }
     finally:
         proc.stop()
 
@@ -166,6 +173,8 @@ def name_socket(proc: dict, port: int, served: dict, ray: dict) -> str | None:
         return "ray-autoscaler-metrics"
     if any(a.endswith("dashboard/agent.py") for a in proc["cmdline"]):
         return "ray-metrics-export" if port == node["metrics_export"] else "ray-dashboard-agent"
+    if argv0 == "ray::Controller" and port == served["operator_port"]:
+        return "operator"
     if argv0.startswith("ray::"):
         grpc_port = ray["actors"].get(str(proc["pid"]))
         if grpc_port in (None, port):  # None: an idle worker, no actor yet
@@ -206,7 +215,14 @@ def secrets_of(served) -> dict[str, str]:
     found["redis password"] = re.search(r"^requirepass (\S+)$", conf, re.M)[1]
     token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray/auth_token")
     found["ray token"] = os.environ.get("RAY_AUTH_TOKEN") or token_file.read_text().strip()
+    found["operator token"] = json.loads(operator_connection(served).read_text())["token"]
     return found
+
+
+def operator_connection(served) -> Path:
+    from cluster.serve import operator_file
+
+    return operator_file(served["port"])
 
 
 def test_no_secret_in_argv_environment_or_runtime_env(served, ray_view) -> None:
@@ -245,6 +261,15 @@ def test_ray_redis_and_the_gateway_refuse_clients_without_their_secret(served) -
     port = redis_proc["listening"][0][1]
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=port, socket_timeout=5).ping()
+
+    from cluster.cli import main
+
+    assert operator_connection(served).stat().st_mode & 0o777 == 0o600
+    with pytest.MonkeyPatch.context() as mp:  # the CLI finds address and token in the file
+        mp.delenv("TANDEM_OPERATOR_TOKEN", raising=False)
+        assert main(["status", "--serve-port", str(served["port"])]) == 0
+        mp.setenv("TANDEM_OPERATOR_TOKEN", "not-the-token")
+        assert main(["status", "--serve-port", str(served["port"])]) == 4
 
     url = f"http://127.0.0.1:{served['port']}"
     assert httpx.get(url + "/v1/models").status_code == 401

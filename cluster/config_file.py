@@ -1,0 +1,556 @@
+"""``tandem serve --config FILE``: a whole serve configuration in one YAML or JSON file.
+
+A file holds the settings of ``tandem serve``'s flags (``ServeConfig``: one key per flag, the
+flag's name with ``_`` for ``-``) and a few that have no flag (per-role engine overrides, GPUs per
+worker, live migration and rebalancing). How a file combines with the command line::
+
+    parser defaults  <  the file's keys  <  flags given on the command line
+
+The file's keys become the parser's defaults (``as_defaults``), so a flag on the command line
+wins over the file, and a key the file leaves out keeps the flag's own default. Repeatable flags
+add to the file's list (``--engine k=v`` after the file's ``engine`` mapping: the flag wins for
+its key).
+
+Not in a file: ``--detach`` (how to run, not what), ``--api-key`` (a key belongs in a 0600 file:
+``api_key_file``) and a Redis URL with a password (``TANDEM_REDIS_URL``); a config file is not a
+secret store. Relative paths (the key and token files, the TLS certificate and key) are relative
+to the file's folder, and ``~`` is expanded.
+
+Every field carries its documentation (``Field(description=...)``); ``python -m
+cluster.config_file`` prints them as the Markdown table that docs/config.md holds. A key that is
+not a field, a value of the wrong type or out of range fails with the key, the value and what is
+accepted (``ConfigError``), before anything starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["ConfigError", "ServeConfig", "load_serve_config", "reference_markdown"]
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used: unreadable, not a mapping, or invalid settings."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class MigrationSettings(_Section):
+    """Live migration on the decode workers (decode_worker/migration.py ``MigrationConfig``)."""
+
+    max_stages: int = Field(4, ge=1, description="KV copy rounds before the last, paused one.")
+    last_stage_blocks: int = Field(
+        16, ge=1, description="Pause the request once at most this many KV blocks are left."
+    )
+    headroom_blocks: int = Field(
+        4, ge=0, description="Blocks reserved on the destination beyond the request's length."
+    )
+    chunk_tokens: int = Field(
+        4096, ge=1, description="KV positions gathered per engine-thread call (bounds buffers)."
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="Seconds each wait on the other worker may take."
+    )
+    max_out: int = Field(1, ge=1, description="Migrations out of one worker at once.")
+    max_in: int = Field(1, ge=1, description="Migrations into one worker at once.")
+
+
+class RebalanceSettings(_Section):
+    """The controller's rebalancer, set at start (cluster/migrations.py ``RebalanceSettings``;
+    ``POST /admin/rebalance`` changes it later)."""
+
+    mode: Literal["off", "on", "dry-run"] = Field(
+        "off", description="`on` moves requests; `dry-run` only logs the moves it would make."
+    )
+    interval_s: float = Field(1.0, gt=0, description="Seconds between rebalance rounds.")
+    high: float = Field(
+        0.85, gt=0, le=1, description="Projected KV use above which a decode worker gives."
+    )
+    low: float = Field(
+        0.6, gt=0, le=1, description="Projected KV use below which a decode worker takes."
+    )
+    max_moves: int = Field(1, ge=1, description="Requests moved per source per round.")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return _on_off(value)
+
+    @model_validator(mode="after")
+    def _marks(self) -> RebalanceSettings:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class GpuShare(_Section):
+    """GPUs per worker actor by role (CUDA); a fraction lets workers share a GPU."""
+
+    prefill: float | None = Field(None, gt=0, description="GPUs per prefill worker (default 1).")
+    decode: float | None = Field(None, gt=0, description="GPUs per decode worker (default 1).")
+    colocated: float | None = Field(
+        None, gt=0, description="GPUs per colocated worker (default 1)."
+    )
+
+
+class ServeConfig(BaseModel):
+    """Everything ``tandem serve`` takes, but ``--detach`` and the secrets themselves."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    # -- the model and the workers --------------------------------------------------------------
+    model: str = Field(
+        "smollm2",
+        description="Model alias (`smollm2`) or a local Hugging Face folder; on a multi-node "
+        "cluster the folder must exist at the same path on every node.",
+    )
+    served_model_name: str | None = Field(
+        None, description="The `model` id clients send (default: `model`); others get 404."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="`auto`: CUDA when this machine has a GPU. On a head node without GPUs "
+        "set `cuda`: the workers run on the GPU nodes.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="`auto`: float32 on CPU, bfloat16 on CUDA."
+    )
+    prefill: int | None = Field(
+        None, ge=0, description="Prefill workers (with `decode`; default: by the GPUs here)."
+    )
+    decode: int | None = Field(None, ge=0, description="Decode workers (with `prefill`).")
+    colocated: int | None = Field(
+        None, ge=0, description="Colocated workers (prefill and decode in one actor)."
+    )
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="`EngineConfig` fields for every worker, e.g. `{max_num_seqs: 128}` "
+        "(`--engine KEY=VALUE`).",
+    )
+    prefill_engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="`EngineConfig` fields for prefill workers only (over `engine`). No flag.",
+    )
+    decode_engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="`EngineConfig` fields for decode workers only (over `engine`). No flag.",
+    )
+    gpus: GpuShare = Field(
+        default_factory=GpuShare, description="GPUs per worker by role. No flag."
+    )
+
+    # -- the cluster ----------------------------------------------------------------------------
+    ray_address: str | None = Field(
+        None,
+        description="Join this Ray cluster (`auto`: the one this node belongs to) instead of "
+        "starting a local one.",
+    )
+    role_resources: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Ask Ray for the custom resource `prefill` / `decode` per worker: `on` "
+        "(a `ray up` cluster: the autoscaler starts a node of the role's type), `off`, or "
+        "`auto` (when the cluster already has both).",
+    )
+    kv_host: str = Field(
+        "127.0.0.1",
+        description="Where decode workers listen for KV: `127.0.0.1` (one machine), `node` "
+        "(the Ray node's IP: prefill workers on other nodes reach it), or an address. "
+        "Peers need the cluster's token either way.",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="Redis of the global prefix index, without a password (one with a "
+        "password goes in `TANDEM_REDIS_URL`). Default: start a local one.",
+    )
+    migration: MigrationSettings = Field(
+        default_factory=MigrationSettings,
+        description="Live migration on decode workers. No flag.",
+    )
+    rebalance: RebalanceSettings = Field(
+        default_factory=RebalanceSettings,
+        description="The rebalancer's settings at start. No flag.",
+    )
+
+    # -- the operator API (tandem status / scale / drain ...) ------------------------------------
+    operator_host: str = Field(
+        "127.0.0.1",
+        description="Address the gRPC operator API binds, on the node that runs `tandem serve`.",
+    )
+    operator_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Its port (0: a free one; the connection file under the tandem cache names "
+        "it). Fix it to reach the API through an ssh tunnel.",
+    )
+    operator_token_file: str | None = Field(
+        None,
+        description="Its bearer token, in a file of mode 0600 (default: TANDEM_OPERATOR_TOKEN, "
+        "else a random one written to the connection file).",
+    )
+    operator_tls_cert: str | None = Field(
+        None, description="Serve the operator API over TLS with this certificate (PEM)."
+    )
+    operator_tls_key: str | None = Field(
+        None, description="The key of `operator_tls_cert` (PEM); the two go together."
+    )
+    no_operator: bool = Field(False, description="Do not serve the operator API at all.")
+
+    # -- the gateway ----------------------------------------------------------------------------
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the gateway binds; anything but loopback is reachable from the "
+        "network (set API keys).",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="Port of the gateway.")
+    api_key_file: str | None = Field(
+        None, description="Accepted bearer keys, one per line, in a file of mode 0600."
+    )
+    admin_key_file: str | None = Field(
+        None,
+        description="Keys of the `/admin` routes, one per line, mode 0600 (default: the API "
+        "keys; with none, loopback clients only).",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "warning", description="uvicorn's log level."
+    )
+    loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        "auto", description="The gateway's event loop (`auto`: uvloop when installed)."
+    )
+    http: Literal["auto", "h11", "httptools"] = Field(
+        "auto", description="uvicorn's HTTP parser (`auto`: httptools when installed)."
+    )
+    max_concurrent: int = Field(
+        256, ge=1, description="Sequences in flight in the gateway; more get 429."
+    )
+    max_body_bytes: int = Field(8 << 20, ge=1, description="Larger request bodies get 413.")
+    max_header_bytes: int = Field(16 << 10, ge=1, description="Larger request headers get 431.")
+    body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a client has to send its body (408 after)."
+    )
+    write_timeout: float = Field(
+        30.0, gt=0, description="Seconds a streamed frame may wait for the client to read it."
+    )
+    shutdown_timeout: float = Field(
+        30.0, ge=0, description="On SIGTERM, seconds in-flight requests get to finish."
+    )
+
+    # -- routing and scheduling -----------------------------------------------------------------
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
+        "cache_aware", description="How the router places requests on workers."
+    )
+    queue_policy: Literal["fcfs", "sjf"] = Field(
+        "fcfs",
+        description="Order of requests waiting for a slot: `fcfs`, or `sjf` (shortest "
+        "predicted output first, with aging).",
+    )
+    predictor: str = Field(
+        "learned",
+        description="Output-length predictor: `learned`, `none`, `oracle` (benchmarks), or "
+        "an artifact path.",
+    )
+    max_queue: int = Field(1024, ge=0, description="Requests waiting for a slot at most (429).")
+    slots_per_worker: int = Field(
+        0, ge=0, description="Requests run at once per decode worker (0: its `max_num_seqs`)."
+    )
+    queue_aging: float = Field(
+        2.0, gt=0, description="`sjf`: a request waits about this multiple of its FCFS wait."
+    )
+    max_queue_wait: float = Field(
+        120.0, gt=0, description="`sjf`: seconds after which a waiting request goes first."
+    )
+    reject_wait: float = Field(
+        0.0, ge=0, description="Refuse (429) a request projected to wait longer (0: off)."
+    )
+
+    # -- faults ---------------------------------------------------------------------------------
+    max_resumes: int = Field(
+        2, ge=0, description="Times a request continues elsewhere after its worker failed."
+    )
+    stall_timeout: float = Field(
+        10.0, gt=0, description="Seconds without output or heartbeat before a worker is hung."
+    )
+    hang_timeout: float = Field(
+        60.0, gt=0, description="Seconds one engine step may run before its worker is hung."
+    )
+
+    @field_validator("role_resources", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        return _on_off(value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _no_password(cls, value: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if value and urlsplit(value).password:
+            raise ValueError(
+                "a Redis URL with a password does not belong in a config file: set "
+                "TANDEM_REDIS_URL in the environment instead"
+            )
+        return value
+
+    @field_validator("engine", "prefill_engine", "decode_engine")
+    @classmethod
+    def _engine_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        known = engine_override_keys()
+        for key in value:
+            if key not in known:
+                raise ValueError(f"{key!r} is not an engine setting{_did_you_mean(key, known)}")
+        return value
+
+    @model_validator(mode="after")
+    def _topology(self) -> ServeConfig:
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError(
+                f"prefill ({self.prefill}) and decode ({self.decode}) go together: "
+                "disaggregated serving needs at least one of each"
+            )
+        return self
+
+    def as_defaults(self) -> dict[str, Any]:
+        """The settings this file gives, as argparse defaults of ``tandem serve`` (dest ->
+        value). Keys the file leaves out are left out, so they keep the flags' defaults."""
+        out: dict[str, Any] = {}
+        for name in self.model_fields_set:
+            value = getattr(self, name)
+            if name == "engine":  # the --engine flag's KEY=VALUE strings (values as JSON)
+                value = [f"{k}={json.dumps(v)}" for k, v in value.items()]
+            elif name == "gpus":
+                value = value.model_dump(exclude_none=True)
+            elif isinstance(value, BaseModel):
+                value = value.model_dump()
+            out[name] = value
+        return out
+
+
+PATH_SETTINGS = (
+    "api_key_file",
+    "admin_key_file",
+    "operator_token_file",
+    "operator_tls_cert",
+    "operator_tls_key",
+)
+
+
+def engine_override_keys() -> set[str]:
+    """``EngineConfig`` fields a serve configuration may set (the launcher sets the model
+    folder and the device), plus ``cpu_threads`` (a worker's torch threads)."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+
+    return {f.name for f in dataclasses.fields(EngineConfig)} - {"model_dir", "device"} | {
+        "cpu_threads"
+    }
+
+
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare ``on`` / ``off`` as true / false: take them back."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
+def _did_you_mean(key: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), sorted(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def load_serve_config(path: str | os.PathLike[str]) -> ServeConfig:
+    """Read and check a YAML (``.yaml`` / ``.yml``) or JSON file. Raises ConfigError with every
+    problem, each naming its key."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text) if text.strip() else {}
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except (ValueError, ImportError) as exc:  # json / yaml errors are ValueError subclasses
+        raise ConfigError(f"{path} is not valid {path.suffix[1:] or 'YAML'}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - yaml.YAMLError: report it, not a traceback
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, not a {type(data).__name__}")
+    try:
+        config = ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(path, exc)) from None
+    for name in PATH_SETTINGS:  # relative to the file, ~ expanded
+        value = getattr(config, name)
+        if value:
+            setattr(config, name, str(path.parent / Path(value).expanduser()))
+    return config
+
+
+def _explain(path: Path, exc: ValidationError) -> str:
+    """One line per problem: where (dotted key), what was given, what is accepted."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            fields = _fields_at(err["loc"][:-1])
+            key = str(err["loc"][-1])
+            lines.append(f"{loc}: unknown setting{_did_you_mean(key, fields)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        shown = "" if err["type"] == "value_error" else f" (got {err.get('input')!r})"
+        lines.append(f"{loc}: {msg}{shown}")
+    head = f"{path}: {len(lines)} problem{'s' if len(lines) > 1 else ''}"
+    return "\n  ".join([head, *lines])
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    model: type[BaseModel] = ServeConfig
+    for part in loc:
+        ann = model.model_fields[str(part)].annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+# -- the reference table (docs/config.md) --------------------------------------------------------
+
+REFERENCE_BEGIN = "<!-- serve-config-reference: generated by `python -m cluster.config_file` -->"
+REFERENCE_END = "<!-- end of serve-config-reference -->"
+
+
+def reference_markdown() -> str:
+    """Every setting of a serve configuration as a Markdown table: key, flag, type, default,
+    meaning. Nested sections are rows of their own (``migration.max_stages``)."""
+    flags = _flags()
+    rows = ["| key | flag | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
+    for name, info in ServeConfig.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.append(_row(name, "", "section", "", info.description or ""))
+            for sub, sub_info in ann.model_fields.items():
+                rows.append(
+                    _row(
+                        f"{name}.{sub}",
+                        "",
+                        _type_name(sub_info.annotation),
+                        _default(sub_info),
+                        sub_info.description or "",
+                    )
+                )
+            continue
+        rows.append(
+            _row(
+                name,
+                flags.get(name, ""),
+                _type_name(ann),
+                _default(info),
+                info.description or "",
+            )
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _flags() -> dict[str, str]:
+    """Field name -> the ``tandem serve`` flag that sets it."""
+    import argparse
+
+    from cluster.serve import add_serve_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_args(parser)
+    return {a.dest: f"`{a.option_strings[-1]}`" for a in parser._actions if a.option_strings}
+
+
+def _default(info) -> str:
+    if info.default_factory is not None:
+        value = info.default_factory()
+        if isinstance(value, BaseModel):
+            return ""
+    else:
+        value = info.default
+    if value is None:
+        return "none"
+    return f"`{json.dumps(value)}`"
+
+
+def _type_name(ann: Any) -> str:
+    origin = typing.get_origin(ann)
+    if origin is Literal:
+        return " or ".join(f"`{json.dumps(a)}`" for a in typing.get_args(ann))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        inner = " or ".join(_type_name(a) for a in args)
+        return f"{inner} or null" if len(args) < len(typing.get_args(ann)) else inner
+    if origin is dict:
+        return "mapping"
+    return {str: "string", int: "integer", float: "number", bool: "boolean"}.get(
+        ann, getattr(ann, "__name__", str(ann))
+    )
+
+
+def write_reference(doc: Path) -> bool:
+    """Put the current table between the markers of ``doc``; True when it changed."""
+    text = doc.read_text()
+    start, end = text.index(REFERENCE_BEGIN), text.index(REFERENCE_END)
+    new = text[: start + len(REFERENCE_BEGIN)] + "\n\n" + reference_markdown() + "\n" + text[end:]
+    if new != text:
+        doc.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cluster.config_file``: print the reference table; ``--write DOC`` puts it
+    into DOC between its markers; ``--check FILE...`` loads config files and reports."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m cluster.config_file", description=main.__doc__)
+    ap.add_argument("--write", metavar="DOC", help="update the table in DOC (docs/config.md)")
+    ap.add_argument("--check", nargs="+", metavar="FILE", help="validate serve config files")
+    args = ap.parse_args(argv)
+    if args.check:
+        failed = 0
+        for path in args.check:
+            try:
+                load_serve_config(path)
+                print(f"{path}: ok")
+            except ConfigError as exc:
+                failed += 1
+                print(exc, file=sys.stderr)
+        return 1 if failed else 0
+    if args.write:
+        changed = write_reference(Path(args.write))
+        print(f"{args.write}: {'updated' if changed else 'already current'}")
+        return 0
+    sys.stdout.write(reference_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
