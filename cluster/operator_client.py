@@ -74,20 +74,10 @@ def _read_connection(path: Path) -> dict[str, Any]:
         raise OperatorError(f"cannot read {path}: {exc}", EXIT_USAGE) from None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def connection(serve_port: int | None) -> dict[str, Any] | None:
     """The connection file of the `tandem serve` on ``serve_port``, or of the only one that
     runs here (None when none does)."""
-    from cluster.serve import operator_file
+    from cluster.serve import operator_file, pid_alive
 
     if serve_port is not None:
         path = operator_file(serve_port)
@@ -99,7 +89,7 @@ def connection(serve_port: int | None) -> dict[str, Any] | None:
     live = []
     for path in _connection_files():
         conn = _read_connection(path)
-        if _alive(int(conn.get("pid", 0) or 0)):
+        if pid_alive(int(conn.get("pid", 0) or 0)):
             live.append((path, conn))
     if len(live) > 1:
         ports = ", ".join(p.stem.removeprefix("operator-") for p, _ in live)

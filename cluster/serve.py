@@ -733,7 +733,7 @@ def run_detached(args: argparse.Namespace) -> int:
     until it serves (or dies), then leave it running and return. The child's command line is
     ``args`` less the secrets, which it gets in its environment."""
     log_path, pid_path = _run_files(args.port)
-    if pid_path.exists() and _alive(int(pid_path.read_text())):
+    if pid_path.exists() and pid_alive(int(pid_path.read_text())):
         print(f"tandem: a server already runs on port {args.port} (pid {pid_path.read_text()})")
         return 1
     child = [sys.executable, "-m", "cluster.cli", "serve", *_child_argv(args)]
@@ -807,7 +807,8 @@ def _secret_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -829,9 +830,9 @@ def run_stop(args: argparse.Namespace) -> int:
 
     def wait(seconds: float) -> bool:
         deadline = time.monotonic() + seconds
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        return not _alive(pid)
+        return not pid_alive(pid)
 
     steps = [
         (signal.SIGTERM, args.timeout, None),
@@ -840,7 +841,7 @@ def run_stop(args: argparse.Namespace) -> int:
     ]
     waited = 0.0
     for sig, seconds, note in steps:
-        if not _alive(pid):
+        if not pid_alive(pid):
             break
         if note is not None:
             print(f"tandem: pid {pid} {note.format(waited)}", file=sys.stderr)
@@ -851,7 +852,7 @@ def run_stop(args: argparse.Namespace) -> int:
         if wait(seconds):
             break
         waited = seconds
-    if _alive(pid):
+    if pid_alive(pid):
         print(f"tandem: pid {pid} did not stop", file=sys.stderr)
         return 1
     pid_path.unlink(missing_ok=True)
