@@ -100,6 +100,9 @@ class Prediction:
 
 class LengthPredictor(abc.ABC):
     name = "abstract"
+    # Whether the engine's length probe (after the prefill) may replace this predictor's
+    # estimate for a request's remaining work; an exact one (the oracle) is not refined.
+    refinable = True
 
     @abc.abstractmethod
     def predict(self, x: PredictInput) -> Prediction | None:
@@ -133,6 +136,7 @@ class OraclePredictor(LengthPredictor):
     """The true length, from a header the benchmark client sets (never from a real client)."""
 
     name = "oracle"
+    refinable = False
 
     def predict(self, x: PredictInput) -> Prediction | None:
         raw = x.headers.get(ORACLE_HEADER)

@@ -217,8 +217,9 @@ class ClusterBackend:
             end=lambda out: self._ended(ticket, hints, out),
         )
         await generation.start()
-        if ticket.refined is not None:  # the header tells the refined estimate
-            generation.placement = replace(placement, predicted_tokens=round(ticket.refined[0]))
+        if ticket.refined is not None:  # the header tells the refined estimate (capped)
+            median = round(ticket.predicted.median)
+            generation.placement = replace(placement, predicted_tokens=median)
         return generation
 
     async def healthy(self) -> bool:
@@ -243,7 +244,8 @@ class ClusterBackend:
     def _progress(self, ticket: Ticket, out: RequestOutput) -> None:
         if ticket.first_token_at is None:
             self.admission.first_token(ticket)
-            if out.predicted_tokens is not None:  # the engine's probe, after the prefill
+            # the engine's probe, after the prefill (an exact predictor keeps its own)
+            if out.predicted_tokens is not None and self.predictor.refinable:
                 self.admission.refine(ticket, out.predicted_tokens)
         ticket.produced = max((len(o.token_ids) for o in out.outputs), default=0)
 

@@ -244,6 +244,45 @@ def test_sjf_queue_starts_the_shortest_predicted_first(cluster, prompts) -> None
     assert_idle(cluster)
 
 
+def test_the_probe_s_estimate_replaces_the_router_s_but_not_the_oracle_s(cluster, prompts):
+    """After the prefill, the shipped length probe's estimate (capped by max_tokens) replaces
+    the learned predictor's for the request's remaining work and its header; an exact
+    predictor (the oracle) keeps its own."""
+    from router.admission import QueueConfig
+    from router.predictor import ORACLE_HEADER, PredictInput
+    from router.service import ClusterBackend
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    async def one(predictor: str, headers: dict) -> tuple:
+        backend = ClusterBackend(
+            cluster.members,
+            tokenizer=cluster.tokenizer,
+            queue=QueueConfig("fcfs"),
+            predictor=predictor,
+        )
+        try:
+            hints = PredictInput(text="Hello", max_tokens=16, headers=headers)
+            gen = await backend.open(f"probe-{predictor}", prompts[0], params, hints=hints)
+            try:
+                last = [o async for o in gen.outputs()][-1]
+            finally:
+                await gen.aclose()
+            return gen.placement, last, backend.admission
+        finally:
+            await backend.aclose()
+
+    placement, last, admission = run(one("learned", {}))
+    probe = last.predicted_tokens
+    assert probe is not None and len(last.outputs[0].token_ids) == 16
+    assert placement.predicted_tokens == round(min(probe[0], 16))
+    assert list(admission.refined_quality.pairs) == [(min(probe[0], 16), 16)]
+    placement, last, admission = run(one("oracle", {ORACLE_HEADER: "7"}))
+    assert last.predicted_tokens is not None  # the probe ran, and was not used
+    assert placement.predicted_tokens == 7 and not admission.refined_quality.pairs
+    assert_idle(cluster)
+
+
 async def _running(backend, n: int) -> bool:
     return len(backend.admission.running) >= n
 
