@@ -257,11 +257,6 @@ class Migrator:
             "note": note,
         }
 
-    def undrain(self, name: str) -> None:
-        info = self._worker(name)
-        if info.state == WorkerState.DRAINING:
-            self.controller._set_state(name, WorkerState.ACTIVE, "undrained by the operator")
-
     # -- rebalance ---------------------------------------------------------------------------
 
     def configure(self, **settings: Any) -> dict[str, Any]:

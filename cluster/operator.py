@@ -27,7 +27,6 @@ only (and by the CLI's handlers), so a machine without it still runs everything 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ from cluster.controller import DRAIN_DEADLINE_S, Refused, not_moved
 from engine.messages import MigrationResult, WorkerState, brief
 from proto import operator_pb2 as pb
 from proto import operator_pb2_grpc as pb_grpc
+from router.auth import bearer_matches
 
 logger = logging.getLogger(__name__)
 
@@ -140,20 +140,17 @@ class OperatorServer:
 
     def authorize(self, context: grpc.aio.ServicerContext) -> str | None:
         """None when the call carries the token; else why not (for UNAUTHENTICATED)."""
-        header = ""
+        header = b""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                header = value if isinstance(value, str) else value.decode("latin-1")
-        scheme, _, given = header.partition(" ")
+                header = value.encode("latin-1") if isinstance(value, str) else value
         if not header:
             return (
                 "missing operator token: send 'authorization: Bearer <token>' (the tandem CLI "
                 "reads it from the file `tandem serve` writes, --token-file or "
                 "TANDEM_OPERATOR_TOKEN)"
             )
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self._token
-        ):
+        if not bearer_matches(header, [self._token]):
             return "invalid operator token"
         return None
 

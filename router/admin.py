@@ -26,7 +26,6 @@ The router never imports ``cluster/``: the controller's methods are reached thro
 from __future__ import annotations
 
 import contextlib
-import hmac
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.responses import JSONResponse
 
 from router import protocol
+from router.auth import bearer_matches
 from router.protocol import APIError
 
 logger = logging.getLogger("tandem.gateway")
@@ -235,19 +235,6 @@ def _not_implemented() -> APIError:
         code="not_implemented",
         reason=None,
     )
-
-
-def bearer_matches(header: bytes, keys: list[bytes]) -> bool:
-    """``Authorization: Bearer <one of keys>`` (the raw header value; the gateway's API-key
-    check and the admin routes' both ask this)."""
-    scheme, _, token = header.partition(b" ")
-    if scheme.lower() != b"bearer":
-        return False
-    given = token.strip()
-    ok = False
-    for key in keys:  # every key, so timing says nothing about which one is close
-        ok |= hmac.compare_digest(given, key)
-    return ok
 
 
 def _is_loopback(host: str | None) -> bool:

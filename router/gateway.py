@@ -52,6 +52,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import admin, protocol
+from router.auth import bearer_matches
 from router.backend import Backend, BackendError, Generation, InvalidRequest, Overloaded
 from router.metrics import GatewayMetrics, RequestTimer
 from router.predictor import ORACLE_HEADER, PredictInput
@@ -154,7 +155,7 @@ class _AuthMiddleware:
 
     def _authorized(self, scope: Scope) -> bool:
         header = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        return admin.bearer_matches(header, self.keys)
+        return bearer_matches(header, self.keys)
 
 
 class _HeaderLimit:
