@@ -5,7 +5,10 @@ Off by default. Each pool is judged on its own measured signals, each turned int
 
     prefill    queue   uncached prompt tokens waiting per worker / ``queue_tokens``
                ttft    the workers' time-to-first-token p90 / ``slo_s``
-    decode     kv      blocks in use / blocks (the pool's)
+    decode     slots   requests holding or waiting for a running slot (the routers' admitted and
+                       queued requests; without router reports, the workers' running and
+                       waiting) / the pool's slots (max_num_seqs each)
+               kv      blocks in use / blocks (the pool's)
                demand  projected blocks (what running requests will hold at their predicted
                        end: the length predictor's p90, else max_tokens) / blocks
                itl     the workers' inter-token (step gap) p90 / ``slo_s``
@@ -84,6 +87,7 @@ class PoolSignals:
     role: str
     replicas: int  # workers that take new requests (ACTIVE)
     queued_tokens: float | None = None  # prefill: uncached prompt tokens waiting, pool total
+    slots_used: float | None = None  # requests running or queued for a slot / slots
     ttft_p90_s: float | None = None
     kv_used: float | None = None  # blocks in use / blocks, over the pool
     kv_demand: float | None = None  # projected blocks / blocks, over the pool
@@ -95,6 +99,8 @@ class PoolSignals:
             out["queue"] = self.queued_tokens / max(self.replicas, 1) / policy.queue_tokens
         if self.ttft_p90_s is not None and policy.slo_s and self.role != "decode":
             out["ttft"] = self.ttft_p90_s / policy.slo_s
+        if self.slots_used is not None and self.role != "prefill":
+            out["slots"] = self.slots_used
         if self.kv_used is not None and self.role != "prefill":
             out["kv"] = self.kv_used
         if self.kv_demand is not None and self.role != "prefill":
@@ -111,7 +117,7 @@ class Decision:
     replicas: int  # before
     target: int  # after
     reason: str  # the signal that drove it, e.g. "kv 0.93 > 0.85 for 10 s"
-    signal: str  # its name: queue, ttft, kv, demand, itl (what the metric's label carries)
+    signal: str  # its name: queue, ttft, slots, kv, demand, itl (the metric's reason label)
     inputs: dict[str, Any]  # the signals and pressures it saw
     at: float  # wall time
 
@@ -137,6 +143,7 @@ class Autoscaler:
         self._pools = {role: _Pool() for role in ROLES}
         self.decisions: list[Decision] = []  # the latest 200, oldest first
         self.counts: dict[tuple[str, str, str], int] = {}  # (role, direction, signal): all time
+        self.latest: dict[str, dict[str, Any]] = {}  # role -> what its last look saw
 
     def observe(self, signals: PoolSignals) -> Decision | None:
         """One look at a pool: the decision to take now, or None."""
@@ -158,6 +165,7 @@ class Autoscaler:
             "pressures": {k: round(v, 4) for k, v in pressures.items()},
             "signals": {k: v for k, v in asdict(signals).items() if k not in ("role", "replicas")},
         }
+        self.latest[signals.role] = {**inputs, "signal": signal, "pressure": round(pressure, 4)}
         if now - pool.last_decision < policy.cooldown_s:
             return None
         over = pool.over_since is not None and now - pool.over_since >= policy.up_after_s
@@ -196,6 +204,7 @@ class Autoscaler:
     def stats(self) -> dict[str, Any]:
         return {
             "enabled": self.config.enabled,
+            "latest": self.latest,
             "decisions": [d.as_dict() for d in self.decisions[-20:]],
             "counts": [
                 {"role": r, "direction": dr, "reason": s, "count": c}

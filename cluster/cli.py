@@ -339,7 +339,7 @@ def _add_policy(subparsers: argparse._SubParsersAction) -> None:
     p = _operator_parser(
         subparsers,
         "policy",
-        help="show or change the controller's settings (rebalancer, health checks)",
+        help="show or change the controller's settings (rebalancer, health checks, autoscaler)",
     )
     p.add_argument("--rebalance-mode", default=None, choices=["off", "on", "dry-run"])
     p.add_argument("--rebalance-high", type=float, default=None, metavar="USE")
@@ -351,6 +351,26 @@ def _add_policy(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--health-suspect-after", type=int, default=None, metavar="N")
     p.add_argument("--health-hang-after-s", type=float, default=None, metavar="S")
     p.add_argument("--health-dead-after-s", type=float, default=None, metavar="S")
+    p.add_argument("--autoscale", default=None, choices=["on", "off"], help="the autoscaler")
+    p.add_argument("--autoscale-interval-s", type=float, default=None, metavar="S")
+    p.add_argument(
+        "--pool",
+        default=None,
+        choices=["prefill", "decode", "colocated"],
+        help="the pool whose autoscaling the next flags change",
+    )
+    p.add_argument("--min-replicas", type=int, default=None, metavar="N")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    p.add_argument("--high", type=float, default=None, help="pressure that grows the pool")
+    p.add_argument("--low", type=float, default=None, help="pressure (a worker fewer) shrinking it")
+    p.add_argument("--up-after-s", type=float, default=None, metavar="S")
+    p.add_argument("--down-after-s", type=float, default=None, metavar="S")
+    p.add_argument("--cooldown-s", type=float, default=None, metavar="S")
+    p.add_argument("--step", type=int, default=None, metavar="N", help="workers per scale-out")
+    p.add_argument(
+        "--slo-s", type=float, default=None, metavar="S", help="TTFT / ITL p90 target (0: none)"
+    )
+    p.add_argument("--queue-tokens", type=float, default=None, metavar="TOKENS")
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("policy"))
 

@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision, PoolSignals
 from cluster.migrations import Migrator
 from engine.messages import (
     CONTROL_CONCURRENCY,
@@ -103,6 +104,7 @@ class HealthConfig:
 ROLES = ("prefill", "decode", "colocated")
 EVENTS_KEPT = 4096  # the event log's length (older events are dropped; Watch says how many)
 STATS_TIMEOUT_S = 3.0  # status() and scale() wait this long for a worker's stats
+ROUTER_LOAD_TTL_S = 5.0  # a router's load report older than this no longer counts
 DRAIN_DEADLINE_S = 60.0
 
 
@@ -137,9 +139,20 @@ class _EventedMigrator(Migrator):
 
 
 class Controller:
-    def __init__(self, spec: WorkerSpec, health: HealthConfig | None = None) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        health: HealthConfig | None = None,
+        autoscale: AutoscalerConfig | dict[str, Any] | None = None,
+    ) -> None:
         self.spec = spec
         self.health = health or HealthConfig()
+        if not isinstance(autoscale, AutoscalerConfig):
+            autoscale = AutoscalerConfig(**(autoscale or {}))
+        self.autoscaler = Autoscaler(autoscale)
+        self._autoscaling: asyncio.Task | None = None
+        self._roles: set[str] = set()  # roles the cluster runs (the pools the autoscaler sizes)
+        self._router_loads: dict[str, tuple[float, dict[str, Any]]] = {}  # router -> report
         self._missed: dict[str, int] = {}  # consecutive missed health checks
         self._suspect_since: dict[str, float] = {}
         self.transitions: list[tuple[float, str, str, str]] = []  # (time, worker, state, why)
@@ -211,6 +224,8 @@ class Controller:
         self._publish()
         if self._health is None:
             self._health = asyncio.ensure_future(self._check_health())
+        self._roles |= {self._workers[n].role for n in names}
+        self._sync_autoscaler()
         return self._table()
 
     def _activate(self, name: str, info: dict[str, Any]) -> None:
@@ -514,6 +529,7 @@ class Controller:
             "migrations_in_flight": self.migrations_in_flight,
             "migration_outcomes": dict(self.migrator.outcomes),
             "scaling": list(self._scaling.values()),
+            "autoscale": self.autoscale_stats(),
             "last_event_seq": self._event_seq,
         }
 
@@ -552,27 +568,42 @@ class Controller:
     # -- policy --------------------------------------------------------------------------------
 
     def policy(self) -> dict[str, Any]:
-        """Every setting the operator may change: the rebalancer's and the health checks'."""
+        """Every setting the operator may change: the rebalancer's, the health checks' and the
+        autoscaler's."""
         return {
             "rebalance": asdict(self.migrator.rebalance_state.settings),
             "health": asdict(self.health),
+            "autoscale": asdict(self.autoscaler.config),
         }
 
     async def set_policy(
-        self, rebalance: dict[str, Any] | None = None, health: dict[str, Any] | None = None
+        self,
+        rebalance: dict[str, Any] | None = None,
+        health: dict[str, Any] | None = None,
+        autoscale: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Change some settings (``rebalance``: RebalanceSettings fields, ``health``:
-        HealthConfig fields); both are checked before either applies (ValueError)."""
-        rebalance, health = rebalance or {}, health or {}
+        HealthConfig fields, ``autoscale``: AutoscalerConfig fields, a pool's as a dict of
+        PoolPolicy fields under its role); all are checked before any applies (ValueError)."""
+        rebalance, health, autoscale = rebalance or {}, health or {}, autoscale or {}
         try:
             new_health = replace(self.health, **health)
             replace(self.migrator.rebalance_state.settings, **rebalance).check()
+            current = asdict(self.autoscaler.config)
+            for key, value in autoscale.items():
+                if isinstance(value, dict) and isinstance(current.get(key), dict):
+                    current[key] = {**current[key], **value}
+                else:
+                    current[key] = value
+            new_autoscale = AutoscalerConfig(**current)
         except TypeError as exc:  # an unknown field
             raise ValueError(str(exc)) from None
         new_health.check()
         if rebalance:
             self.migrator.configure(**rebalance)
         self.health = new_health
+        self.autoscaler.config = new_autoscale
+        self._sync_autoscaler()
         policy = self.policy()
         self._event("policy", policy=policy)
         return policy
@@ -683,6 +714,8 @@ class Controller:
             added=result["added"],
             removed=result["removed"],
             failed=result["failed"],
+            aborted_requests=result["aborted_requests"],
+            migrated_requests=result["migrated_requests"],
         )
         return result
 
@@ -859,6 +892,116 @@ class Controller:
             node_ip=self._nodes.pop(name, {}).get("node_ip", ""),
         )
 
+    # -- the autoscaler ------------------------------------------------------------------------
+
+    def _sync_autoscaler(self) -> None:
+        """Run the autoscaler's loop while it is enabled (and the cluster has started)."""
+        running = self._autoscaling is not None and not self._autoscaling.done()
+        if self.autoscaler.config.enabled and self._roles and not running:
+            self._autoscaling = asyncio.ensure_future(self._autoscale_forever())
+        elif not self.autoscaler.config.enabled and running:
+            self._autoscaling.cancel()
+            self._autoscaling = None
+
+    async def _autoscale_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.autoscaler.config.interval_s)
+            try:
+                await self.autoscale_once()
+            except Exception:  # noqa: BLE001 - one bad look must not end the loop
+                logger.exception("autoscaler round failed")
+
+    async def autoscale_once(self) -> list[dict[str, Any]]:
+        """One look at every pool the cluster runs: its signals measured, the autoscaler's
+        decision logged (an ``autoscale`` event with its inputs) and carried out by ``scale``
+        (scale-in drains first), without waiting for the scale to end. A pool being scaled
+        now is not looked at. Returns the decisions taken."""
+        taken = []
+        for role in sorted(self._roles):
+            if role in self._scaling:
+                continue
+            decision = self.autoscaler.observe(await self.pool_signals(role))
+            if decision is None:
+                continue
+            taken.append(decision.as_dict())
+            await self._carry_out(decision)
+        return taken
+
+    async def _carry_out(self, d: Decision) -> None:
+        self._event(
+            "autoscale",
+            role=d.role,
+            direction=d.direction,
+            from_replicas=d.replicas,
+            to_replicas=d.target,
+            signal=d.signal,
+            reason=d.reason,
+            inputs=d.inputs,
+        )
+        logger.warning("autoscaler: %s %s -> %s (%s)", d.role, d.replicas, d.target, d.reason)
+        # the decision counts active workers; scale() sizes the live pool (a draining or
+        # starting one included): move it by the same difference
+        target = len(self._pool(d.role)) + d.target - d.replicas
+        with contextlib.suppress(Refused):  # the refusal is an event of its own
+            await self.scale(d.role, target, wait=False, reason=f"autoscaler: {d.reason}")
+
+    async def pool_signals(self, role: str) -> PoolSignals:
+        """What the autoscaler judges ``role``'s pool by, measured now from its active
+        workers' stats (latencies over their recent window only) and the routers' reports."""
+        active = [w for w in self._pool(role) if w.state == WorkerState.ACTIVE]
+        stats = await self._stats_of(active)
+        answered = [(w, s) for w, s in zip(active, stats, strict=True) if isinstance(s, dict)]
+        signals = PoolSignals(role, len(active))
+        if not answered:
+            return signals
+
+        def p90(s: dict[str, Any], name: str) -> float | None:
+            q = (s.get("latency_recent") or {}).get(name)
+            return q["p90"] if q else None
+
+        def worst(values) -> float | None:
+            values = [v for v in values if v is not None]
+            return max(values) if values else None
+
+        blocks = sum(s.get("total_blocks", 0) for _, s in answered) or 1
+        if role != "decode":
+            signals.queued_tokens = float(
+                sum(s.get("waiting_prompt_tokens", 0) for _, s in answered)
+            )
+            signals.ttft_p90_s = worst(p90(s, "ttft_s") for _, s in answered)
+        if role != "prefill":
+            slots = sum(w.max_num_seqs or s.get("max_num_seqs", 0) for w, s in answered) or 1
+            routers = self._fresh_router_loads()
+            if routers:  # requests admitted by the routers (in prefill too) and waiting there
+                demand = sum(r.get("running", 0) + r.get("queued", 0) for r in routers)
+            else:
+                demand = sum(s.get("running", 0) + s.get("waiting", 0) for _, s in answered)
+            signals.slots_used = demand / slots
+            signals.kv_used = sum(s.get("in_use_blocks", 0) for _, s in answered) / blocks
+            if any("projected_blocks" in s for _, s in answered):
+                signals.kv_demand = sum(s.get("projected_blocks", 0) for _, s in answered) / blocks
+            signals.itl_p90_s = worst(p90(s, "step_gap_s") for _, s in answered)
+        return signals
+
+    def _fresh_router_loads(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        self._router_loads = {
+            k: v for k, v in self._router_loads.items() if now - v[0] < ROUTER_LOAD_TTL_S
+        }
+        return [load for _, load in self._router_loads.values()]
+
+    async def report_load(self, router: str, load: dict[str, Any]) -> dict[str, Any]:
+        """A router's admission figures (``running``: requests holding a slot, ``queued``:
+        waiting for one), kept ``ROUTER_LOAD_TTL_S``; answers the autoscaler's counts and
+        latest look (what the router's /metrics exports)."""
+        self._router_loads[router] = (time.monotonic(), dict(load))
+        return self.autoscale_stats()
+
+    def autoscale_stats(self) -> dict[str, Any]:
+        stats = self.autoscaler.stats()
+        stats["pools"] = {r: len(self._pool(r)) for r in sorted(self._roles)}
+        return stats
+
     # -- the operator API ----------------------------------------------------------------------
 
     async def start_operator(
@@ -893,8 +1036,9 @@ class Controller:
         await self.stop_operator()
         for task in list(self._tasks):
             task.cancel()
-        if self._health is not None:
-            self._health.cancel()
+        for loop in (self._health, self._autoscaling):
+            if loop is not None:
+                loop.cancel()
         self.migrator.stop()
         live = [w for w in self._workers.values() if w.state != WorkerState.DEAD]
         await asyncio.gather(*(w.handle.shutdown.remote() for w in live), return_exceptions=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cluster.autoscaler import AutoscalerConfig
 from cluster.controller import Controller, HealthConfig, WorkerSpec
 from engine.messages import MigrationResult, control
 from engine.model_hub import resolve_model
@@ -149,6 +150,9 @@ class ClusterConfig:
     decode_engine: dict[str, Any] = field(default_factory=dict)  # overrides for decode
     gpus: dict[str, float] = field(default_factory=dict)  # GPUs per worker by role (default 1)
     migration: dict[str, Any] = field(default_factory=dict)  # MigrationConfig fields (decode)
+    # AutoscalerConfig fields (cluster/autoscaler.py; a pool's as a dict under its role): off
+    # unless ``enabled``
+    autoscale: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -166,6 +170,10 @@ class ClusterConfig:
             raise ValueError(f"transport must be tcp, nccl or auto, got {self.transport!r}")
         if self.role_resources not in ("auto", "on", "off"):
             raise ValueError(f"role_resources must be auto, on or off, got {self.role_resources!r}")
+        try:
+            AutoscalerConfig(**self.autoscale)  # its errors here, not in the controller actor
+        except TypeError as exc:
+            raise ValueError(f"autoscale: {exc}") from None
 
 
 def _use_role_resources(mode: str, resources: dict[str, float]) -> bool:
@@ -249,7 +257,9 @@ class LocalCluster:
                 ),
             )
             .remote(
-                spec, HealthConfig(hang_after_s=cfg.hang_timeout_s, dead_after_s=cfg.dead_after_s)
+                spec,
+                HealthConfig(hang_after_s=cfg.hang_timeout_s, dead_after_s=cfg.dead_after_s),
+                cfg.autoscale,
             )
         )
         t0 = time.perf_counter()

@@ -361,6 +361,7 @@ class _Servicer(pb_grpc.ClusterOperatorServicer):
                 group, _, name = field.name.partition("_")
                 if group in changes:
                     changes[group][name] = value
+            changes["autoscale"] = autoscale_changes(request)
             return pb.SetPolicyResponse(
                 policy=policy_pb(await self.controller.set_policy(**changes))
             )
@@ -414,10 +415,60 @@ def worker_pb(w: dict[str, Any]) -> pb.WorkerStatus:
     return msg
 
 
+def _pool_policy_pb(pool: dict[str, Any]) -> pb.PoolPolicy:
+    return pb.PoolPolicy(**{**pool, "slo_s": pool.get("slo_s") or 0.0})
+
+
 def policy_pb(policy: dict[str, Any]) -> pb.Policy:
+    autoscale = policy["autoscale"]
     return pb.Policy(
         rebalance=pb.RebalancePolicy(**policy["rebalance"]),
         health=pb.HealthPolicy(**policy["health"]),
+        autoscale=pb.AutoscalePolicy(
+            enabled=autoscale["enabled"],
+            interval_s=autoscale["interval_s"],
+            **{r: _pool_policy_pb(autoscale[r]) for r in ROLE},
+        ),
+    )
+
+
+def autoscale_changes(request: pb.SetPolicyRequest) -> dict[str, Any]:
+    """A SetPolicyRequest's autoscaler fields as ``Controller.set_policy(autoscale=...)``
+    takes them (a pool's ``slo_s`` 0 means none)."""
+    changes: dict[str, Any] = {}
+    if request.HasField("autoscale_enabled"):
+        changes["enabled"] = request.autoscale_enabled
+    if request.HasField("autoscale_interval_s"):
+        changes["interval_s"] = request.autoscale_interval_s
+    for role, update in request.autoscale_pools.items():
+        if role not in ROLE:
+            raise ValueError(f"autoscale pool must be one of {sorted(ROLE)}, got {role!r}")
+        fields = {f.name: v for f, v in update.ListFields()}
+        if "slo_s" in fields:
+            fields["slo_s"] = fields["slo_s"] or None
+        changes[role] = fields
+    return changes
+
+
+def autoscale_status_pb(a: dict[str, Any]) -> pb.AutoscaleStatus:
+    return pb.AutoscaleStatus(
+        enabled=a["enabled"],
+        latest={
+            role: pb.PoolLook(
+                replicas=look["replicas"],
+                pressures=look["pressures"],
+                signal=look["signal"],
+                pressure=look["pressure"],
+            )
+            for role, look in a.get("latest", {}).items()
+        },
+        pools=a.get("pools", {}),
+        counts=[
+            pb.DecisionCount(
+                role=ROLE[c["role"]], direction=c["direction"], reason=c["reason"], count=c["count"]
+            )
+            for c in a.get("counts", [])
+        ],
     )
 
 
@@ -435,6 +486,7 @@ def status_pb(status: dict[str, Any]) -> pb.StatusResponse:
             for s in status["scaling"]
         ],
         last_event_seq=status["last_event_seq"],
+        autoscale=autoscale_status_pb(status["autoscale"]),
     )
 
 
@@ -477,6 +529,8 @@ def event_pb(e: dict[str, Any], missed: int = 0) -> pb.Event:
                 added=e.get("added", []),
                 removed=e.get("removed", []),
                 failed=e.get("failed", {}),
+                aborted_requests=e.get("aborted_requests", 0),
+                migrated_requests=e.get("migrated_requests", 0),
             )
         )
     elif kind == "migration":
@@ -493,4 +547,16 @@ def event_pb(e: dict[str, Any], missed: int = 0) -> pb.Event:
         )
     elif kind == "policy":
         msg.policy.CopyFrom(pb.PolicyEvent(policy=policy_pb(e["policy"])))
+    elif kind == "autoscale":
+        msg.autoscale.CopyFrom(
+            pb.AutoscaleEvent(
+                role=ROLE[e["role"]],
+                direction=e["direction"],
+                from_replicas=e["from_replicas"],
+                to_replicas=e["to_replicas"],
+                signal=e["signal"],
+                reason=e["reason"],
+                inputs_json=json.dumps(e["inputs"], sort_keys=True),
+            )
+        )
     return msg

@@ -272,10 +272,12 @@ def status_table(status: dict[str, Any]) -> str:
     head = (
         f"cluster {status['cluster_id']}  model {Path(status['model']).name}  "
         f"membership v{status['membership_version']}  "
-        f"migrations in flight {status['migrations_in_flight']}  rebalance {reb['mode']}"
+        f"migrations in flight {status['migrations_in_flight']}  rebalance {reb['mode']}  "
+        f"autoscaler {'on' if (status.get('autoscale') or {}).get('enabled') else 'off'}"
     )
     for s in status["scaling"]:
         head += f"\nscaling {s['role']} to {s['replicas']} (since {time.ctime(s['started'])})"
+    head += "".join(f"\n{line}" for line in autoscale_lines(status))
     columns = [
         "ROLE",
         "WORKER",
@@ -311,6 +313,26 @@ def status_table(status: dict[str, Any]) -> str:
         for r in [columns, *rows]
     ]
     return "\n".join([head, *lines])
+
+
+def autoscale_lines(status: dict[str, Any]) -> list[str]:
+    """The autoscaler's latest look at each pool, when it is on (its pressures, the largest
+    first, and its decisions so far)."""
+    a = status.get("autoscale") or {}
+    if not a.get("enabled"):
+        return []
+    made: dict[str, int] = {}
+    for c in a.get("counts", []):
+        made[c["role"]] = made.get(c["role"], 0) + int(c["count"])
+    lines = []
+    for role, look in sorted(a.get("latest", {}).items()):
+        pressures = sorted(look["pressures"].items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in pressures) or "no signal"
+        lines.append(
+            f"autoscaler {role}: {look['replicas']} active, {shown}; "
+            f"{made.get(role, 0)} decision(s)"
+        )
+    return lines
 
 
 def scale(op: Operator, args: argparse.Namespace) -> int:
@@ -383,6 +405,20 @@ def rebalance(op: Operator, args: argparse.Namespace) -> int:
     return 0
 
 
+POOL_FIELDS = (
+    "min_replicas",
+    "max_replicas",
+    "high",
+    "low",
+    "up_after_s",
+    "down_after_s",
+    "cooldown_s",
+    "step",
+    "slo_s",
+    "queue_tokens",
+)
+
+
 def policy(op: Operator, args: argparse.Namespace) -> int:
     request = pb.SetPolicyRequest(request_id=new_request_id())
     for name in (
@@ -396,19 +432,35 @@ def policy(op: Operator, args: argparse.Namespace) -> int:
         "health_suspect_after",
         "health_hang_after_s",
         "health_dead_after_s",
+        "autoscale_interval_s",
     ):
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))
+    if args.autoscale is not None:
+        request.autoscale_enabled = args.autoscale == "on"
+    pool = {n: getattr(args, n) for n in POOL_FIELDS if getattr(args, n) is not None}
+    if pool and args.pool is None:
+        print(f"tandem: --{next(iter(pool)).replace('_', '-')} needs --pool", file=sys.stderr)
+        return EXIT_USAGE
+    if args.pool is not None:
+        request.autoscale_pools[args.pool].CopyFrom(pb.PoolPolicyUpdate(**pool))
     if len(request.ListFields()) == 1:  # nothing to change: show them
         resp = op.call("Status", pb.StatusRequest()).policy
     else:
         resp = op.call("SetPolicy", request).policy
-    d = plain(resp)
-    text = "\n".join(
-        f"{group}: " + "  ".join(f"{k}={v}" for k, v in d[group].items()) for group in d
-    )
-    _print(args, resp, text)
+    _print(args, resp, policy_text(plain(resp)))
     return 0
+
+
+def policy_text(d: dict[str, Any]) -> str:
+    def fields(values: dict[str, Any]) -> str:
+        return "  ".join(f"{k}={v}" for k, v in values.items() if not isinstance(v, dict))
+
+    lines = [f"{group}: {fields(values)}" for group, values in d.items()]
+    for role, pool in d.get("autoscale", {}).items():
+        if isinstance(pool, dict):
+            lines.append(f"  {role}: {fields(pool)}")
+    return "\n".join(lines)
 
 
 def events(op: Operator, args: argparse.Namespace) -> int:
@@ -438,6 +490,8 @@ def event_line(e: pb.Event) -> str:
         text += f" ({d['reason']})"
         text += "".join(f" +{n}" for n in d["added"]) + "".join(f" -{n}" for n in d["removed"])
         text += "".join(f" !{n}: {why}" for n, why in d["failed"].items())
+        if d["phase"] == "done" and d["removed"]:
+            text += f" ({d['migrated_requests']} migrated, {d['aborted_requests']} aborted)"
         return text
     if body == "migration":
         return (
@@ -446,7 +500,13 @@ def event_line(e: pb.Event) -> str:
         )
     if body == "policy":
         reb = d["policy"]["rebalance"]
-        return f"{head} policy rebalance " + " ".join(f"{k}={v}" for k, v in reb.items())
+        text = f"{head} policy rebalance " + " ".join(f"{k}={v}" for k, v in reb.items())
+        return text + f" autoscale={'on' if d['policy']['autoscale']['enabled'] else 'off'}"
+    if body == "autoscale":
+        return (
+            f"{head} autoscaler {d['role']} {d['direction']} {d['from_replicas']} -> "
+            f"{d['to_replicas']}: {d['reason']}"
+        )
     return head
 
 

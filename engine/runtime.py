@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
 import secrets
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["EngineWorker"]
 
 LATENCY_WINDOW = 256  # latency samples a worker keeps (its stats() report their p50 / p99)
+# stats()["latency_recent"]: the kept samples of the last this many seconds only (the
+# autoscaler's view: a worker that has gone quiet has no recent latency, not its old one)
+LATENCY_RECENT_S = 30.0
 
 
 class _Channel:
@@ -111,9 +115,10 @@ class EngineWorker:
         self._step_started: float | None = None  # monotonic start of the step running now
         # Latency, as this worker sees it (stats()["latency"]): the time between two engine
         # steps in a row (a decode step gives every running request a token: the inter-token
-        # latency), and from a request's arrival here to its first token (TTFT here).
-        self._step_gaps: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._ttfts: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        # latency), and from a request's arrival here to its first token (TTFT here); each
+        # sample is (monotonic time it was taken, seconds).
+        self._step_gaps: deque[tuple[float, float]] = deque(maxlen=LATENCY_WINDOW)
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=LATENCY_WINDOW)
         self._arrived: dict[str, float] = {}  # request id -> arrival, until its first token
         self._publisher = None
         if index is not None:
@@ -156,7 +161,7 @@ class EngineWorker:
                     deltas = self.engine.step()
                     end = time.monotonic()
                     self._step_started = None
-                    self._step_gaps.append(end - (start if last_end is None else last_end))
+                    self._step_gaps.append((end, end - (start if last_end is None else last_end)))
                     last_end = end
                     self.steps += 1
                     self._emit(deltas)
@@ -234,7 +239,7 @@ class EngineWorker:
             if d.token_ids or d.finished:
                 arrived = self._arrived.pop(d.request_id, None)
                 if arrived is not None and d.token_ids and d.start == 0:
-                    self._ttfts.append(now - arrived)
+                    self._ttfts.append((now, now - arrived))
 
     def _send_to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -373,9 +378,13 @@ class EngineWorker:
         stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in self._channels.values())
         stats["stream_clients"] = len(self._channels)
         # quantiles off the engine thread, over copies (appends there are atomic)
-        stats["latency"] = {
-            "ttft_s": _quantiles(tuple(self._ttfts)),
-            "step_gap_s": _quantiles(tuple(self._step_gaps)),
+        ttfts, gaps = tuple(self._ttfts), tuple(self._step_gaps)
+        since = time.monotonic() - LATENCY_RECENT_S
+        stats["latency"] = {"ttft_s": _quantiles(ttfts), "step_gap_s": _quantiles(gaps)}
+        stats["latency_recent"] = {
+            "window_s": LATENCY_RECENT_S,
+            "ttft_s": _quantiles(ttfts, since),
+            "step_gap_s": _quantiles(gaps, since),
         }
         return stats
 
@@ -392,6 +401,13 @@ class EngineWorker:
             "in_use_blocks": counts["in_use"],
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            # prompt tokens not computed yet, of the queued requests and of the running ones
+            # still in prefill (the prefill pool's backlog; a remote request being received
+            # has its prompt computed elsewhere)
+            "waiting_prompt_tokens": sum(
+                max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                for r in (*sched.waiting, *sched.running)
+            ),
             "preemptions": sched.num_preemptions,
             "remote_pending": self.engine.num_remote_pending(),
             "open_streams": len(self._owner),
@@ -433,11 +449,14 @@ class EngineWorker:
             self._publisher.close()  # its entries stop counting at once
 
 
-def _quantiles(samples: tuple[float, ...]) -> dict[str, float] | None:
-    """p50, p90 and p99 (nearest rank) of ``samples`` and their number; None without any."""
-    if not samples:
+def _quantiles(
+    samples: tuple[tuple[float, float], ...], since: float = -math.inf
+) -> dict[str, float] | None:
+    """p50, p90 and p99 (nearest rank) of the ``(taken, seconds)`` samples taken after
+    ``since``, and their number; None without any."""
+    ordered = sorted(v for t, v in samples if t > since)
+    if not ordered:
         return None
-    ordered = sorted(samples)
     n = len(ordered)
 
     def rank(q: int) -> float:

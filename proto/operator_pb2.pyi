@@ -115,13 +115,110 @@ class HealthPolicy(_message.Message):
     dead_after_s: float
     def __init__(self, interval_s: _Optional[float] = ..., timeout_s: _Optional[float] = ..., suspect_after: _Optional[int] = ..., hang_after_s: _Optional[float] = ..., dead_after_s: _Optional[float] = ...) -> None: ...
 
+class PoolPolicy(_message.Message):
+    __slots__ = ("min_replicas", "max_replicas", "high", "low", "up_after_s", "down_after_s", "cooldown_s", "step", "slo_s", "queue_tokens")
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    UP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SLO_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    min_replicas: int
+    max_replicas: int
+    high: float
+    low: float
+    up_after_s: float
+    down_after_s: float
+    cooldown_s: float
+    step: int
+    slo_s: float
+    queue_tokens: float
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., high: _Optional[float] = ..., low: _Optional[float] = ..., up_after_s: _Optional[float] = ..., down_after_s: _Optional[float] = ..., cooldown_s: _Optional[float] = ..., step: _Optional[int] = ..., slo_s: _Optional[float] = ..., queue_tokens: _Optional[float] = ...) -> None: ...
+
+class AutoscalePolicy(_message.Message):
+    __slots__ = ("enabled", "interval_s", "prefill", "decode", "colocated")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    interval_s: float
+    prefill: PoolPolicy
+    decode: PoolPolicy
+    colocated: PoolPolicy
+    def __init__(self, enabled: _Optional[bool] = ..., interval_s: _Optional[float] = ..., prefill: _Optional[_Union[PoolPolicy, _Mapping]] = ..., decode: _Optional[_Union[PoolPolicy, _Mapping]] = ..., colocated: _Optional[_Union[PoolPolicy, _Mapping]] = ...) -> None: ...
+
 class Policy(_message.Message):
-    __slots__ = ("rebalance", "health")
+    __slots__ = ("rebalance", "health", "autoscale")
     REBALANCE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     rebalance: RebalancePolicy
     health: HealthPolicy
-    def __init__(self, rebalance: _Optional[_Union[RebalancePolicy, _Mapping]] = ..., health: _Optional[_Union[HealthPolicy, _Mapping]] = ...) -> None: ...
+    autoscale: AutoscalePolicy
+    def __init__(self, rebalance: _Optional[_Union[RebalancePolicy, _Mapping]] = ..., health: _Optional[_Union[HealthPolicy, _Mapping]] = ..., autoscale: _Optional[_Union[AutoscalePolicy, _Mapping]] = ...) -> None: ...
+
+class PoolLook(_message.Message):
+    __slots__ = ("replicas", "pressures", "signal", "pressure")
+    class PressuresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PRESSURES_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    pressures: _containers.ScalarMap[str, float]
+    signal: str
+    pressure: float
+    def __init__(self, replicas: _Optional[int] = ..., pressures: _Optional[_Mapping[str, float]] = ..., signal: _Optional[str] = ..., pressure: _Optional[float] = ...) -> None: ...
+
+class DecisionCount(_message.Message):
+    __slots__ = ("role", "direction", "reason", "count")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    direction: str
+    reason: str
+    count: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., direction: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class AutoscaleStatus(_message.Message):
+    __slots__ = ("enabled", "latest", "pools", "counts")
+    class LatestEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PoolLook
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolLook, _Mapping]] = ...) -> None: ...
+    class PoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    latest: _containers.MessageMap[str, PoolLook]
+    pools: _containers.ScalarMap[str, int]
+    counts: _containers.RepeatedCompositeFieldContainer[DecisionCount]
+    def __init__(self, enabled: _Optional[bool] = ..., latest: _Optional[_Mapping[str, PoolLook]] = ..., pools: _Optional[_Mapping[str, int]] = ..., counts: _Optional[_Iterable[_Union[DecisionCount, _Mapping]]] = ...) -> None: ...
 
 class ScaleInProgress(_message.Message):
     __slots__ = ("role", "replicas", "started")
@@ -134,7 +231,7 @@ class ScaleInProgress(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., replicas: _Optional[int] = ..., started: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "membership_version", "workers", "policy", "migrations_in_flight", "migration_outcomes", "scaling", "last_event_seq", "model")
+    __slots__ = ("cluster_id", "membership_version", "workers", "policy", "migrations_in_flight", "migration_outcomes", "scaling", "last_event_seq", "model", "autoscale")
     class MigrationOutcomesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +248,7 @@ class StatusResponse(_message.Message):
     SCALING_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     membership_version: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -160,7 +258,8 @@ class StatusResponse(_message.Message):
     scaling: _containers.RepeatedCompositeFieldContainer[ScaleInProgress]
     last_event_seq: int
     model: str
-    def __init__(self, cluster_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., migrations_in_flight: _Optional[int] = ..., migration_outcomes: _Optional[_Mapping[str, int]] = ..., scaling: _Optional[_Iterable[_Union[ScaleInProgress, _Mapping]]] = ..., last_event_seq: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    autoscale: AutoscaleStatus
+    def __init__(self, cluster_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., migrations_in_flight: _Optional[int] = ..., migration_outcomes: _Optional[_Mapping[str, int]] = ..., scaling: _Optional[_Iterable[_Union[ScaleInProgress, _Mapping]]] = ..., last_event_seq: _Optional[int] = ..., model: _Optional[str] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("request_id", "role", "replicas", "wait", "force", "drain_deadline_s")
@@ -350,7 +449,14 @@ class RebalanceResponse(_message.Message):
     def __init__(self, actions: _Optional[_Iterable[_Union[RebalanceAction, _Mapping]]] = ..., policy: _Optional[_Union[RebalancePolicy, _Mapping]] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
-    __slots__ = ("request_id", "rebalance_mode", "rebalance_high", "rebalance_low", "rebalance_interval_s", "rebalance_max_moves", "health_interval_s", "health_timeout_s", "health_suspect_after", "health_hang_after_s", "health_dead_after_s")
+    __slots__ = ("request_id", "rebalance_mode", "rebalance_high", "rebalance_low", "rebalance_interval_s", "rebalance_max_moves", "health_interval_s", "health_timeout_s", "health_suspect_after", "health_hang_after_s", "health_dead_after_s", "autoscale_enabled", "autoscale_interval_s", "autoscale_pools")
+    class AutoscalePoolsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: PoolPolicyUpdate
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PoolPolicyUpdate, _Mapping]] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_MODE_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_HIGH_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +468,9 @@ class SetPolicyRequest(_message.Message):
     HEALTH_SUSPECT_AFTER_FIELD_NUMBER: _ClassVar[int]
     HEALTH_HANG_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     HEALTH_DEAD_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_POOLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     rebalance_mode: str
     rebalance_high: float
@@ -373,7 +482,34 @@ class SetPolicyRequest(_message.Message):
     health_suspect_after: int
     health_hang_after_s: float
     health_dead_after_s: float
-    def __init__(self, request_id: _Optional[str] = ..., rebalance_mode: _Optional[str] = ..., rebalance_high: _Optional[float] = ..., rebalance_low: _Optional[float] = ..., rebalance_interval_s: _Optional[float] = ..., rebalance_max_moves: _Optional[int] = ..., health_interval_s: _Optional[float] = ..., health_timeout_s: _Optional[float] = ..., health_suspect_after: _Optional[int] = ..., health_hang_after_s: _Optional[float] = ..., health_dead_after_s: _Optional[float] = ...) -> None: ...
+    autoscale_enabled: bool
+    autoscale_interval_s: float
+    autoscale_pools: _containers.MessageMap[str, PoolPolicyUpdate]
+    def __init__(self, request_id: _Optional[str] = ..., rebalance_mode: _Optional[str] = ..., rebalance_high: _Optional[float] = ..., rebalance_low: _Optional[float] = ..., rebalance_interval_s: _Optional[float] = ..., rebalance_max_moves: _Optional[int] = ..., health_interval_s: _Optional[float] = ..., health_timeout_s: _Optional[float] = ..., health_suspect_after: _Optional[int] = ..., health_hang_after_s: _Optional[float] = ..., health_dead_after_s: _Optional[float] = ..., autoscale_enabled: _Optional[bool] = ..., autoscale_interval_s: _Optional[float] = ..., autoscale_pools: _Optional[_Mapping[str, PoolPolicyUpdate]] = ...) -> None: ...
+
+class PoolPolicyUpdate(_message.Message):
+    __slots__ = ("min_replicas", "max_replicas", "high", "low", "up_after_s", "down_after_s", "cooldown_s", "step", "slo_s", "queue_tokens")
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    UP_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    COOLDOWN_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SLO_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    min_replicas: int
+    max_replicas: int
+    high: float
+    low: float
+    up_after_s: float
+    down_after_s: float
+    cooldown_s: float
+    step: int
+    slo_s: float
+    queue_tokens: float
+    def __init__(self, min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., high: _Optional[float] = ..., low: _Optional[float] = ..., up_after_s: _Optional[float] = ..., down_after_s: _Optional[float] = ..., cooldown_s: _Optional[float] = ..., step: _Optional[int] = ..., slo_s: _Optional[float] = ..., queue_tokens: _Optional[float] = ...) -> None: ...
 
 class SetPolicyResponse(_message.Message):
     __slots__ = ("policy",)
@@ -420,7 +556,7 @@ class WorkerEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[WorkerEvent.Kind, str]] = ..., worker: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., reason: _Optional[str] = ..., node_ip: _Optional[str] = ...) -> None: ...
 
 class ScaleEvent(_message.Message):
-    __slots__ = ("phase", "role", "from_replicas", "to_replicas", "reason", "added", "removed", "failed")
+    __slots__ = ("phase", "role", "from_replicas", "to_replicas", "reason", "added", "removed", "failed", "aborted_requests", "migrated_requests")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[ScaleEvent.Phase]
@@ -446,6 +582,8 @@ class ScaleEvent(_message.Message):
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     phase: ScaleEvent.Phase
     role: Role
     from_replicas: int
@@ -454,7 +592,9 @@ class ScaleEvent(_message.Message):
     added: _containers.RepeatedScalarFieldContainer[str]
     removed: _containers.RepeatedScalarFieldContainer[str]
     failed: _containers.ScalarMap[str, str]
-    def __init__(self, phase: _Optional[_Union[ScaleEvent.Phase, str]] = ..., role: _Optional[_Union[Role, str]] = ..., from_replicas: _Optional[int] = ..., to_replicas: _Optional[int] = ..., reason: _Optional[str] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    aborted_requests: int
+    migrated_requests: int
+    def __init__(self, phase: _Optional[_Union[ScaleEvent.Phase, str]] = ..., role: _Optional[_Union[Role, str]] = ..., from_replicas: _Optional[int] = ..., to_replicas: _Optional[int] = ..., reason: _Optional[str] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., failed: _Optional[_Mapping[str, str]] = ..., aborted_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ...) -> None: ...
 
 class MigrationEvent(_message.Message):
     __slots__ = ("request", "source", "dest", "outcome", "cause", "seconds", "pause_s")
@@ -474,6 +614,24 @@ class MigrationEvent(_message.Message):
     pause_s: float
     def __init__(self, request: _Optional[str] = ..., source: _Optional[str] = ..., dest: _Optional[str] = ..., outcome: _Optional[str] = ..., cause: _Optional[str] = ..., seconds: _Optional[float] = ..., pause_s: _Optional[float] = ...) -> None: ...
 
+class AutoscaleEvent(_message.Message):
+    __slots__ = ("role", "direction", "from_replicas", "to_replicas", "signal", "reason", "inputs_json")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TO_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    direction: str
+    from_replicas: int
+    to_replicas: int
+    signal: str
+    reason: str
+    inputs_json: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., direction: _Optional[str] = ..., from_replicas: _Optional[int] = ..., to_replicas: _Optional[int] = ..., signal: _Optional[str] = ..., reason: _Optional[str] = ..., inputs_json: _Optional[str] = ...) -> None: ...
+
 class PolicyEvent(_message.Message):
     __slots__ = ("policy",)
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -481,7 +639,7 @@ class PolicyEvent(_message.Message):
     def __init__(self, policy: _Optional[_Union[Policy, _Mapping]] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "time", "missed", "worker", "scale", "migration", "policy")
+    __slots__ = ("seq", "time", "missed", "worker", "scale", "migration", "policy", "autoscale")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     MISSED_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +647,7 @@ class Event(_message.Message):
     SCALE_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     time: float
     missed: int
@@ -496,4 +655,5 @@ class Event(_message.Message):
     scale: ScaleEvent
     migration: MigrationEvent
     policy: PolicyEvent
-    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., missed: _Optional[int] = ..., worker: _Optional[_Union[WorkerEvent, _Mapping]] = ..., scale: _Optional[_Union[ScaleEvent, _Mapping]] = ..., migration: _Optional[_Union[MigrationEvent, _Mapping]] = ..., policy: _Optional[_Union[PolicyEvent, _Mapping]] = ...) -> None: ...
+    autoscale: AutoscaleEvent
+    def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., missed: _Optional[int] = ..., worker: _Optional[_Union[WorkerEvent, _Mapping]] = ..., scale: _Optional[_Union[ScaleEvent, _Mapping]] = ..., migration: _Optional[_Union[MigrationEvent, _Mapping]] = ..., policy: _Optional[_Union[PolicyEvent, _Mapping]] = ..., autoscale: _Optional[_Union[AutoscaleEvent, _Mapping]] = ...) -> None: ...

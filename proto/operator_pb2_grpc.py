@@ -125,7 +125,8 @@ class ClusterOperatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetPolicy(self, request, context):
-        """Change the controller's settings (rebalancer, health checks); fields left out keep theirs.
+        """Change the controller's settings (rebalancer, health checks, autoscaler); fields left out
+        keep theirs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -193,7 +193,41 @@ class BackendCollector:
     def collect(self) -> Iterator[Metric]:
         yield from self._router_metrics()
         yield from self._scheduling_metrics()
+        yield from self._control_metrics()
         yield from self._worker_metrics()
+
+    def _control_metrics(self) -> Iterator[Metric]:
+        """The controller's autoscaler, as this router last heard of it (``control``). Every
+        gateway exports the same cluster-wide counts: aggregate across gateways with max, not
+        sum."""
+        c = getattr(self._router, "control", None) or {}
+        decisions = CounterMetricFamily(
+            "tandem:scaling_decisions",
+            "The autoscaler's decisions, by pool, direction (out, in) and the signal that "
+            "drove it (queue, ttft, slots, kv, demand, itl, min_replicas, max_replicas).",
+            labels=["model_name", "role", "direction", "reason"],
+        )
+        replicas = GaugeMetricFamily(
+            "tandem:pool_replicas",
+            "Live workers (starting, active, suspect, draining) of each pool.",
+            labels=["model_name", "role"],
+        )
+        pressure = GaugeMetricFamily(
+            "tandem:autoscaler_pressure",
+            "Each pool's pressures at the autoscaler's latest look (1.0: at its target; above "
+            "the high mark it grows, below the low mark with a worker fewer it shrinks).",
+            labels=["model_name", "role", "signal"],
+        )
+        for row in c.get("counts", []):
+            decisions.add_metric(
+                [self._model, row["role"], row["direction"], row["reason"]], row["count"]
+            )
+        for role, n in sorted(c.get("pools", {}).items()):
+            replicas.add_metric([self._model, role], n)
+        for role, look in sorted(c.get("latest", {}).items()):
+            for signal, value in sorted(look.get("pressures", {}).items()):
+                pressure.add_metric([self._model, role, signal], value)
+        yield from (decisions, replicas, pressure)
 
     def _scheduling_metrics(self) -> Iterator[Metric]:
         """The admission queue and the length predictor (router/admission.py ``stats()``)."""

@@ -24,6 +24,8 @@ import collections
 import contextlib
 import logging
 import math
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -112,6 +114,12 @@ class ClusterBackend:
         self.predictor: LengthPredictor = predictor or NoPredictor()
         self.admission = Admission(queue or QueueConfig(), self._capacity)
         self._refitting: asyncio.Task | None = None
+        # The controller hears this router's admission figures (the autoscaler's demand
+        # signal) every ``report_interval_s`` and answers its own counts (for /metrics).
+        self.report_interval_s = 1.0
+        self._reported_at = -math.inf
+        self.router_id = f"{socket.gethostname()}/{os.getpid()}/{id(self):x}"
+        self.control: dict[str, Any] = {}
 
     # -- the Backend interface -------------------------------------------------------------------
 
@@ -275,6 +283,7 @@ class ClusterBackend:
             missed_polls=dict(self.missed_polls),
             migrations=self.dispatcher.migrations,
             scheduling=self._scheduling_stats(),
+            control=self.control,
         )
 
     def _scheduling_stats(self) -> dict[str, Any]:
@@ -454,7 +463,21 @@ class ClusterBackend:
             except Exception as exc:  # noqa: BLE001 - e.g. membership mid-change: next round
                 logger.debug("stats poll failed: %s", exc)
             self.admission.kick()  # the pool may have grown
+            if time.monotonic() - self._reported_at >= self.report_interval_s:
+                self._reported_at = time.monotonic()
+                await self._report_load()
             await asyncio.sleep(self.stats_interval_s)
+
+    async def _report_load(self) -> None:
+        controller = self.members.controller
+        if controller is None:
+            return
+        load = {"running": len(self.admission.running), "queued": len(self.admission.queue)}
+        try:
+            call = controller.report_load.remote(self.router_id, load)
+            self.control = await asyncio.wait_for(call, self.stats_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the controller restarting: next round
+            logger.debug("load report failed: %s", exc)
 
 
 class _Generation:

@@ -51,7 +51,6 @@ DEPLOY = ROOT / "deploy"
 CLUSTER_FILES = sorted(DEPLOY.glob("*.yaml"))
 CLOUD = ("aws", "gcp")
 ROLES = ("prefill", "decode")
-SCALING_METRIC = "tandem:scaling_decisions_total"  # the autoscaler's (deploy/README.md)
 
 
 def load(name: str) -> dict:
@@ -400,6 +399,11 @@ class FakeBackend:
             missed_polls={"decode-0": 0},
             migrations=1,
             scheduling=scheduling,
+            control={
+                "counts": [{"role": "decode", "direction": "out", "reason": "slots", "count": 1}],
+                "pools": {"decode": 2},
+                "latest": {"decode": {"pressures": {"slots": 0.9}}},
+            },
         )
 
 
@@ -429,7 +433,7 @@ def query_problems(expr: str, series: dict[str, set[str]]) -> list[str]:
     """Names in ``expr`` tandem does not export, and labels it uses that its series lack."""
     problems = []
     names = set(METRIC.findall(expr))
-    for name in sorted(names - {SCALING_METRIC}):
+    for name in sorted(names):
         if name not in series:
             problems.append(f"{name} is not exported")
     for name, matchers in SELECTOR.findall(expr):
@@ -437,8 +441,6 @@ def query_problems(expr: str, series: dict[str, set[str]]) -> list[str]:
             if name in series and label not in series[name]:
                 problems.append(f"{name} has no label {label!r}")
     known = set().union(*(series.get(n, set()) for n in names))
-    if SCALING_METRIC in names:
-        known |= {"role", "direction", "reason"}
     for group in GROUPING.findall(expr):
         for label in (x.strip() for x in group.split(",")):
             if label and label not in known | {"le"}:
@@ -472,8 +474,10 @@ def test_dashboard_check_catches_a_wrong_name_or_label():
     assert query_problems("rate(tandem:ttft_seconds_bucket[1m])", series)  # renamed metric
     assert query_problems('tandem:kv_cache_usage_perc{instance_id="x"}', series)
     assert query_problems("sum by (worker) (tandem:queue_waiting)", series)
-    # the autoscaler's series is the one allowed before it exists
-    assert query_problems(f"sum by (role) (increase({SCALING_METRIC}[5m]))", series) == []
+    assert (
+        query_problems("sum by (role) (increase(tandem:scaling_decisions_total[5m]))", series) == []
+    )
+    assert query_problems("sum by (gpu) (tandem:pool_replicas)", series)
 
 
 def test_dashboard_covers_what_operators_watch():
@@ -489,7 +493,9 @@ def test_dashboard_covers_what_operators_watch():
         "tandem:queue_waiting",
         "tandem:early_rejections_total",
         "tandem:length_prediction_error_bucket",
-        SCALING_METRIC,
+        "tandem:scaling_decisions_total",
+        "tandem:pool_replicas",
+        "tandem:autoscaler_pressure",
     ):
         assert name in exprs, name
 
@@ -510,8 +516,3 @@ def test_dashboard_json_is_what_its_source_makes():
     assert len(ids_) == len(set(ids_))
     for p in board["panels"]:
         assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
-
-
-def test_readme_marks_the_scaling_panel_dependency():
-    text = (DEPLOY / "README.md").read_text()
-    assert SCALING_METRIC in text

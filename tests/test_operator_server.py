@@ -103,3 +103,46 @@ def test_tls_calls_need_the_servers_certificate(server, capsys):
 def test_a_second_operator_server_is_refused(server):
     with pytest.raises(ValueError, match="already listens"):
         server["run"](server["controller"].start_operator(token=TOKEN))
+
+
+def test_autoscaler_policy_through_the_cli(server, capsys):
+    from cluster.cli import main
+
+    where = ["--address", server["address"], "--timeout", "10", "--tls-ca", server["cert"]]
+    assert main(["policy", "--max-replicas", "3", *where]) == 2  # a pool field needs --pool
+    assert "needs --pool" in capsys.readouterr().err
+    argv = ["policy", "--autoscale", "on", "--pool", "decode", "--max-replicas", "3"]
+    assert main([*argv, "--slo-s", "0", "-o", "json", *where]) == 0
+    autoscale = json.loads(capsys.readouterr().out)["autoscale"]
+    assert autoscale["enabled"] is True
+    assert autoscale["decode"]["max_replicas"] == 3 and autoscale["decode"]["slo_s"] == 0
+    assert autoscale["prefill"]["max_replicas"] == 4  # other pools keep theirs
+    # min above max: refused as a bad argument, and nothing changes
+    assert main(["policy", "--pool", "decode", "--min-replicas", "5", *where]) == 2
+    assert "min" in capsys.readouterr().err
+    assert main(["policy", *where]) == 0
+    text = capsys.readouterr().out
+    assert "autoscale: enabled=True" in text and "decode: min_replicas=1  max_replicas=3" in text
+    assert main(["status", *where]) == 0
+    assert "autoscaler on" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_an_autoscale_event_as_a_line():
+    from cluster.operator import event_pb
+    from cluster.operator_client import event_line
+
+    event = {
+        "seq": 7,
+        "time": 0.0,
+        "type": "autoscale",
+        "role": "decode",
+        "direction": "out",
+        "from_replicas": 1,
+        "to_replicas": 2,
+        "signal": "slots",
+        "reason": "slots 1.75 > 0.85 for 10 s",
+        "inputs": {"pressures": {"slots": 1.75}},
+    }
+    msg = event_pb(event)
+    assert json.loads(msg.autoscale.inputs_json) == {"pressures": {"slots": 1.75}}
+    assert event_line(msg).endswith("autoscaler decode out 1 -> 2: slots 1.75 > 0.85 for 10 s")

@@ -4,9 +4,9 @@
     python deploy/grafana/make_dashboard.py --check  # exit 1 if tandem.json differs
 
 This file is the dashboard's source: edit the panels here, run it, commit both. Every series a
-query names is one tandem exports (router/metrics.py), which tests/test_deploy.py checks, with one
-exception: ``tandem:scaling_decisions_total{role, direction, reason}``, the autoscaler's, empty
-until the controller exports it (deploy/README.md).
+query names is one tandem exports (router/metrics.py), which tests/test_deploy.py checks. The
+controller's series (scaling decisions, pool sizes, autoscaler pressures) reach /metrics through
+every gateway alike: the panels take ``max`` over gateways, never ``sum``.
 
 Variables: ``datasource`` (a Prometheus), ``model_name`` (every tandem series carries it) and
 ``worker`` (per-worker panels).
@@ -23,7 +23,7 @@ OUT = Path(__file__).with_name("tandem.json")
 M = 'model_name="$model_name"'
 MW = f'{M}, worker=~"$worker"'
 RATE = "[$__rate_interval]"
-SCALING_METRIC = "tandem:scaling_decisions_total"  # the autoscaler's: not exported yet
+SCALING_METRIC = "tandem:scaling_decisions_total"  # the controller's autoscaler
 
 
 def quantiles(metric: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list:
@@ -333,13 +333,32 @@ ROWS: list[tuple[str, list[dict]]] = [
                 "Scaling decisions",
                 [
                     (
-                        f"sum by (role, direction, reason) (increase({SCALING_METRIC}{RATE}))",
+                        f"max by (role, direction, reason) "
+                        f"(increase({SCALING_METRIC}{{{M}}}{RATE}))",
                         "{{role}} {{direction}} ({{reason}})",
                     )
                 ],
                 "short",
-                f"The autoscaler's decisions by role, direction and reason ({SCALING_METRIC}, "
-                "exported by the controller's autoscaler; empty without it).",
+                f"The autoscaler's decisions by role, direction and the signal that drove "
+                f"them ({SCALING_METRIC}; every gateway exports the controller's count: max).",
+            ),
+            panel(
+                "Pool replicas",
+                [(f"max by (role) (tandem:pool_replicas{{{M}}})", "{{role}}")],
+                "short",
+                "Live workers of each pool (starting and draining ones included).",
+            ),
+            panel(
+                "Autoscaler pressure",
+                [
+                    (
+                        f"max by (role, signal) (tandem:autoscaler_pressure{{{M}}})",
+                        "{{role}} {{signal}}",
+                    )
+                ],
+                "short",
+                "Each pool's signals at the autoscaler's latest look, 1.0 at target: above the "
+                "pool's high mark it grows, below its low mark (with a worker fewer) it shrinks.",
             ),
             panel(
                 "Active workers",
