@@ -367,3 +367,80 @@ def _watch(stub, request, until_quiet_s: float, stop=lambda e: False) -> list:
             timer.cancel()
         stream.cancel()
     return events
+
+
+# -- the autoscaler ----------------------------------------------------------------------------
+
+
+def test_the_autoscaler_grows_decode_under_load_then_drains_it_back(cluster, operator, capsys):
+    """Turned on with marks this load crosses: four streams on decode-0's 8 slots (0.5 > 0.3)
+    grow the pool by a worker, which takes requests; with the marks raised (low 0.9: 2 workers'
+    pressure as if one fewer is under it) the pool shrinks back by a drain that migrates the
+    new worker's streams; every stream ends with all its tokens, none aborted."""
+    n = 240
+    ps = prompts(cluster, 6)
+    controller = cluster.controller
+
+    async def scale_events(since: int, phase: str) -> list[dict]:
+        out = await controller.events.remote(since, 0.0)
+        return [
+            e
+            for e in out["events"]
+            if e["type"] == "scale"
+            and e["phase"] == phase
+            and e["reason"].startswith("autoscaler:")
+        ]
+
+    async def wait_for(since: int, phase: str, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not (found := await scale_events(since, phase)):
+            assert time.monotonic() < deadline, f"no autoscaler scale {phase} in {timeout} s"
+            await asyncio.sleep(0.2)
+        return found[0]
+
+    async def main():
+        since = (await controller.events.remote(None))["last_seq"]
+        code = await asyncio.to_thread(
+            cli, operator, "policy", "--autoscale", "on", "--autoscale-interval-s", "0.5",
+            "--pool", "decode", "--max-replicas", "2", "--high", "0.3", "--low", "0.05",
+            "--up-after-s", "0", "--down-after-s", "0.5", "--cooldown-s", "0", "--slo-s", "0",
+        )  # fmt: skip
+        assert code == 0, capsys.readouterr()
+        progress = {}
+        streams = [
+            asyncio.ensure_future(collect(cluster, ps[i], n, f"as{i}", progress, "decode-0"))
+            for i in range(4)
+        ]
+        grown = await wait_for(since, "done")
+        assert grown["to_replicas"] == 2 and len(grown["added"]) == 1, grown
+        new = grown["added"][0]
+        deadline = time.monotonic() + 30
+        while new not in {w.name for w in cluster.decode}:  # the router's view
+            assert time.monotonic() < deadline, f"the router never saw {new}"
+            await asyncio.sleep(0.05)
+        streams += [
+            asyncio.ensure_future(collect(cluster, ps[4 + i], n, f"an{i}", progress, new))
+            for i in range(2)
+        ]
+        await until(progress, ["an0", "an1"], 2)
+        mark = (await controller.events.remote(None))["last_seq"]
+        code = await asyncio.to_thread(
+            cli, operator, "policy", "--pool", "decode", "--high", "0.95", "--low", "0.9"
+        )
+        assert code == 0, capsys.readouterr()
+        shrunk = await wait_for(mark, "done")
+        outs = await asyncio.gather(*streams)
+        events = (await controller.events.remote(since, 0.0))["events"]
+        await asyncio.to_thread(cli, operator, "policy", "--autoscale", "off")
+        return grown, shrunk, outs, events
+
+    grown, shrunk, outs, events = asyncio.run(main())
+    decisions = [(e["direction"], e["signal"]) for e in events if e["type"] == "autoscale"]
+    assert decisions[:2] == [("out", "slots"), ("in", "slots")], decisions
+    assert shrunk["removed"] == grown["added"], (grown, shrunk)  # the least loaded went
+    assert shrunk["aborted_requests"] == 0 and shrunk["migrated_requests"] == 2, shrunk
+    for tokens, finish in outs:
+        assert len(tokens) == n and finish == "length"
+    cluster.refresh()
+    assert [w.name for w in cluster.decode] == ["decode-0"]
+    assert_idle(cluster)
