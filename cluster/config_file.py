@@ -94,6 +94,80 @@ class RebalanceSettings(_Section):
         return self
 
 
+class PoolSettings(_Section):
+    """How the autoscaler sizes one pool (cluster/autoscaler.py ``PoolPolicy``). A pool's
+    pressure is its largest signal over its target (1.0 at target)."""
+
+    min_replicas: int = Field(1, ge=1, description="Workers the pool never goes below.")
+    max_replicas: int = Field(4, ge=1, description="Workers the pool never goes above.")
+    high: float = Field(
+        0.85, gt=0, description="Pressure above which, for `up_after_s`, the pool grows."
+    )
+    low: float = Field(
+        0.5,
+        gt=0,
+        description="Pressure (as if the pool had one worker fewer) below which, for "
+        "`down_after_s`, it shrinks by one, by a drain.",
+    )
+    up_after_s: float = Field(10.0, ge=0, description="Seconds over `high` before growing.")
+    down_after_s: float = Field(60.0, ge=0, description="Seconds under `low` before shrinking.")
+    cooldown_s: float = Field(
+        60.0, ge=0, description="Seconds after any decision of this pool before the next."
+    )
+    step: int = Field(1, ge=1, description="Workers added per scale-out.")
+    slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="Latency target: TTFT p90 (prefill, colocated) or ITL p90 (decode), over "
+        "the workers' last 30 s. Default: 2 s (prefill, colocated), 0.25 s (decode).",
+    )
+    queue_tokens: float = Field(
+        8192.0,
+        gt=0,
+        description="Prefill: prompt tokens waiting per worker that make a pressure of 1.0.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})"
+            )
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class AutoscaleSettings(_Section):
+    """The controller's autoscaler, set at start (cluster/autoscaler.py ``AutoscalerConfig``;
+    ``tandem policy --autoscale ... --pool ...`` changes it later)."""
+
+    enabled: bool = Field(False, description="Size the pools from their measured signals.")
+    interval_s: float = Field(5.0, gt=0, description="Seconds between looks at the signals.")
+    prefill: PoolSettings = Field(
+        default_factory=PoolSettings,
+        description="How the autoscaler sizes this pool (fields left out: defaults).",
+    )
+    decode: PoolSettings = Field(
+        default_factory=PoolSettings,
+        description="How the autoscaler sizes this pool (fields left out: defaults).",
+    )
+    colocated: PoolSettings = Field(
+        default_factory=PoolSettings,
+        description="How the autoscaler sizes this pool (fields left out: defaults).",
+    )
+
+    def controller_config(self) -> dict[str, Any]:
+        """As ``AutoscalerConfig(**...)`` takes it: pools left out keep their defaults (their
+        own ``slo_s`` included); a pool's fields left out too."""
+        out: dict[str, Any] = {"enabled": self.enabled, "interval_s": self.interval_s}
+        for role in ("prefill", "decode", "colocated"):
+            pool = getattr(self, role)
+            if pool.model_fields_set:
+                out[role] = pool.model_dump(exclude_unset=True)
+        return out
+
+
 class GpuShare(_Section):
     """GPUs per worker actor by role (CUDA); a fraction lets workers share a GPU."""
 
@@ -181,6 +255,11 @@ class ServeConfig(BaseModel):
         default_factory=RebalanceSettings,
         description="The rebalancer's settings at start. No flag.",
     )
+    autoscale: AutoscaleSettings = Field(
+        default_factory=AutoscaleSettings,
+        description="The autoscaler's settings at start (off unless `enabled`). No flag: "
+        "`tandem policy --autoscale on` turns it on later.",
+    )
 
     # -- the operator API (tandem status / scale / drain ...) ------------------------------------
     operator_host: str = Field(
@@ -214,6 +293,20 @@ class ServeConfig(BaseModel):
         "network (set API keys).",
     )
     port: int = Field(8000, ge=1, le=65535, description="Port of the gateway.")
+    gateways: int = Field(
+        1,
+        ge=1,
+        description="Gateway processes over the cluster: serve's own and `gateways - 1` "
+        "children (`tandem gateway`, restarted when they exit), on `port`, `port + 1`, ... "
+        "each with its own `/metrics`, or all on `port` with `reuse_port`. Each router takes "
+        "1/N of every decode worker's slots unless `slots_per_worker` is set (then each takes "
+        "that many); `max_concurrent` and `max_queue` hold per gateway.",
+    )
+    reuse_port: bool = Field(
+        False,
+        description="Every gateway listens on `port` with SO_REUSEPORT and Linux spreads new "
+        "connections across them; a `/metrics` scrape then reaches one process at a time.",
+    )
     api_key_file: str | None = Field(
         None, description="Accepted bearer keys, one per line, in a file of mode 0600."
     )
@@ -330,6 +423,8 @@ class ServeConfig(BaseModel):
                 value = [f"{k}={json.dumps(v)}" for k, v in value.items()]
             elif name == "gpus":
                 value = value.model_dump(exclude_none=True)
+            elif name == "autoscale":
+                value = value.controller_config()
             elif isinstance(value, BaseModel):
                 value = value.model_dump()
             out[name] = value
@@ -443,23 +538,15 @@ REFERENCE_END = "<!-- end of serve-config-reference -->"
 
 def reference_markdown() -> str:
     """Every setting of a serve configuration as a Markdown table: key, flag, type, default,
-    meaning. Nested sections are rows of their own (``migration.max_stages``)."""
+    meaning. Nested sections are rows of their own (``migration.max_stages``); sibling
+    sections of one kind are one set of rows (``autoscale.<prefill|decode|colocated>.high``)."""
     flags = _flags()
     rows = ["| key | flag | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
     for name, info in ServeConfig.model_fields.items():
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.append(_row(name, "", "section", "", info.description or ""))
-            for sub, sub_info in ann.model_fields.items():
-                rows.append(
-                    _row(
-                        f"{name}.{sub}",
-                        "",
-                        _type_name(sub_info.annotation),
-                        _default(sub_info),
-                        sub_info.description or "",
-                    )
-                )
+            rows += _section_rows(name, ann)
             continue
         rows.append(
             _row(
@@ -471,6 +558,27 @@ def reference_markdown() -> str:
             )
         )
     return "\n".join(rows) + "\n"
+
+
+def _section_rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    rows, grouped = [], {}
+    for sub, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            grouped.setdefault(ann, []).append((sub, info))
+            continue
+        rows.append(
+            _row(f"{prefix}.{sub}", "", _type_name(ann), _default(info), info.description or "")
+        )
+    for ann, subs in grouped.items():
+        names = "|".join(sub for sub, _ in subs)
+        key = f"{prefix}.{names}" if len(subs) == 1 else f"{prefix}.<{names}>"
+        about = subs[0][1].description or ""
+        if len(subs) > 1:
+            about = f"One section each ({', '.join(sub for sub, _ in subs)}); {about}"
+        rows.append(_row(key, "", "section", "", about))
+        rows += _section_rows(key, ann)
+    return rows
 
 
 def _row(*cells: str) -> str:

@@ -15,13 +15,22 @@
 ``tandem gateway --redis-url URL --ray-address ADDR``: another gateway process over the workers a
 ``tandem serve`` started (it prints both addresses); the two share the one prefix index.
 
+``tandem serve --gateways N``: the serve process's gateway and N-1 ``tandem gateway`` children
+attached to the same cluster (``GatewayGroup``, cluster/gateways.py), so tokenizing,
+detokenizing and SSE are not one process's GIL: on ``--port`` .. ``--port``+N-1, or all on
+``--port`` with ``--reuse-port``
+(SO_REUSEPORT: Linux spreads new connections across them). Each router admits on its own: by
+default each takes 1/N of every decode worker's slots (``gateway_slots``). A child that exits is
+started again (at most ``RESTART_LIMIT`` times in ``RESTART_WINDOW_S``); serve's signals reach
+the children first, and the cluster stops once they are gone.
+
 ``tandem serve --config FILE`` reads these settings from a YAML or JSON file first
 (cluster/config_file.py); flags on the command line win over it.
 
 Secrets (API keys, admin keys, a Redis password) come from the environment or a 0600 file, are
 read once and leave the environment before any child starts, and never go into a child's argv or
-a Ray runtime_env; the local Ray listens on 127.0.0.1 with token auth. docs/security.md has every
-port.
+a Ray runtime_env (child gateways get them through a socket pair, not their environment); the
+local Ray listens on 127.0.0.1 with token auth. docs/security.md has every port.
 """
 
 from __future__ import annotations
@@ -36,8 +45,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from cluster.gateways import (
+    CHILD_GRACE_S,
+    ChildChannel,
+    GatewayGroup,
+    GatewayStartError,
+    check_ports_free,
+    gateway_ports,
+    gateway_slots,
+    gateway_url,
+    reuse_port_socket,
+)
 
 logger = logging.getLogger("tandem.serve")
 
@@ -180,6 +203,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "h11", "httptools"],
         help="uvicorn's HTTP protocol (auto: httptools when installed)",
     )
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="listen on --port with SO_REUSEPORT: gateway processes that all do share the port "
+        "and Linux spreads new connections across them (tandem serve --gateways N, or extra "
+        "`tandem gateway`s); a /metrics scrape then reaches one process at a time",
+    )
 
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,6 +290,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "prefill workers on other nodes), or an address (default: 127.0.0.1)",
     )
     add_operator_args(p)
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes over the cluster: this one and N-1 children, on --port, "
+        "--port+1, ... (each with its own /metrics), or all on --port with --reuse-port; each "
+        "router takes 1/N of every decode worker's slots unless --slots-per-worker is set "
+        "(default: 1)",
+    )
     add_gateway_args(p)
     p.add_argument(
         "--config",
@@ -492,13 +532,24 @@ def _has_password(url: str) -> bool:
     return bool(urlsplit(url).password)
 
 
-async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
-    """Run uvicorn, printing ``banner`` once the port answers, until a signal:
+async def _serve_http(
+    app,
+    args: argparse.Namespace,
+    banner: Callable[[], list[str]],
+    *,
+    group: GatewayGroup | None = None,
+    child: ChildChannel | None = None,
+) -> None:
+    """Run uvicorn, printing ``banner()`` once the port answers (and every gateway of ``group``
+    serves), until a signal:
 
     - the first SIGTERM / SIGINT drains the gateway (new requests 503 + Retry-After, those in
       flight get ``--shutdown-timeout`` to finish, then an error), then the server stops;
     - a second one ends what is in flight at once and stops;
-    - a third exits the process on the spot (the cluster is not shut down)."""
+    - a third exits the process on the spot (the cluster is not shut down).
+
+    ``group``'s children get each signal first. A child gateway (``child``) drains as on a
+    SIGTERM once its ``tandem serve`` is gone."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -520,6 +571,7 @@ async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
     server = Server(config)
     gateway = app.state.gateway
     loop = asyncio.get_running_loop()
+    who = child.label if child is not None else ""
     signals = 0
     drain: asyncio.Task | None = None
 
@@ -532,15 +584,21 @@ async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
     def on_signal(sig: signal.Signals) -> None:
         nonlocal signals, drain
         signals += 1
+        if group is not None:
+            group.signal(signals)
         if signals == 1:
             print(
-                f"{sig.name}: draining (up to {args.shutdown_timeout:g} s; again to stop now)",
+                f"{who}{sig.name}: draining (up to {args.shutdown_timeout:g} s; again to stop now)",
                 file=sys.stderr,
                 flush=True,
             )
             drain = loop.create_task(stop(args.shutdown_timeout))
         elif signals == 2:
-            print(f"{sig.name}: stopping now (again to exit at once)", file=sys.stderr, flush=True)
+            print(
+                f"{who}{sig.name}: stopping now (again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
             if drain is not None:
                 drain.cancel()
             loop.create_task(stop(0.0))
@@ -550,15 +608,35 @@ async def _serve_http(app, args: argparse.Namespace, banner: list[str]) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    task = asyncio.create_task(server.serve())
+    sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
+    task = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started:
         if task.done():
             await task  # raises why it could not start (port in use, ...)
             raise RuntimeError("the HTTP server stopped before it started")
         await asyncio.sleep(0.05)
-    for line in banner:
+    if group is not None:
+        try:
+            ready = await asyncio.to_thread(group.wait_ready)
+        except GatewayStartError:
+            server.should_exit = True
+            await task
+            raise
+        if not ready:  # a signal came first: it drains
+            await task
+            return
+    for line in banner():
         print(line, flush=True)
-    await task
+    orphaned = None
+    if child is not None:
+        child.ready()
+        orphaned = loop.create_task(child.parent_gone())
+        orphaned.add_done_callback(lambda t: t.cancelled() or on_signal(signal.SIGTERM))
+    try:
+        await task
+    finally:
+        if orphaned is not None:
+            orphaned.cancel()
 
 
 def _gateway_app(backend, args: argparse.Namespace):
@@ -590,6 +668,8 @@ def run_serve(args: argparse.Namespace) -> int:
     _admin_keys(args)
     if not args.no_operator:
         _operator_token(args)
+    else:
+        _operator_env_token(args)  # unused, but it leaves the environment all the same
     redis_url = _redis_url(args)
     device = args.device
     if device == "auto":
@@ -597,6 +677,8 @@ def run_serve(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     num_p, num_d, num_c = _topology(args, device)
     engine = {"dtype": dtype, **_engine_overrides(args.engine)}
+    ports = gateway_ports(args.port, args.gateways, args.reuse_port)
+    check_ports_free(args.host, sorted(set(ports)))  # before a minute of starting workers
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
         if redis_url is None:
@@ -630,31 +712,82 @@ def run_serve(args: argparse.Namespace) -> int:
             stack.callback(connection.unlink, missing_ok=True)
         index = PrefixIndex(redis_url, cluster.index_namespace)
         stack.callback(index.close)
+        options = backend_options(args)
+        slots = gateway_slots(args.slots_per_worker, _pool_max_num_seqs(cluster), args.gateways)
+        options["queue"] = replace(options["queue"], slots_per_worker=slots)
         backend = ClusterBackend(
             cluster.members,
             tokenizer=cluster.tokenizer,
             index=index,
             model_name=args.served_model_name or args.model,
-            **backend_options(args),
+            **options,
         )
-        url = f"http://{args.host}:{args.port}/v1"
-        banner = [
-            f"ray: {ray.get_runtime_context().gcs_address} (cluster {cluster.cluster_id})",
-            *(
-                [f"operator: {operator} (token in {connection}; `tandem status`)"]
-                if operator
-                else []
-            ),
-            f"serving {url} (model {backend.model_name!r}, ready in {time.monotonic() - t0:.0f} s)",
-        ]
-        run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)
+        gcs = ray.get_runtime_context().gcs_address
+        group = None
+        if args.gateways > 1:
+            group = _gateway_group(
+                args, cluster, gcs, ports[1:], backend.model_name, slots, redis_url
+            )
+            stack.callback(group.stop)  # before the cluster's shutdown (callbacks run last first)
+            group.start()
+
+        def banner() -> list[str]:
+            url = gateway_url(args.host, args.port)
+            return [
+                f"ray: {gcs} (cluster {cluster.cluster_id})",
+                *(
+                    [f"operator: {operator} (token in {connection}; `tandem status`)"]
+                    if operator
+                    else []
+                ),
+                *([group.banner(url, args.reuse_port)] if group is not None else []),
+                f"serving {url} (model {backend.model_name!r}, ready in "
+                f"{time.monotonic() - t0:.0f} s)",
+            ]
+
+        app = _gateway_app(backend, args)
+        try:
+            run_loop(_run_until_stopped(app, args, banner, backend, group=group), args.loop)
+        except GatewayStartError as exc:
+            print(f"tandem serve: {exc}; stopping", file=sys.stderr, flush=True)
+            code = 1
+        else:
+            code = 0
     print("stopped", file=sys.stderr, flush=True)
-    return 0
+    return code
+
+
+def _gateway_group(args, cluster, ray_address, ports, model_name, slots, redis_url) -> GatewayGroup:
+    """The child gateways of ``--gateways N`` on ``ports``, attached to ``cluster``."""
+    argv = gateway_child_argv(
+        args,
+        ray_address=ray_address,
+        namespace=cluster.config.namespace,
+        cluster_id=cluster.cluster_id,
+        model_name=model_name,
+        slots_per_worker=slots,
+    )
+    secrets = {"api_keys": _api_keys(args), "admin_keys": _admin_keys(args), "redis_url": redis_url}
+    return GatewayGroup(
+        lambda port: [*argv, "--port", str(port)],
+        ports,
+        secrets,
+        host=args.host,
+        grace_s=args.shutdown_timeout + CHILD_GRACE_S,
+    )
+
+
+def _pool_max_num_seqs(cluster) -> list[int]:
+    """``max_num_seqs`` of each worker of the pool that produces tokens (decode, or colocated)."""
+    members = cluster.members
+    pool = members.decode if members.prefill and members.decode else members.colocated
+    return [w.max_num_seqs for w in pool]
 
 
 def _cluster_options(args: argparse.Namespace) -> dict[str, Any]:
     """ClusterConfig settings of ``--role-resources`` / ``--kv-host`` and of a config file's
-    sections that have no flag (per-role engine overrides, GPUs per worker, migration)."""
+    sections that have no flag (per-role engine overrides, GPUs per worker, migration, the
+    autoscaler)."""
     return {
         "role_resources": getattr(args, "role_resources", "auto"),
         "host": getattr(args, "kv_host", "127.0.0.1"),
@@ -662,6 +795,7 @@ def _cluster_options(args: argparse.Namespace) -> dict[str, Any]:
         "decode_engine": dict(getattr(args, "decode_engine", None) or {}),
         "gpus": dict(getattr(args, "gpus", None) or {}),
         "migration": dict(getattr(args, "migration", None) or {}),
+        "autoscale": dict(getattr(args, "autoscale", None) or {}),
     }
 
 
@@ -682,7 +816,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     from engine.prefix_index import PrefixIndex
     from router.service import ClusterBackend
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    child = ChildChannel.take(args)  # a child of `tandem serve --gateways N`: its secrets
+    label = child.label if child is not None else ""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {label}%(name)s: %(message)s")
     _api_keys(args)
     _admin_keys(args)
     redis_url = _redis_url(args)
@@ -701,8 +837,10 @@ def run_gateway(args: argparse.Namespace) -> int:
             model_name=args.served_model_name or args.model,
             **backend_options(args),
         )
-        banner = [f"serving http://{args.host}:{args.port}/v1 (attached to {cluster.cluster_id})"]
-        run_loop(_run_until_stopped(_gateway_app(backend, args), args, banner, backend), args.loop)
+        url = gateway_url(args.host, args.port)
+        lines = [f"{label}serving {url} (attached to {cluster.cluster_id}, pid {os.getpid()})"]
+        app = _gateway_app(backend, args)
+        run_loop(_run_until_stopped(app, args, lambda: lines, backend, child=child), args.loop)
     finally:
         if index is not None:
             index.close()
@@ -710,11 +848,42 @@ def run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run_until_stopped(app, args, banner, backend) -> None:
+async def _run_until_stopped(app, args, banner, backend, **options) -> None:
     try:
-        await _serve_http(app, args, banner)
+        await _serve_http(app, args, banner, **options)
     finally:
         await backend.aclose()
+
+
+# -- more gateway processes: tandem serve --gateways N ------------------------------------------
+
+
+_NOT_FOR_CHILD_GATEWAYS = (
+    *("api_key", "api_key_file", "admin_key_file"),  # through the channel instead
+    *("port", "served_model_name", "slots_per_worker"),  # given by the parent
+)
+
+
+def gateway_child_argv(
+    args: argparse.Namespace,
+    *,
+    ray_address: str,
+    namespace: str,
+    cluster_id: str,
+    model_name: str,
+    slots_per_worker: int,
+) -> list[str]:
+    """The command of a child gateway, less its ``--port``: ``tandem gateway`` attached to this
+    cluster, with the gateway flags of ``args`` that differ from their defaults, less the
+    secrets (``ChildChannel`` carries them)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_gateway_args(parser)
+    return [
+        *(sys.executable, "-m", "cluster.cli", "gateway"),
+        *("--ray-address", ray_address, "--namespace", namespace, "--cluster-id", cluster_id),
+        *("--served-model-name", model_name, "--slots-per-worker", str(slots_per_worker)),
+        *_flags_that_differ(parser, args, skip=_NOT_FOR_CHILD_GATEWAYS),
+    ]
 
 
 # -- running in the background ------------------------------------------------------------------
@@ -779,10 +948,18 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
         from cluster.config_file import load_serve_config
 
         parser.set_defaults(**load_serve_config(args.config).as_defaults())
+    return _flags_that_differ(parser, args, skip=(*_SECRET_ARGS, "detach"))
+
+
+def _flags_that_differ(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, skip: Sequence[str]
+) -> list[str]:
+    """The flags of ``parser`` that give ``args``'s values where they differ from the parser's
+    defaults, less those of the ``skip`` dests."""
     argv: list[str] = []
     for action in parser._actions:
         value = getattr(args, action.dest, action.default)
-        if action.dest in (*_SECRET_ARGS, "detach") or value == action.default:
+        if not action.option_strings or action.dest in skip or value == action.default:
             continue
         flag = action.option_strings[-1]
         if action.nargs == 0:  # store_true

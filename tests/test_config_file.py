@@ -82,6 +82,15 @@ def test_disaggregated_needs_both_roles(tmp_path):
     assert "prefill (2) and decode (None) go together" in msg
 
 
+def test_autoscale_pools_are_checked(tmp_path):
+    path = write(tmp_path, "autoscale: {decode: {min_replicas: 3, max_replicas: 2}}\n")
+    with pytest.raises(ConfigError, match="min_replicas"):
+        load_serve_config(path)
+    path = write(tmp_path, "autoscale: {prefill: {hihg: 0.9}}\n")
+    with pytest.raises(ConfigError, match="hihg"):
+        load_serve_config(path)
+
+
 def test_rebalance_marks_are_ordered(tmp_path):
     assert "low (0.9) must be below high (0.5)" in problems(
         tmp_path, "rebalance: {mode: 'on', high: 0.5, low: 0.9}\n"
@@ -164,7 +173,8 @@ def test_settings_without_flags_reach_the_cluster(tmp_path):
         tmp_path,
         "kv_host: node\nrole_resources: 'on'\ngpus: {decode: 0.5}\n"
         "prefill_engine: {max_num_batched_tokens: 8192}\nmigration: {max_stages: 2}\n"
-        "rebalance: {mode: dry-run}\n",
+        "rebalance: {mode: dry-run}\n"
+        "autoscale: {enabled: true, decode: {max_replicas: 3, slo_s: 0.2}}\n",
     )
     args = serve_parser().parse_args(["--config", str(path)])
     options = _cluster_options(args)
@@ -174,6 +184,16 @@ def test_settings_without_flags_reach_the_cluster(tmp_path):
     assert options["migration"]["max_stages"] == 2
     assert args.rebalance["mode"] == "dry-run"
     assert _cluster_options(serve_parser().parse_args([]))["migration"] == {}
+    # only what the file sets: the pools it leaves out keep their own defaults (slo_s)
+    assert options["autoscale"] == {
+        "enabled": True,
+        "interval_s": 5.0,
+        "decode": {"max_replicas": 3, "slo_s": 0.2},
+    }
+    from cluster.autoscaler import AutoscalerConfig
+
+    config = AutoscalerConfig(**options["autoscale"])
+    assert config.decode.max_replicas == 3 and config.prefill.slo_s == 2.0
     from cluster.local import ClusterConfig
 
     cluster = ClusterConfig(num_prefill=1, num_decode=1, **options)
@@ -266,6 +286,14 @@ def test_sections_mirror_the_workers_dataclasses():
     for ours, theirs in ((MigrationSettings, MigrationConfig), (RebalanceSettings, Rebalance)):
         defaults = {f.name: f.default for f in dataclasses.fields(theirs)}
         assert defaults == {k: v.default for k, v in ours.model_fields.items()}, theirs.__name__
+    from cluster.autoscaler import AutoscalerConfig, PoolPolicy
+    from cluster.config_file import AutoscaleSettings, PoolSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(PoolPolicy)}
+    assert defaults == {k: v.default for k, v in PoolSettings.model_fields.items()}
+    assert set(AutoscaleSettings.model_fields) == {
+        f.name for f in dataclasses.fields(AutoscalerConfig)
+    }
 
 
 def test_role_resources_setting():
