@@ -145,12 +145,28 @@ class Autoscaler:
         self.counts: dict[tuple[str, str, str], int] = {}  # (role, direction, signal): all time
         self.latest: dict[str, dict[str, Any]] = {}  # role -> what its last look saw
 
+    def note(self, signals: PoolSignals) -> dict[str, Any]:
+        """What a look at a pool sees (its pressures, the largest and its signal), kept as the
+        pool's ``latest`` without deciding anything (``observe`` decides)."""
+        policy: PoolPolicy = getattr(self.config, signals.role)
+        pressures = signals.pressures(policy)
+        signal, pressure = max(pressures.items(), key=lambda kv: kv[1], default=("none", 0.0))
+        look = {
+            "replicas": signals.replicas,
+            "pressures": {k: round(v, 4) for k, v in pressures.items()},
+            "signals": {k: v for k, v in asdict(signals).items() if k not in ("role", "replicas")},
+            "signal": signal,
+            "pressure": round(pressure, 4),
+        }
+        self.latest[signals.role] = look
+        return look
+
     def observe(self, signals: PoolSignals) -> Decision | None:
         """One look at a pool: the decision to take now, or None."""
         policy: PoolPolicy = getattr(self.config, signals.role)
         pool, now, n = self._pools[signals.role], self.clock(), signals.replicas
-        pressures = signals.pressures(policy)
-        signal, pressure = max(pressures.items(), key=lambda kv: kv[1], default=("none", 0.0))
+        look = self.note(signals)
+        signal, pressure = look["signal"], look["pressure"]
         fewer = pressure * n / (n - 1) if n > 1 else math.inf
         if pressure <= policy.high:
             pool.over_since = None
@@ -160,12 +176,7 @@ class Autoscaler:
             pool.under_since = None
         elif pool.under_since is None:
             pool.under_since = now
-        inputs = {
-            "replicas": n,
-            "pressures": {k: round(v, 4) for k, v in pressures.items()},
-            "signals": {k: v for k, v in asdict(signals).items() if k not in ("role", "replicas")},
-        }
-        self.latest[signals.role] = {**inputs, "signal": signal, "pressure": round(pressure, 4)}
+        inputs = {k: look[k] for k in ("replicas", "pressures", "signals")}
         if now - pool.last_decision < policy.cooldown_s:
             return None
         over = pool.over_since is not None and now - pool.over_since >= policy.up_after_s

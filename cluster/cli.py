@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale(subparsers)
     _add_drain(subparsers)
     _add_undrain(subparsers)
+    _add_switch(subparsers)
     _add_migrate(subparsers)
     _add_rebalance(subparsers)
     _add_policy(subparsers)
@@ -304,6 +305,22 @@ def _add_undrain(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("worker", metavar="WORKER")
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("undrain"))
+
+
+def _add_switch(subparsers: argparse._SubParsersAction) -> None:
+    p = _operator_parser(
+        subparsers,
+        "switch",
+        help="make a flex worker (--role-switching) play another role, weights kept",
+        description="Drains the worker in its old role (decode requests migrate away), then "
+        "switches it; refused for the last worker of its role (exit 5) or when the drain "
+        "leaves requests.",
+    )
+    p.add_argument("worker", metavar="WORKER")
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--deadline", type=float, default=60.0, metavar="S", help="(default: 60)")
+    _output_arg(p)
+    p.set_defaults(handler=_operator_handler("switch"))
 
 
 def _add_migrate(subparsers: argparse._SubParsersAction) -> None:

@@ -236,6 +236,12 @@ class ServeConfig(BaseModel):
         "(a `ray up` cluster: the autoscaler starts a node of the role's type), `off`, or "
         "`auto` (when the cluster already has both).",
     )
+    role_switching: bool = Field(
+        False,
+        description="Prefill and decode workers that can switch roles without reloading "
+        "weights (named `flex-N`; they take the decode engine settings over the prefill ones). "
+        "The autoscaler switches one from a pool with one to spare before it starts a new worker.",
+    )
     kv_host: str = Field(
         "127.0.0.1",
         description="Where decode workers listen for KV: `127.0.0.1` (one machine), `node` "

@@ -83,6 +83,9 @@ class WorkerSpec:
     # a worker added by scale() that has not answered after this long is killed (no node with
     # its resources came up, say)
     start_timeout_s: float = 900.0
+    # prefill and decode workers are FlexWorkers (cluster/flex_worker.py, named flex-N): either
+    # role, switched by switch_role() without reloading weights
+    role_switching: bool = False
 
 
 @dataclass
@@ -157,7 +160,7 @@ class Controller:
         self._suspect_since: dict[str, float] = {}
         self.transitions: list[tuple[float, str, str, str]] = []  # (time, worker, state, why)
         self._workers: dict[str, WorkerInfo] = {}
-        self._counters = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._counters = {"prefill": 0, "decode": 0, "colocated": 0, "flex": 0}
         self.version = 0
         self._changed = asyncio.Event()
         self._meta: dict[str, Any] = {}
@@ -255,14 +258,16 @@ class Controller:
         from prefill_worker.worker import PrefillWorker
 
         spec = self.spec
-        index = self._counters[role]
-        self._counters[role] += 1
-        name = f"{role}-{index}"
+        flex = spec.role_switching and role in ("prefill", "decode")
+        kind = "flex" if flex else role
+        index = self._counters[kind]
+        self._counters[kind] += 1
+        name = f"{kind}-{index}"
         actor_name = f"{spec.cluster_id}/{name}"  # also its name in the prefix index
-        engine = {"model_dir": spec.model_dir, "device": spec.device, **spec.engine}
+        base = {"model_dir": spec.model_dir, "device": spec.device, **spec.engine}
         if spec.device == "cpu" and spec.cpu_threads:
-            engine["cpu_threads"] = spec.cpu_threads
-        kwargs: dict[str, Any] = {}
+            base["cpu_threads"] = spec.cpu_threads
+        engine, kwargs = base, {}
         if role == "prefill":
             # A prefill worker never decodes: no decode CUDA graphs to capture.
             cls, engine = PrefillWorker, {"enforce_eager": True, **engine, **spec.prefill_engine}
@@ -278,7 +283,21 @@ class Controller:
             }
         else:
             cls = ColocatedWorker
-        if spec.index_url and role != "decode":  # decode workers compute no prompt blocks
+        if flex:
+            from cluster.flex_worker import FlexWorker
+
+            # either role: the decode side's engine settings win over the prefill side's
+            cls = FlexWorker
+            engine = {**base, **spec.prefill_engine, **spec.decode_engine}
+            kwargs = {
+                "role": role,
+                "transport": spec.transport,
+                "token": spec.token,
+                "host": spec.host,
+                "transfer_timeout_s": spec.transfer_timeout_s,
+                "migration": spec.migration,
+            }
+        if spec.index_url and (role != "decode" or flex):  # decode workers compute no prompts
             kwargs["index"] = {
                 "url": spec.index_url,
                 "namespace": spec.index_namespace,
@@ -836,6 +855,88 @@ class Controller:
             migrated += report["counts"].get("migrated", 0)
         return {"failed": failed, "aborted_requests": aborted, "migrated_requests": migrated}
 
+    # -- role switching ------------------------------------------------------------------------
+
+    async def switch_role(
+        self,
+        worker: str,
+        role: str,
+        deadline_s: float = DRAIN_DEADLINE_S,
+        reason: str = "operator",
+    ) -> dict[str, Any]:
+        """Make a flex worker (a cluster started with ``role_switching``) play ``role``
+        (prefill or decode) without reloading its weights: drained in its old role first (its
+        decode requests migrate away, its prefills finish), then switched and published.
+        Refused (``Refused``) for the last worker of its role, while a scale or switch of either
+        role runs, or when its drain leaves requests (it is undrained and stays as it was)."""
+        info = self._workers.get(worker)
+        if info is None or info.state == WorkerState.DEAD:
+            raise ValueError(f"no live worker named {worker!r}")
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"a worker switches to prefill or decode, got {role!r}")
+        if not self.spec.role_switching or not worker.startswith("flex-"):
+            raise ValueError(
+                f"{worker} cannot switch roles: start the cluster with role switching on "
+                "(tandem serve --role-switching) for workers that can"
+            )
+        old = info.role
+        t0 = time.monotonic()
+        result = {"worker": worker, "from": old, "to": role, "migrated": 0, "aborted": 0}
+        if old == role:
+            return result | {"seconds": 0.0}
+        busy = [r for r in (old, role) if r in self._scaling]
+        if busy:
+            raise Refused(f"a scale or switch of {busy[0]} is still running: wait for it")
+        if len(self._pool(old)) <= 1:
+            raise Refused(f"{worker} is the last {old} worker: at least 1 stays")
+        for r in (old, role):
+            self._scaling[r] = {"role": r, "replicas": len(self._pool(r)), "started": time.time()}
+        try:
+            report = await self.drain(worker, deadline_s)
+            if not report["idle"]:
+                with contextlib.suppress(ValueError):
+                    await self.undrain(worker)
+                raise Refused(f"{worker} not empty after {deadline_s:g} s ({report['note']}): kept")
+            try:
+                await control(info.handle.set_role).remote(role)
+            except Exception:
+                with contextlib.suppress(ValueError):
+                    await self.undrain(worker)
+                raise
+            self._workers[worker] = replace(
+                self._workers[worker], role=role, state=WorkerState.ACTIVE
+            )
+            why = f"{old} -> {role} ({reason})"
+            self.transitions.append((time.time(), worker, "ACTIVE", why))
+            self._worker_event("switched", worker, why)
+            self._publish()
+        finally:
+            for r in (old, role):
+                self._scaling.pop(r, None)
+        counts = report.get("counts", {})
+        return result | {
+            "migrated": counts.get("migrated", 0),
+            "aborted": not_moved(report),
+            "seconds": round(time.monotonic() - t0, 3),
+        }
+
+    def _spare(self, role: str) -> str | None:
+        """A worker of ``role``'s pool the autoscaler may take for the other pool: a flex
+        worker, the pool above its ``min_replicas``, its latest look under its ``low`` mark
+        with a worker fewer. The least loaded one (by the look's workers: the newest)."""
+        if not self.spec.role_switching or role not in ("prefill", "decode"):
+            return None
+        policy = getattr(self.autoscaler.config, role)
+        look = self.autoscaler.latest.get(role)
+        active = [w for w in self._pool(role) if w.state == WorkerState.ACTIVE]
+        n = len(active)
+        if look is None or n <= max(policy.min_replicas, 1) or role in self._scaling:
+            return None
+        if look["pressure"] * n / (n - 1) >= policy.low:
+            return None
+        flex = [w for w in active if w.name.startswith("flex-")]
+        return max(flex, key=lambda w: _index(w.name)).name if flex else None
+
     async def _drain_by_waiting(self, name: str, deadline_s: float) -> dict[str, Any]:
         """A prefill or colocated worker: DRAINING (routers send it nothing new), then wait
         until it runs and queues nothing and has no KV left to send."""
@@ -916,18 +1017,23 @@ class Controller:
         decision logged (an ``autoscale`` event with its inputs) and carried out by ``scale``
         (scale-in drains first), without waiting for the scale to end. A pool being scaled
         now is not looked at. Returns the decisions taken."""
-        taken = []
-        for role in sorted(self._roles):
-            if role in self._scaling:
-                continue
-            decision = self.autoscaler.observe(await self.pool_signals(role))
+        roles = [r for r in sorted(self._roles) if r not in self._scaling]
+        signals = [await self.pool_signals(r) for r in roles]
+        for look in signals:  # every pool's look first: a decision may weigh the other pool's
+            self.autoscaler.note(look)
+        taken, touched = [], set()
+        for look in signals:
+            if look.role in touched or look.role in self._scaling:
+                continue  # a switch this round took a worker from (or gave one to) it
+            decision = self.autoscaler.observe(look)
             if decision is None:
                 continue
             taken.append(decision.as_dict())
-            await self._carry_out(decision)
+            touched |= await self._carry_out(decision)
         return taken
 
-    async def _carry_out(self, d: Decision) -> None:
+    async def _carry_out(self, d: Decision) -> set[str]:
+        """Carry a decision out; returns the pools it touched beyond its own (a switch's)."""
         self._event(
             "autoscale",
             role=d.role,
@@ -939,11 +1045,27 @@ class Controller:
             inputs=d.inputs,
         )
         logger.warning("autoscaler: %s %s -> %s (%s)", d.role, d.replicas, d.target, d.reason)
+        other = {"prefill": "decode", "decode": "prefill"}.get(d.role)
+        spare = self._spare(other) if d.direction == "out" and other else None
+        if spare is not None:  # the other pool has one to spare: switch it, no new weights
+            why = f"autoscaler: {d.reason}; {other} has one to spare"
+            task = asyncio.ensure_future(self._switch_logged(spare, d.role, why))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return {other}
         # the decision counts active workers; scale() sizes the live pool (a draining or
         # starting one included): move it by the same difference
         target = len(self._pool(d.role)) + d.target - d.replicas
         with contextlib.suppress(Refused):  # the refusal is an event of its own
             await self.scale(d.role, target, wait=False, reason=f"autoscaler: {d.reason}")
+        return set()
+
+    async def _switch_logged(self, worker: str, role: str, reason: str) -> None:
+        try:
+            await self.switch_role(worker, role, reason=reason)
+        except Exception as exc:  # noqa: BLE001 - logged; the next look decides again
+            logger.warning("autoscaler: switching %s to %s failed: %s", worker, role, exc)
+            self._worker_event("switch_failed", worker, f"to {role}: {brief(exc)} ({reason})")
 
     async def pool_signals(self, role: str) -> PoolSignals:
         """What the autoscaler judges ``role``'s pool by, measured now from its active

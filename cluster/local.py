@@ -153,6 +153,9 @@ class ClusterConfig:
     # AutoscalerConfig fields (cluster/autoscaler.py; a pool's as a dict under its role): off
     # unless ``enabled``
     autoscale: dict[str, Any] = field(default_factory=dict)
+    # prefill and decode workers that can switch roles without reloading weights (FlexWorker,
+    # named flex-N; the controller's switch_role, and the autoscaler when a pool has one spare)
+    role_switching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -238,6 +241,7 @@ class LocalCluster:
             decode_engine=cfg.decode_engine,
             gpus=cfg.gpus,
             migration=cfg.migration,
+            role_switching=cfg.role_switching,
             use_role_resources=_use_role_resources(cfg.role_resources, resources),
             # a local CPU cluster shares this machine's cores among its workers
             cpu_threads=None if cfg.ray_address else max(1, (os.cpu_count() or 1) // workers),

@@ -67,6 +67,8 @@ WORKER_EVENT = {
     "draining": pb.WorkerEvent.KIND_DRAINING,
     "dead": pb.WorkerEvent.KIND_DEAD,
     "removed": pb.WorkerEvent.KIND_REMOVED,
+    "switched": pb.WorkerEvent.KIND_SWITCHED,
+    "switch_failed": pb.WorkerEvent.KIND_SWITCH_FAILED,
 }
 SCALE_PHASE = {
     "started": pb.ScaleEvent.PHASE_STARTED,
@@ -315,6 +317,25 @@ class _Servicer(pb_grpc.ClusterOperatorServicer):
             return pb.UndrainResponse(worker=request.worker, state=STATE[state])
 
         return await self.server.mutate(context, "Undrain", request, undrain)
+
+    async def SwitchRole(self, request, context):
+        async def switch():
+            role = ROLE_NAME.get(request.role)
+            if role not in ("prefill", "decode"):
+                raise ValueError("role must be ROLE_PREFILL or ROLE_DECODE")
+            result = await self.controller.switch_role(
+                request.worker, role, request.deadline_s or DRAIN_DEADLINE_S
+            )
+            return pb.SwitchRoleResponse(
+                worker=result["worker"],
+                from_role=ROLE[result["from"]],
+                role=ROLE[result["to"]],
+                migrated=result["migrated"],
+                aborted=result["aborted"],
+                seconds=result["seconds"],
+            )
+
+        return await self.server.mutate(context, "SwitchRole", request, switch)
 
     async def Migrate(self, request, context):
         async def migrate():

@@ -370,6 +370,24 @@ def undrain(op: Operator, args: argparse.Namespace) -> int:
     return 0
 
 
+def switch(op: Operator, args: argparse.Namespace) -> int:
+    request = pb.SwitchRoleRequest(
+        request_id=new_request_id(),
+        worker=args.worker,
+        role=ROLES[args.role],
+        deadline_s=args.deadline,
+    )
+    resp = op.call("SwitchRole", request, args.deadline + args.timeout)
+    d = plain(resp)
+    _print(
+        args,
+        resp,
+        f"{resp.worker}: {d['from_role']} -> {d['role']} in {resp.seconds:.1f} s "
+        f"({resp.migrated} migrated)",
+    )
+    return 0
+
+
 def migrate(op: Operator, args: argparse.Namespace) -> int:
     request = pb.MigrateRequest(request_id=new_request_id(), to=args.to or "", count=args.count)
     if args.request:

@@ -289,6 +289,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="where decode workers listen for KV: 127.0.0.1, node (the Ray node's IP, for "
         "prefill workers on other nodes), or an address (default: 127.0.0.1)",
     )
+    p.add_argument(
+        "--role-switching",
+        action="store_true",
+        help="prefill and decode workers that can switch roles without reloading weights "
+        "(named flex-N): the autoscaler takes one from a pool with one to spare before it "
+        "starts a new worker",
+    )
     add_operator_args(p)
     p.add_argument(
         "--gateways",
@@ -796,6 +803,7 @@ def _cluster_options(args: argparse.Namespace) -> dict[str, Any]:
         "gpus": dict(getattr(args, "gpus", None) or {}),
         "migration": dict(getattr(args, "migration", None) or {}),
         "autoscale": dict(getattr(args, "autoscale", None) or {}),
+        "role_switching": bool(getattr(args, "role_switching", False)),
     }
 
 

@@ -49,9 +49,11 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         transfer_timeout_s: float = 60.0,
         kv_limits: dict[str, Any] | None = None,
         migration: dict[str, Any] | None = None,
+        index: dict[str, Any] | None = None,
     ) -> None:
         """``kv_limits``: KVLimits fields to change (listener caps, socket and NCCL timeouts);
-        ``migration``: MigrationConfig fields to change."""
+        ``migration``: MigrationConfig fields to change; ``index``: publish cached blocks to
+        the prefix index (a decode worker computes none; one that can also prefill does)."""
         self.transfer_timeout_s = transfer_timeout_s
         self.token = token
         self.kv_limits = KVLimits(**(kv_limits or {}))
@@ -63,7 +65,7 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         # projected KV demand counts instead of max_tokens (rebalancing reads it)
         self._predicted: dict[str, int] = {}
         self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
-        super().__init__(engine_config, name)  # starts the engine thread: set its state first
+        super().__init__(engine_config, name, index)  # starts the engine thread: state first
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
             import ray
 

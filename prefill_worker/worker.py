@@ -40,24 +40,19 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import trace
 
 
-class PrefillWorker(EngineWorker):
-    role = "prefill"
-    length_probe = "auto"
+class PrefillMixin:
+    """The prefill role over an EngineWorker's engine: ``prefill`` / ``release`` and the KV
+    streaming behind them. ``PrefillWorker`` is this and nothing else; a worker that can take
+    either role (cluster/flex_worker.py) mixes it into a decode worker."""
 
-    def __init__(
-        self,
-        engine_config: dict[str, Any],
-        name: str = "",
-        *,
-        token: str = "",
-        max_channels: int = 8,
-        index: dict[str, Any] | None = None,
-        kv_limits: dict[str, Any] | None = None,
-    ) -> None:
-        """``kv_limits``: KVLimits fields to change (its queue cap, socket and NCCL timeouts)."""
+    def _init_prefill_state(self) -> None:
+        """Before the engine thread starts (it may fail requests at once)."""
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._gates: dict[str, threading.Event] = {}
-        super().__init__(engine_config, name, index)
+
+    def _init_prefill(self, token: str, max_channels: int, kv_limits: dict[str, Any] | None):
+        """The KV connector to decode workers and the streamer that feeds it from each step's
+        layers (``attach_streamer`` puts it on the engine)."""
         self.connector = KVConnector(
             self.kv_spec(),
             self._on_channel_failure,
@@ -68,7 +63,11 @@ class PrefillWorker(EngineWorker):
         kv_caches = self.engine.runner.kv_caches
         self.streamer = KVStreamer(self.connector, kv_caches, self.engine.cfg.block_size)
         self.streamer.on_done = self._on_done
-        self.engine.step_observer = self.streamer
+
+    def attach_streamer(self, on: bool = True) -> None:
+        """The streamer observes every engine step (it must while prefills stream; without
+        an observer a failing step is retried request by request instead)."""
+        self.engine.step_observer = self.streamer if on else None
 
     async def prefill(
         self,
@@ -170,3 +169,24 @@ class PrefillWorker(EngineWorker):
         stats["kv_bytes_sent"] = self.connector.bytes_sent
         stats["kv_pending_bytes"] = self.connector.pending_bytes
         return stats
+
+
+class PrefillWorker(PrefillMixin, EngineWorker):
+    role = "prefill"
+    length_probe = "auto"
+
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        name: str = "",
+        *,
+        token: str = "",
+        max_channels: int = 8,
+        index: dict[str, Any] | None = None,
+        kv_limits: dict[str, Any] | None = None,
+    ) -> None:
+        """``kv_limits``: KVLimits fields to change (its queue cap, socket and NCCL timeouts)."""
+        self._init_prefill_state()
+        super().__init__(engine_config, name, index)
+        self._init_prefill(token, max_channels, kv_limits)
+        self.attach_streamer()

@@ -352,6 +352,34 @@ class DrainResponse(_message.Message):
     note: str
     def __init__(self, worker: _Optional[str] = ..., idle: _Optional[bool] = ..., requests: _Optional[_Mapping[str, str]] = ..., counts: _Optional[_Mapping[str, int]] = ..., not_moved: _Optional[int] = ..., seconds: _Optional[float] = ..., note: _Optional[str] = ...) -> None: ...
 
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("request_id", "worker", "role", "deadline_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker: str
+    role: Role
+    deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., worker: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("worker", "from_role", "role", "migrated", "aborted", "seconds")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    from_role: Role
+    role: Role
+    migrated: int
+    aborted: int
+    seconds: float
+    def __init__(self, worker: _Optional[str] = ..., from_role: _Optional[_Union[Role, str]] = ..., role: _Optional[_Union[Role, str]] = ..., migrated: _Optional[int] = ..., aborted: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class UndrainRequest(_message.Message):
     __slots__ = ("request_id", "worker")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +563,8 @@ class WorkerEvent(_message.Message):
         KIND_DRAINING: _ClassVar[WorkerEvent.Kind]
         KIND_DEAD: _ClassVar[WorkerEvent.Kind]
         KIND_REMOVED: _ClassVar[WorkerEvent.Kind]
+        KIND_SWITCHED: _ClassVar[WorkerEvent.Kind]
+        KIND_SWITCH_FAILED: _ClassVar[WorkerEvent.Kind]
     KIND_UNSPECIFIED: WorkerEvent.Kind
     KIND_STARTING: WorkerEvent.Kind
     KIND_UP: WorkerEvent.Kind
@@ -543,6 +573,8 @@ class WorkerEvent(_message.Message):
     KIND_DRAINING: WorkerEvent.Kind
     KIND_DEAD: WorkerEvent.Kind
     KIND_REMOVED: WorkerEvent.Kind
+    KIND_SWITCHED: WorkerEvent.Kind
+    KIND_SWITCH_FAILED: WorkerEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class ClusterOperatorStub:
                 request_serializer=operator__pb2.UndrainRequest.SerializeToString,
                 response_deserializer=operator__pb2.UndrainResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/tandem.operator.v1.ClusterOperator/SwitchRole',
+                request_serializer=operator__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=operator__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
         self.Migrate = channel.unary_unary(
                 '/tandem.operator.v1.ClusterOperator/Migrate',
                 request_serializer=operator__pb2.MigrateRequest.SerializeToString,
@@ -110,6 +115,14 @@ class ClusterOperatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Make a flex worker (a cluster started with role switching) play the other role, without
+        reloading its weights: drained in its old role first, then switched and published.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Migrate(self, request, context):
         """Live-migrate one running request, or `count` of one decode worker's, to another.
         """
@@ -161,6 +174,11 @@ def add_ClusterOperatorServicer_to_server(servicer, server):
                     servicer.Undrain,
                     request_deserializer=operator__pb2.UndrainRequest.FromString,
                     response_serializer=operator__pb2.UndrainResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=operator__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=operator__pb2.SwitchRoleResponse.SerializeToString,
             ),
             'Migrate': grpc.unary_unary_rpc_method_handler(
                     servicer.Migrate,
@@ -291,6 +309,33 @@ class ClusterOperator:
             '/tandem.operator.v1.ClusterOperator/Undrain',
             operator__pb2.UndrainRequest.SerializeToString,
             operator__pb2.UndrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.operator.v1.ClusterOperator/SwitchRole',
+            operator__pb2.SwitchRoleRequest.SerializeToString,
+            operator__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,7 @@ class MembershipView:
             if ref.state == WorkerState.SUSPECT and info.state == WorkerState.ACTIVE:
                 self._suspects.pop(info.name, None)  # the controller found it answering
             ref.state, ref.endpoint, ref.handle = info.state, info.endpoint, info.handle
+            ref.role = info.role  # a flex worker's changes (cluster/flex_worker.py)
             ref.index_id, ref.pid = info.index_id, info.pid
             ref.max_num_seqs = info.max_num_seqs
             workers[info.name] = ref

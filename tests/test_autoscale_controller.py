@@ -245,3 +245,45 @@ def test_the_router_reports_its_admission_and_keeps_the_answer() -> None:
     assert text[("tandem:pool_replicas", (("model_name", "smollm2"), ("role", "decode")))] == 1
     key = (("model_name", "smollm2"), ("role", "decode"), ("signal", "kv"))
     assert text[("tandem:autoscaler_pressure", key)] == 0.1
+
+
+def test_a_short_pool_takes_a_flex_worker_the_other_pool_can_spare() -> None:
+    async def go():
+        c, calls = make(
+            {
+                "flex-0": Worker(),
+                "flex-1": Worker(),
+                "flex-2": Worker(running=4, waiting=4),
+            },
+            decode={**FAST, "slo_s": None},
+            prefill={**FAST, "min_replicas": 1},
+        )
+        c.spec.role_switching = True
+        for name, role in (("flex-0", "prefill"), ("flex-1", "prefill"), ("flex-2", "decode")):
+            c._workers[name] = WorkerInfo(
+                name, role, c._workers[name].handle, WorkerState.ACTIVE, max_num_seqs=4
+            )
+        c._roles = {"prefill", "decode"}
+        switched = []
+
+        async def switch_role(worker, role, deadline_s=60.0, reason=""):
+            switched.append((worker, role, reason))
+            return {}
+
+        c.switch_role = switch_role
+        # prefill is quiet (and, looked at first, known to be), decode's 8 requests fill 4 slots
+        taken = await c.autoscale_once()
+        await asyncio.sleep(0)  # the switch runs as a task
+        assert [(d["role"], d["direction"]) for d in taken] == [("decode", "out")]
+        assert calls == []  # no new worker started
+        assert switched and switched[0][:2] == ("flex-1", "decode")  # the newest spare one
+        assert "prefill has one to spare" in switched[0][2]
+        # without role switching the same decision starts a worker
+        c.spec.role_switching = False
+        switched.clear()
+        c.autoscaler._pools["decode"].last_decision = -1e9
+        await c.autoscale_once()
+        await asyncio.sleep(0)
+        assert switched == [] and [c[:2] for c in calls] == [("decode", 2), ("prefill", 1)]
+
+    run(go())

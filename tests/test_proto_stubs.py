@@ -47,6 +47,7 @@ def test_the_service_stub_imports_as_part_of_the_package():
         "Scale",
         "Drain",
         "Undrain",
+        "SwitchRole",
         "Migrate",
         "Rebalance",
         "SetPolicy",
