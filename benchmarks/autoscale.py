@@ -3,10 +3,14 @@
     python benchmarks/autoscale.py                          # CPU: SmolLM2, 1 prefill + 1 decode
     python benchmarks/autoscale.py --phases 30:0.3 90:2.5 150:0.3 --max-decode 3
     python benchmarks/autoscale.py --replot benchmarks/results/autoscale_cpu.json
+    python benchmarks/autoscale.py --role-switching --prefill 2 \\
+        --out benchmarks/results/autoscale_cpu_flex.json   # flex workers: switch before spawn
 
 A real cluster (Ray actors, the controller, TCP KV) starts with one prefill and one decode
-worker and the controller's autoscaler on. Open-loop Poisson arrivals go through the OpenAI
-gateway in phases (``seconds:rate``): quiet, a step up past what one decode worker's slots hold,
+worker (``--prefill`` / ``--decode``) and the controller's autoscaler on; with ``--role-
+switching`` they are flex workers, and a pool that grows takes a spare worker of the other pool
+(switched in about a second, no model load) before it starts a new one. Open-loop Poisson
+arrivals go through the OpenAI gateway in phases (``seconds:rate``): quiet, a step up past what one decode worker's slots hold,
 quiet again. Each request has a prompt of 64 to 192 token ids and streams ``--output`` tokens
 (``ignore_eos``), so every answer's length is known: a request is whole when it got all of them.
 
@@ -176,11 +180,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     cluster = LocalCluster(
         model=args.model,
-        num_prefill=1,
-        num_decode=1,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
         engine={"max_num_batched_tokens": 512, "max_num_seqs": args.slots, "num_kv_blocks": 256},
         migration={"timeout_s": 30},
         autoscale=autoscale,
+        role_switching=args.role_switching,
     )
     cfg = SimpleNamespace(
         max_resumes=2, stall_timeout_s=30.0, max_concurrent=512, max_body_bytes=8 << 20
@@ -214,18 +219,23 @@ def summarize(args, plan, records, samples, events, wall0: float, final) -> dict
         return round(e["time"] - wall0, 2)
 
     decisions = []
-    scales = [e for e in events if e["type"] == "scale"]
+    # how each decision ended: its scale (done or refused), or the switch of a flex worker
+    ends = [
+        e
+        for e in events
+        if (e["type"] == "scale" and e["phase"] in ("done", "refused"))
+        or (e["type"] == "worker" and e["kind"] in ("switched", "switch_failed"))
+    ]
     for e in events:
         if e["type"] != "autoscale":
             continue
         done = next(
             (
                 s
-                for s in scales
-                if s["phase"] in ("done", "refused")
-                and s["role"] == e["role"]
+                for s in ends
+                if s["role"] == e["role"]
                 and s["time"] >= e["time"]
-                and s["reason"].startswith("autoscaler:")
+                and "autoscaler:" in s["reason"]
             ),
             None,
         )
@@ -240,7 +250,8 @@ def summarize(args, plan, records, samples, events, wall0: float, final) -> dict
                 "reason": e["reason"],
                 "inputs": e["inputs"],
                 "effective_t": at(done) if done else None,
-                "outcome": done["phase"] if done else "running",
+                "outcome": (done.get("phase") or done["kind"]) if done else "running",
+                "switched": done["worker"] if done and done.get("kind") == "switched" else None,
                 "migrated": (done or {}).get("migrated_requests", 0),
                 "aborted": (done or {}).get("aborted_requests", 0),
                 "failed": (done or {}).get("failed", {}),
@@ -409,11 +420,13 @@ def main() -> None:
         "--phases",
         nargs="+",
         type=parse_phase,
-        default=[(30.0, 0.3), (90.0, 2.0), (120.0, 0.3)],
-        help="SECONDS:RATE of each phase, in order (default: 30:0.3 90:2 120:0.3)",
+        default=[(30.0, 0.2), (90.0, 0.7), (150.0, 0.2)],
+        help="SECONDS:RATE of each phase, in order (default: 30:0.2 90:0.7 150:0.2)",
     )
-    ap.add_argument("--output", type=int, default=48, help="tokens each answer streams")
-    ap.add_argument("--slots", type=int, default=4, help="max_num_seqs of each worker")
+    ap.add_argument("--output", type=int, default=32, help="tokens each answer streams")
+    ap.add_argument("--slots", type=int, default=2, help="max_num_seqs of each worker")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers at the start")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers at the start")
     ap.add_argument("--max-decode", type=int, default=3)
     ap.add_argument("--max-prefill", type=int, default=2)
     ap.add_argument("--interval", type=float, default=1.0, help="between the autoscaler's looks")
@@ -425,7 +438,12 @@ def main() -> None:
     )
     ap.add_argument("--prefill-slo-s", type=float, default=5.0, help="TTFT p90 target")
     ap.add_argument("--queue-tokens", type=float, default=2048.0, help="prefill backlog at 1.0")
-    ap.add_argument("--settle", type=float, default=30.0, help="seconds watched after the load")
+    ap.add_argument("--settle", type=float, default=90.0, help="seconds watched after the load")
+    ap.add_argument(
+        "--role-switching",
+        action="store_true",
+        help="flex workers: a pool that grows takes the other pool's spare worker first",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--replot", default=None, help="only redraw the plot of this results JSON")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/autoscale_cpu.json"))

@@ -89,7 +89,15 @@ class FlexWorker(PrefillMixin, DecodeWorker):
         return await self.call(switch, control=True)
 
     def _abort(self, request_id: str) -> None:
-        if request_id in self._waiters:  # a prefill of ours
+        # A prefill of ours: still computing (a waiter), or computed and gated (its KV held
+        # until the decode worker's reservation; the router aborts it when that answered Full),
+        # or streaming. Its gate must open now, or it holds the channel's queue until its
+        # timeout.
+        if (
+            request_id in self._waiters
+            or request_id in self._gates
+            or request_id in self.streamer.transfers
+        ):
             PrefillMixin._abort(self, request_id)
         else:
             DecodeWorker._abort(self, request_id)

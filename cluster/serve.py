@@ -662,6 +662,10 @@ def _gateway_app(backend, args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.ray_address:
+        # joining an operator's cluster: deploy/ starts every node with token auth (as `tandem
+        # gateway` assumes too); a driver must ask for it before ray is imported
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
     import torch
 

@@ -92,6 +92,32 @@ def test_flex_workers_serve_their_first_roles(cluster, hf):
     assert got == hf_greedy_ids(hf, ids, N)
 
 
+def test_an_aborted_gated_prefill_opens_its_gate(cluster):
+    """A prefill whose decode reservation answered Full is aborted by the router after its
+    prompt computed, its KV still gated: the gate opens at once (it held the channel to that
+    decode worker for its whole timeout, every transfer queued behind it too)."""
+    from engine.messages import PrefillDone, control
+
+    workers = {w.name: w for w in ray.get(cluster.controller.members.remote()).workers}
+    p, d = workers["flex-0"].handle, workers["flex-2"]
+    ids = prompt(cluster, "harbours")
+    done = ray.get(p.prefill.remote("gated-0", ids, greedy(4), d.endpoint, gated=True))
+    assert isinstance(done, PrefillDone)  # computed; its KV waits for a release
+
+    def gates(self):
+        held = {
+            t: g.is_set()
+            for s in self.connector._senders.values()
+            for t, (g, _) in s._gates.items()
+        }
+        return "gated-0" in self._gates, held.get("gated-0")
+
+    assert ray.get(p.__ray_call__.remote(gates)) == (True, False)
+    ray.get(control(p.abort).remote("gated-0"))
+    in_worker, held = ray.get(p.__ray_call__.remote(gates))
+    assert not in_worker and held is not False  # open, or already gone from the channel
+
+
 def test_a_prefill_worker_switches_to_decode_and_decodes_exactly(
     cluster, hf, operator, monkeypatch, capsys
 ):

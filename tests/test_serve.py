@@ -12,16 +12,14 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from cli_process import CliProcess
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -56,45 +54,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Proc:
-    """A `python -m cluster.cli ...` child; its output is kept and scanned for a line."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := re.search(pattern, line):
-                    return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        tail = "\n".join(self.lines[-40:])
-        raise AssertionError(f"no line matching {pattern!r} (exit {self.proc.poll()}):\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+Proc = CliProcess
 
 
 SHUTDOWN_S = 3.0

@@ -22,12 +22,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cli_process import CliProcess
 
 from cluster.gateways import (
     GatewayGroup,
@@ -294,14 +294,14 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
-class Serve:
+class Serve(CliProcess):
     """A `tandem serve` child and its output. In the foreground its child gateways write to its
     pipe too; with ``--detach`` ``proc`` is the launcher (it exits once the server serves) and
     the server writes to its log under ``cache`` (``TANDEM_CACHE_DIR``)."""
 
     def __init__(self, smollm2_dir: Path, port: int, *extra: str, cache: Path | None = None):
         self.port, self.cache = port, cache
-        self.lines: list[str] = []
+        self.outlives_launcher = cache is not None
         self.env = {**os.environ, "TANDEM_TORCH_THREADS": "1", "PYTHONPATH": str(ROOT)}
         if cache is not None:
             self.env["TANDEM_CACHE_DIR"] = str(cache)
@@ -311,21 +311,8 @@ class Serve:
             *("--device", "cpu", "--colocated", "1", "--no-operator", "--port", str(port)),
             *("--shutdown-timeout", "2", "--engine", "kv_cache_memory_gb=0.25", *extra),
         ]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", *argv],
-            cwd=ROOT,
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        super().__init__(argv, self.env)
         self.pid = 0  # the serving process (the launcher's child with --detach)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
 
     def output(self) -> list[str]:
         """The server's lines so far (its log file when detached)."""
@@ -334,20 +321,8 @@ class Serve:
         log = self.cache / "run" / f"serve-{self.port}.log"
         return log.read_text().splitlines() if log.exists() else []
 
-    def wait_for(self, pattern: str, timeout: float, lines=None) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while True:
-            exited = self.proc.poll() is not None
-            if exited:
-                self.reader.join(5)
-            for line in (lines or self.output)():
-                if m := re.search(pattern, line):
-                    return m
-            if (exited and self.cache is None) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        tail = "\n".join([*self.lines[-20:], *(self.output()[-30:] if self.cache else [])])
-        raise AssertionError(f"no line matching {pattern!r} (exit {self.proc.poll()}):\n{tail}")
+    def tail(self, n: int = 40) -> str:
+        return "\n".join([*self.lines[-20:], *(self.output()[-30:] if self.cache else [])])
 
     def child_gateways(self) -> list[int]:
         """Pids of this server's `tandem gateway` children now (from /proc)."""
