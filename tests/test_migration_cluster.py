@@ -115,19 +115,23 @@ def test_long_greedy_request_migrated_mid_stream_equals_transformers(cluster, to
     assert_idle(cluster)
 
 
-def test_twenty_requests_migrated_back_and_forth(cluster, tok, model):
-    """20 concurrent greedy requests, half of them with a shared long prefix (prefix hits on
+N_MOVED = 12  # requests decoding at once, each moved once or twice
+
+
+def test_concurrent_requests_migrated_back_and_forth(cluster, tok, model):
+    """12 concurrent greedy requests, half of them with a shared long prefix (prefix hits on
     the prefill worker); each migrated once or twice at random moments."""
     shared = "You are a careful assistant who answers in full sentences. " * 6
     prompts = [
         tok((shared if i % 2 else "") + f"Note {i} about {TOPICS[i % len(TOPICS)]}:")["input_ids"]
-        for i in range(20)
+        for i in range(N_MOVED)
     ]
     n_tokens = 64
     expected = [hf_greedy_ids(model, p, n_tokens) for p in prompts]
     rng = random.Random(7)
     plan = {
-        f"r{i}": sorted(rng.sample(range(4, n_tokens - 8), rng.choice([1, 2]))) for i in range(20)
+        f"r{i}": sorted(rng.sample(range(4, n_tokens - 8), rng.choice([1, 2])))
+        for i in range(N_MOVED)
     }
 
     async def main():
@@ -138,7 +142,7 @@ def test_twenty_requests_migrated_back_and_forth(cluster, tok, model):
             )
             for i, p in enumerate(prompts)
         ]
-        where = {f"r{i}": f"decode-{i % 2}" for i in range(20)}
+        where = {f"r{i}": f"decode-{i % 2}" for i in range(N_MOVED)}
 
         async def mover(rid):
             """Each planned move, retried while a worker's one migration slot is taken."""
@@ -155,7 +159,7 @@ def test_twenty_requests_migrated_back_and_forth(cluster, tok, model):
                     where[rid] = to
             return outcomes
 
-        moves = await asyncio.gather(*(mover(f"r{i}") for i in range(20)))
+        moves = await asyncio.gather(*(mover(f"r{i}") for i in range(N_MOVED)))
         return await asyncio.gather(*tasks), moves
 
     outs, moves = asyncio.run(main())
@@ -164,8 +168,8 @@ def test_twenty_requests_migrated_back_and_forth(cluster, tok, model):
     flat = [o for m in moves for o in m]
     # (a request may finish while it waits for a slot, or during its migration)
     assert set(flat) <= {"migrated", "busy", "finished"}, moves
-    assert sum("migrated" in m for m in moves) >= 15, moves
-    assert sum(m.count("migrated") == 2 for m in moves) >= 3, moves  # there and back
+    assert sum("migrated" in m for m in moves) >= 9, moves
+    assert sum(m.count("migrated") == 2 for m in moves) >= 2, moves  # there and back
     assert_idle(cluster)
 
 
