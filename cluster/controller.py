@@ -267,36 +267,28 @@ class Controller:
         base = {"model_dir": spec.model_dir, "device": spec.device, **spec.engine}
         if spec.device == "cpu" and spec.cpu_threads:
             base["cpu_threads"] = spec.cpu_threads
-        engine, kwargs = base, {}
-        if role == "prefill":
-            # A prefill worker never decodes: no decode CUDA graphs to capture.
-            cls, engine = PrefillWorker, {"enforce_eager": True, **engine, **spec.prefill_engine}
-            kwargs = {"token": spec.token}
-        elif role == "decode":
-            cls, engine = DecodeWorker, {**engine, **spec.decode_engine}
-            kwargs = {
-                "transport": spec.transport,
-                "token": spec.token,
-                "host": spec.host,
-                "transfer_timeout_s": spec.transfer_timeout_s,
-                "migration": spec.migration,
-            }
-        else:
-            cls = ColocatedWorker
+        decode_kwargs = {
+            "transport": spec.transport,
+            "token": spec.token,
+            "host": spec.host,
+            "transfer_timeout_s": spec.transfer_timeout_s,
+            "migration": spec.migration,
+        }
         if flex:
             from cluster.flex_worker import FlexWorker
 
             # either role: the decode side's engine settings win over the prefill side's
-            cls = FlexWorker
-            engine = {**base, **spec.prefill_engine, **spec.decode_engine}
-            kwargs = {
-                "role": role,
-                "transport": spec.transport,
-                "token": spec.token,
-                "host": spec.host,
-                "transfer_timeout_s": spec.transfer_timeout_s,
-                "migration": spec.migration,
-            }
+            cls, engine = FlexWorker, {**base, **spec.prefill_engine, **spec.decode_engine}
+            kwargs = {"role": role, **decode_kwargs}
+        elif role == "prefill":
+            # A prefill worker never decodes: no decode CUDA graphs to capture.
+            cls, engine = PrefillWorker, {"enforce_eager": True, **base, **spec.prefill_engine}
+            kwargs = {"token": spec.token}
+        elif role == "decode":
+            cls, engine = DecodeWorker, {**base, **spec.decode_engine}
+            kwargs = decode_kwargs
+        else:
+            cls, engine, kwargs = ColocatedWorker, base, {}
         if spec.index_url and (role != "decode" or flex):  # decode workers compute no prompts
             kwargs["index"] = {
                 "url": spec.index_url,
@@ -695,12 +687,18 @@ class Controller:
             added=plan["added"],
             removed=plan["removed"],
         )
-        task = asyncio.ensure_future(self._finish_scale(plan, work, t0, reason))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._background(self._finish_scale(plan, work, t0, reason))
         if wait:
             return await asyncio.shield(task)  # a caller that goes away leaves it running
         return self._scale_result(plan, {}, t0, done=False)
+
+    def _background(self, coro) -> asyncio.Task:
+        """Run ``coro`` without a caller waiting for it (kept until it ends; shutdown cancels
+        it)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def _refuse(self, role: str, replicas: int, reason: str, why: str) -> Refused:
         """A refused scale: logged as an event, returned to be raised."""
@@ -1049,9 +1047,7 @@ class Controller:
         spare = self._spare(other) if d.direction == "out" and other else None
         if spare is not None:  # the other pool has one to spare: switch it, no new weights
             why = f"autoscaler: {d.reason}; {other} has one to spare"
-            task = asyncio.ensure_future(self._switch_logged(spare, d.role, why))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._switch_logged(spare, d.role, why))
             return {other}
         # the decision counts active workers; scale() sizes the live pool (a draining or
         # starting one included): move it by the same difference
@@ -1114,10 +1110,11 @@ class Controller:
 
     async def report_load(self, router: str, load: dict[str, Any]) -> dict[str, Any]:
         """A router's admission figures (``running``: requests holding a slot, ``queued``:
-        waiting for one), kept ``ROUTER_LOAD_TTL_S``; answers the autoscaler's counts and
-        latest look (what the router's /metrics exports)."""
+        waiting for one), kept ``ROUTER_LOAD_TTL_S``; answers the autoscaler's counts, pool
+        sizes and latest look (what the router's /metrics exports; not its decision log)."""
         self._router_loads[router] = (time.monotonic(), dict(load))
-        return self.autoscale_stats()
+        stats = self.autoscale_stats()
+        return {k: stats[k] for k in ("enabled", "counts", "pools", "latest")}
 
     def autoscale_stats(self) -> dict[str, Any]:
         stats = self.autoscaler.stats()

@@ -423,18 +423,8 @@ def rebalance(op: Operator, args: argparse.Namespace) -> int:
     return 0
 
 
-POOL_FIELDS = (
-    "min_replicas",
-    "max_replicas",
-    "high",
-    "low",
-    "up_after_s",
-    "down_after_s",
-    "cooldown_s",
-    "step",
-    "slo_s",
-    "queue_tokens",
-)
+# the fields `tandem policy --pool ROLE` may change: the request's own
+POOL_FIELDS = tuple(f.name for f in pb.PoolPolicyUpdate.DESCRIPTOR.fields)
 
 
 def policy(op: Operator, args: argparse.Namespace) -> int:

@@ -18,11 +18,11 @@
 ``tandem serve --gateways N``: the serve process's gateway and N-1 ``tandem gateway`` children
 attached to the same cluster (``GatewayGroup``, cluster/gateways.py), so tokenizing,
 detokenizing and SSE are not one process's GIL: on ``--port`` .. ``--port``+N-1, or all on
-``--port`` with ``--reuse-port``
-(SO_REUSEPORT: Linux spreads new connections across them). Each router admits on its own: by
-default each takes 1/N of every decode worker's slots (``gateway_slots``). A child that exits is
-started again (at most ``RESTART_LIMIT`` times in ``RESTART_WINDOW_S``); serve's signals reach
-the children first, and the cluster stops once they are gone.
+``--port`` with ``--reuse-port`` (SO_REUSEPORT: Linux spreads new connections across them).
+Each router admits on its own: by default each takes 1/N of every decode worker's slots
+(``gateway_slots``). A child that exits is started again (at most ``RESTART_LIMIT`` times in
+``RESTART_WINDOW_S``); serve's signals reach the children first, and the cluster stops once
+they are gone.
 
 ``tandem serve --config FILE`` reads these settings from a YAML or JSON file first
 (cluster/config_file.py); flags on the command line win over it.
@@ -724,7 +724,11 @@ def run_serve(args: argparse.Namespace) -> int:
         index = PrefixIndex(redis_url, cluster.index_namespace)
         stack.callback(index.close)
         options = backend_options(args)
-        slots = gateway_slots(args.slots_per_worker, _pool_max_num_seqs(cluster), args.gateways)
+        slots = gateway_slots(
+            args.slots_per_worker,
+            [w.max_num_seqs for w in cluster.members.token_pool],
+            args.gateways,
+        )
         options["queue"] = replace(options["queue"], slots_per_worker=slots)
         backend = ClusterBackend(
             cluster.members,
@@ -786,13 +790,6 @@ def _gateway_group(args, cluster, ray_address, ports, model_name, slots, redis_u
         host=args.host,
         grace_s=args.shutdown_timeout + CHILD_GRACE_S,
     )
-
-
-def _pool_max_num_seqs(cluster) -> list[int]:
-    """``max_num_seqs`` of each worker of the pool that produces tokens (decode, or colocated)."""
-    members = cluster.members
-    pool = members.decode if members.prefill and members.decode else members.colocated
-    return [w.max_num_seqs for w in pool]
 
 
 def _cluster_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -91,6 +91,12 @@ class MembershipView:
         return self._pool("colocated")
 
     @property
+    def token_pool(self) -> list[WorkerRef]:
+        """The routable workers that produce tokens: decode workers in a disaggregated
+        cluster, else the colocated ones."""
+        return self.decode if self.prefill and self.decode else self.colocated
+
+    @property
     def workers(self) -> list[WorkerRef]:
         """Every worker not known dead (draining ones included: they still answer)."""
         return [

@@ -244,10 +244,8 @@ class ClusterBackend:
     def _capacity(self) -> int:
         """Slots of the pool that produces tokens: every routable decode (or colocated)
         worker's running sequences at once."""
-        members = self.members
-        pool = members.decode if members.prefill and members.decode else members.colocated
         per = self.admission.cfg.slots_per_worker
-        return sum(per or w.max_num_seqs or 256 for w in pool)
+        return sum(per or w.max_num_seqs or 256 for w in self.members.token_pool)
 
     def _progress(self, ticket: Ticket, out: RequestOutput) -> None:
         if ticket.first_token_at is None:
