@@ -560,12 +560,16 @@ class Harness:
             out.append(WorkerIdle(w.name, s["in_use_blocks"] + abs(mismatch), p))
         return out
 
-    def worker_stats(self) -> dict[str, dict[str, Any]]:
+    def step_ages(self, role: str) -> dict[str, float]:
+        """How long each live ``role`` worker's engine step has been running (0: between
+        steps), from ``health``, which the event loop answers while a step runs."""
         import ray
 
-        workers = list(self.cluster.workers)
-        got = ray.get([w.handle.stats.remote() for w in workers], timeout=10)
-        return {w.name: s for w, s in zip(workers, got, strict=True)}
+        from engine.messages import control
+
+        workers = [w for w in self.cluster.workers if w.role == role and w.name not in self.killed]
+        got = ray.get([control(w.handle.health).remote() for w in workers], timeout=10)
+        return {w.name: h["step_age_s"] for w, h in zip(workers, got, strict=True)}
 
 
 # ------------------------------------------------------------------------------ the client
@@ -889,15 +893,20 @@ async def hang_decode(run: Run) -> None:
 
 @scenario("kill-prefill")
 async def kill_prefill(run: Run) -> None:
-    """Send distinct long prompts; once they are mid-prefill, SIGKILL the prefill worker with
-    the most prompts running or waiting. A batch can finish between two looks at the workers
-    (a short prompt on a fast machine), so up to ``KILL_PREFILL_ROUNDS`` batches are sent."""
+    """Send distinct long prompts; once they are mid-prefill, SIGKILL the prefill worker that
+    computes one (its engine step has run for a while: a long prompt's, not a short one's). A
+    batch can finish between two looks at the workers (a short prompt on a fast machine), so
+    up to ``KILL_PREFILL_ROUNDS`` batches are sent."""
+    long_step_s = max(0.02, 0.1 * run.long_ttft)
 
     def busiest():
-        stats = run.h.worker_stats()
-        load = {n: s["running"] + s["waiting"] for n, s in stats.items() if s["role"] == "prefill"}
-        name = max(load, key=load.get, default=None)
-        return (name, load[name]) if name is not None and load[name] > 0 else None
+        # ``health`` answers off the engine thread, so a step in progress shows as its age;
+        # ``stats`` would wait for that step to end, when the prompt may already be gone
+        ages = run.h.step_ages("prefill")
+        name = max(ages, key=ages.get, default=None)
+        if name is None or ages[name] <= long_step_s:
+            return None
+        return name, round(ages[name], 3)
 
     jobs = run.jobs.long["kill-prefill"]
     size = run.cfg.kill_prefill_longs
@@ -917,7 +926,7 @@ async def kill_prefill(run: Run) -> None:
     victim, busy = got
     run.h.kill(victim)
     waiting = [f for f in run.in_flight() if f.headers_at is None]
-    run.strike(victim, waiting, prompts_in_prefill=busy)
+    run.strike(victim, waiting, step_age_s=busy)
     run.hit = lambda f: f.prefill == victim  # placed there first (the header says so)
     await asyncio.to_thread(run.h.wait_dead, victim)
 

@@ -122,9 +122,13 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         view.prefill[0].handle.dead = True
         assert await backend._poll() == ["prefill-0"]
         assert [w.name for w in view.prefill] == ["prefill-1"]  # this router: at once
-        for _ in range(100):  # the controller confirms, marks it dead, clears its index entries
+        # The controller confirms, marks it dead, then clears its index entries (in a thread:
+        # the state changes before the index does, so wait for both).
+        deadline = asyncio.get_running_loop().time() + 10
+        while asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-            if controller._workers["prefill-0"].state == WorkerState.DEAD:
+            dead = controller._workers["prefill-0"].state == WorkerState.DEAD
+            if dead and index.lookup(hashes) == {"c/prefill-1": 2}:
                 break
         assert controller._workers["prefill-0"].state == WorkerState.DEAD
         assert controller.version == 1  # a new table for every router
@@ -220,11 +224,16 @@ def test_a_long_step_is_not_a_miss_but_a_hung_engine_thread_is(tmp_path) -> None
     asyncio.run(scenario())
 
 
-def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path) -> None:
+def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path, monkeypatch) -> None:
     """ACTIVE -> SUSPECT after missed checks or a hung step, back to ACTIVE when it answers,
     DEAD (and killed) when it stays silent past dead_after_s; each change is a new table."""
+    import ray
+
     from cluster.controller import Controller as RealController
     from cluster.controller import HealthConfig, WorkerSpec
+
+    killed = []  # the stand-in handles are not actors (a real ray.kill would start Ray here)
+    monkeypatch.setattr(ray, "kill", lambda handle, **_: killed.append(handle.name))
 
     members = table(tmp_path)
     health = HealthConfig(timeout_s=0.05, suspect_after=2, hang_after_s=1.0, dead_after_s=0.3)
@@ -251,6 +260,7 @@ def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path) -> None
         await asyncio.sleep(0.35)
         await check()
         assert states() == WorkerState.DEAD  # suspect past dead_after_s
+        assert killed == [w.name]
         assert [t[2] for t in controller.transitions] == ["SUSPECT", "ACTIVE", "SUSPECT", "DEAD"]
         other = members.workers[1]
         other.handle.dead = True
