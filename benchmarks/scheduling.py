@@ -165,6 +165,18 @@ def summary(records) -> dict[str, Any]:
     return {k: m.get(k) for k in keys}
 
 
+def engine_counts(cluster, before: dict | None = None, seconds: float = 0.0) -> dict:
+    """The worker's step and preemption counters (summed over workers); with ``before``, what
+    one run added, and its mean step time (why a policy's run takes longer)."""
+    stats = cluster.stats()
+    now = {k: sum(s[k] for s in stats) for k in ("steps", "preemptions")}
+    if before is None:
+        return now
+    out = {k: now[k] - before[k] for k in now}
+    out["mean_step_ms"] = round(1e3 * seconds / out["steps"], 3) if out["steps"] else None
+    return out
+
+
 def start_cluster(args):
     from cluster.local import LocalCluster
 
@@ -281,12 +293,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             key = "inf" if rate == math.inf else f"{rate:.3f}"
             results["rates"][key] = {}
             for name, (policy, predictor, header) in configs.items():
+                if args.configs and name not in args.configs:
+                    continue
                 requests = with_header(base, headers[header])
-                recs, _, scheduling = through_gateway(
+                before = engine_counts(cluster)
+                recs, seconds, scheduling = through_gateway(
                     cluster, target, requests, rate, args.seed, policy, predictor
                 )
                 got = [r.output_tokens for r in recs]
                 entry = summary(recs)
+                entry["engine"] = engine_counts(cluster, before, seconds)
                 entry["same_lengths"] = sum(g == a for g, a in zip(got, actual, strict=True))
                 entry["scheduling"] = scheduling
                 results["rates"][key][name] = entry
@@ -413,6 +429,9 @@ def main() -> None:
         "--rates", nargs="+", default=["0.7", "1.0", "inf"],
         help="offered loads as multiples of the measured capacity, or inf (one burst)",
     )  # fmt: skip
+    ap.add_argument(
+        "--configs", nargs="+", default=None, help="only these of the workload's configurations"
+    )
     ap.add_argument("--overload", type=float, default=2.0)
     ap.add_argument("--slo-ttft", type=float, default=10.0, help="seconds")
     ap.add_argument("--reject-wait", type=float, default=6.0, help="seconds")
