@@ -373,10 +373,11 @@ def _watch(stub, request, until_quiet_s: float, stop=lambda e: False) -> list:
 
 
 def test_the_autoscaler_grows_decode_under_load_then_drains_it_back(cluster, operator, capsys):
-    """Turned on with marks this load crosses: four streams on the decode worker's 8 slots (0.5 > 0.3)
-    grow the pool by a worker, which takes requests; with the marks raised (low 0.9: 2 workers'
-    pressure as if one fewer is under it) the pool shrinks back by a drain that migrates the
-    new worker's streams; every stream ends with all its tokens, none aborted."""
+    """Turned on with marks this load crosses: four streams on the decode worker's 8 slots
+    (0.5 > 0.3, or their projected KV if that crosses first) grow the pool by a worker, which
+    takes requests; with the marks raised (low 0.9: 2 workers' pressure as if one fewer is under
+    it) the pool shrinks back by a drain that migrates the new worker's streams; every stream
+    ends with all its tokens, none aborted."""
     n = 240
     ps = prompts(cluster, 6)
     controller = cluster.controller
@@ -440,8 +441,16 @@ def test_the_autoscaler_grows_decode_under_load_then_drains_it_back(cluster, ope
         return grown, shrunk, outs, events
 
     grown, shrunk, outs, events = asyncio.run(main())
-    decisions = [(e["direction"], e["signal"]) for e in events if e["type"] == "autoscale"]
-    assert decisions[:2] == [("out", "slots"), ("in", "slots")], decisions
+    decisions = [e for e in events if e["type"] == "autoscale"]
+    assert [e["direction"] for e in decisions[:2]] == ["out", "in"], decisions
+    # each was driven by the pool's largest pressure; the load is streams in slots, so it is
+    # theirs (slots) or their projected KV (demand: whichever crossed first as streams arrived)
+    for e in decisions[:2]:
+        pressures = e["inputs"]["pressures"]
+        assert e["signal"] in ("slots", "demand"), e
+        assert pressures[e["signal"]] == max(pressures.values()), e
+    assert decisions[0]["inputs"]["pressures"][decisions[0]["signal"]] > 0.3, decisions[0]
+    assert max(decisions[1]["inputs"]["pressures"].values()) * 2 < 0.9, decisions[1]
     assert shrunk["removed"] == grown["added"], (grown, shrunk)  # the least loaded went
     assert shrunk["aborted_requests"] == 0 and shrunk["migrated_requests"] == 2, shrunk
     for tokens, finish in outs:
