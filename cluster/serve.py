@@ -911,8 +911,8 @@ def run_detached(args: argparse.Namespace) -> int:
     until it serves (or dies), then leave it running and return. The child's command line is
     ``args`` less the secrets, which it gets in its environment."""
     log_path, pid_path = _run_files(args.port)
-    if pid_path.exists() and pid_alive(int(pid_path.read_text())):
-        print(f"tandem: a server already runs on port {args.port} (pid {pid_path.read_text()})")
+    if (pid := detached_pid(pid_path)) is not None:
+        print(f"tandem: a server already runs on port {args.port} (pid {pid})")
         return 1
     child = [sys.executable, "-m", "cluster.cli", "serve", *_child_argv(args)]
     env = {**os.environ, "RAY_COLOR_PREFIX": "0", "NO_COLOR": "1"}  # a plain-text log
@@ -994,14 +994,49 @@ def _secret_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user counts)."""
+    """Whether process ``pid`` runs (one of another user counts; a zombie, exited and not yet
+    reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (macOS), or it just went
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def _command_line(pid: int) -> str:
+    """Process ``pid``'s command line ('' when it cannot be read)."""
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        pass
+    try:  # no /proc (macOS)
+        return subprocess.run(
+            ["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, timeout=5
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def detached_pid(pid_path: Path) -> int | None:
+    """The pid in a ``--detach`` pid file while that process is alive and is a ``tandem serve``
+    (a pid file outlives a crash or a reboot, and its pid may since belong to another process,
+    which must not be signalled); None otherwise."""
+    try:
+        pid = int(pid_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not pid_alive(pid):
+        return None
+    argv = _command_line(pid).split()
+    return pid if "cluster.cli" in argv and "serve" in argv else None
 
 
 def run_stop(args: argparse.Namespace) -> int:
@@ -1012,7 +1047,16 @@ def run_stop(args: argparse.Namespace) -> int:
     if not pid_path.exists():
         print(f"tandem: no detached server on port {args.port}", file=sys.stderr)
         return 1
-    pid = int(pid_path.read_text())
+    pid = detached_pid(pid_path)
+    if pid is None:
+        stale = pid_path.read_text().strip()
+        pid_path.unlink(missing_ok=True)
+        print(
+            f"tandem: no detached server on port {args.port} (its pid file named pid {stale}, "
+            "which is no tandem server now: removed it)",
+            file=sys.stderr,
+        )
+        return 1
 
     def wait(seconds: float) -> bool:
         deadline = time.monotonic() + seconds
