@@ -203,7 +203,8 @@ def test_seeded_sampling_migrated_equals_unmigrated(cluster, tok):
 
 
 def test_drain_under_load_aborts_nothing(cluster, tok, model):
-    prompts = [tok(f"Explain {t} to a child:")["input_ids"] for t in TOPICS]
+    # 4 streams (the oracle costs ~85 ms a token on 2 cores: 8 spent 45 s of CI on it)
+    prompts = [tok(f"Explain {t} to a child:")["input_ids"] for t in TOPICS[:4]]
     expected = [hf_greedy_ids(model, p, 64) for p in prompts]
 
     async def main():
