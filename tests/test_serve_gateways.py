@@ -36,7 +36,7 @@ from cluster.gateways import (
     gateway_ports,
     gateway_slots,
 )
-from cluster.serve import add_serve_args, gateway_child_argv
+from cluster.serve import add_serve_args, gateway_child_argv, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "gateways-test-key"
@@ -189,15 +189,6 @@ def records(tmp_path: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("91*.json"))]
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie is not): /proc/PID/stat's state."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
 def wait_until(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -222,7 +213,7 @@ def test_children_get_the_secrets_through_their_channel_only(fake, tmp_path):
         assert os.getsid(pid) == pid  # its own session: a terminal's Ctrl-C reaches serve alone
     pids = group.pids()
     group.stop()
-    assert not any(alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 def test_a_killed_child_is_started_again(fake):
@@ -232,7 +223,7 @@ def test_a_killed_child_is_started_again(fake):
     os.kill(first, signal.SIGKILL)
     child = group.children[0]
     wait_until(lambda: child.serving and child.pid != first, 60, "a new process serving")
-    assert len(child.restarts) == 1 and child.gave_up is None and alive(child.pid)
+    assert len(child.restarts) == 1 and child.gave_up is None and pid_alive(child.pid)
 
 
 def test_a_child_that_keeps_exiting_is_given_up(fake):
@@ -257,7 +248,7 @@ def test_stop_kills_a_child_that_ignores_sigterm(fake):
     (pid,) = group.pids()
     t0 = time.monotonic()
     group.stop()
-    assert not alive(pid) and group.children[0].proc.returncode == -signal.SIGKILL
+    assert not pid_alive(pid) and group.children[0].proc.returncode == -signal.SIGKILL
     assert time.monotonic() - t0 < 10
 
 
@@ -267,7 +258,7 @@ def test_serves_signals_reach_the_children(fake):
     pids = group.pids()
     group.signal(1)  # serve's first SIGTERM: each child gets one (and drains)
     for pid in pids:
-        wait_until(lambda pid=pid: not alive(pid), 10, f"pid {pid} gone")
+        wait_until(lambda pid=pid: not pid_alive(pid), 10, f"pid {pid} gone")
     assert all(c.proc.wait(5) == -signal.SIGTERM for c in group.children)
     assert not group.wait_ready(1)  # stopping: no wait
 
@@ -335,14 +326,14 @@ class Serve(CliProcess):
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == self.pid and b"gateway" in argv and alive(int(entry.name)):
+            if ppid == self.pid and b"gateway" in argv and pid_alive(int(entry.name)):
                 pids.append(int(entry.name))
         return pids
 
     def stop(self) -> int:
         """SIGTERM (foreground) or `tandem stop` (detached); the exit status."""
         if self.cache is not None:
-            if not alive(self.pid):
+            if not pid_alive(self.pid):
                 return 0
             argv = ["stop", "--port", str(self.port), "--timeout", "30", "--kill-after", "10"]
             return subprocess.run(
@@ -491,6 +482,6 @@ def test_sigterm_or_tandem_stop_stops_every_child_then_the_cluster(servers):
         children = s.child_gateways()
         assert len(children) == 1
         assert s.stop() == 0, "\n".join(s.output()[-30:])
-        assert not alive(s.pid) and not [p for p in children if alive(p)]
+        assert not pid_alive(s.pid) and not [p for p in children if pid_alive(p)]
         s.wait_for(r"gateway 1: SIGTERM: draining", 1)  # it heard serve's signal
         assert "stopped" in s.output()[-3:]
