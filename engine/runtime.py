@@ -221,13 +221,18 @@ class EngineWorker:
         if not deltas or self._loop is None:
             return
         by_client: dict[str, list[Delta]] = {}
+        ended: set[str] = set()
         for d in deltas:
             client = self._owner.get(d.request_id)
             if client is None:
                 continue  # not streamed (a prefill worker's one-token requests)
             by_client.setdefault(client, []).append(d)
             if d.finished and self._all_finished(d):
-                del self._owner[d.request_id]
+                ended.add(d.request_id)
+        # forgotten only after the whole step: the n sequences of a request that end in one
+        # step each have a delta here, and the first one's end must not drop the others
+        for rid in ended:
+            del self._owner[rid]
         if by_client:
             self._send_to_loop(self._deliver, by_client)
 

@@ -16,9 +16,12 @@ Where the OpenAI API leaves room, this module decides:
 
 * ``prompt`` is one prompt: a string, a list of token ids, or a list holding one of those; a list
   of several prompts is a 400 (send one request per prompt; the gateway streams each on its own).
-* ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, ``tools`` and
-  ``response_format`` other than text are 400s (unsupported, never silently ignored); unknown
-  fields are ignored, as the OpenAI API does for fields it has retired.
+* A field is one of three kinds (``check_fields``): supported; documented by OpenAI or as a vLLM
+  extra but not supported here, a 400 saying so unless its value asks for nothing (null,
+  ``false``, an empty list, its default); or unknown, a 400 "Unrecognized request argument
+  supplied: NAME" as OpenAI answers (a typo such as ``max_token`` must not run to the context).
+  ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, ``tools`` and
+  ``response_format`` other than text are such unsupported fields, never silently ignored.
 * ``top_logprobs`` lists the N most likely alternatives (descending), whether or not the sampled
   token is among them; completions' ``text_offset`` counts from the start of the completion.
 """
@@ -95,9 +98,10 @@ def retry_after(seconds: float) -> str:
 
 
 class _Body(BaseModel):
-    """Strict JSON types (``"16"`` is not a number), unknown fields ignored."""
+    """Strict JSON types (``"16"`` is not a number). Fields a model does not declare are kept
+    aside (``model_extra``) for ``check_fields`` to judge: never silently dropped."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Body):
@@ -113,6 +117,141 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+
+# Fields that OpenAI documents, or vLLM documents as extras, which tandem does not implement:
+# name -> the values that ask for nothing (accepted as if absent; null always is). Any other
+# value is a 400 saying the field is not supported. Fields that are neither declared by the
+# request's model nor listed here are unknown: 400 "Unrecognized request argument supplied".
+_UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
+    # vLLM's sampling extras
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "add_special_tokens": (),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "kv_transfer_params": ({},),
+    "vllm_xargs": ({},),
+    "request_id": (),
+    "prompt_embeds": (),
+    # vLLM's structured outputs (guided decoding)
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_SHARED,
+    "response_format": ({"type": "text"},),
+}
+_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_SHARED,
+    # OpenAI's
+    "audio": (),
+    "modalities": (["text"],),
+    "functions": ([],),
+    "function_call": ("none",),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # means nothing without tools (which are a 400)
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "store": (False,),
+    "metadata": ({},),  # only kept with store
+    "service_tier": ("auto", "default"),
+    "moderation": (),
+    "prompt_cache_retention": (),
+    "prompt_cache_options": (),
+    # vLLM's chat extras
+    "best_of": (1,),
+    "echo": (False,),
+    "continue_final_message": (False,),
+    "documents": ([],),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
+}
+_ACCEPTED_HINTS = frozenset({"prompt_cache_key", "safety_identifier"})
+"""OpenAI fields that ask for nothing tandem would do differently: a prompt-cache routing key
+(tandem caches and routes by prefix on every request) and an end-user id (like ``user``)."""
+_UNSUPPORTED_MESSAGE: dict[str, tuple[Any, ...]] = {
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "function_call": (),
+    "audio": (),
+    "refusal": (),
+    "reasoning_content": (),
+}
+_UNSUPPORTED_STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "include_obfuscation": (False,),
+    "continuous_usage_stats": (False,),
+}
+_UNSUPPORTED_TOKENIZE: dict[str, tuple[Any, ...]] = {
+    "add_special_tokens": (),
+    "return_token_strs": (False,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "tools": ([],),
+    "mm_processor_kwargs": ({},),
+}
+
+
+def check_fields(req: _Body) -> None:
+    """400 for a field of ``req`` (a parsed request body) that tandem would otherwise ignore:
+    a documented one it does not support, or an unknown one (see the module docstring)."""
+    if isinstance(req, ChatCompletionRequest):
+        table = _UNSUPPORTED_CHAT
+    elif isinstance(req, CompletionRequest):
+        table = _UNSUPPORTED_COMPLETION
+    else:
+        table = _UNSUPPORTED_TOKENIZE
+    _check_extra(req.model_extra or {}, table, "")
+    if isinstance(req, _GenerationBody) and req.stream_options is not None:
+        extra = req.stream_options.model_extra or {}
+        _check_extra(extra, _UNSUPPORTED_STREAM_OPTIONS, "stream_options.")
+    for i, m in enumerate(getattr(req, "messages", None) or ()):
+        _check_extra(m.model_extra or {}, _UNSUPPORTED_MESSAGE, f"messages.{i}.")
+
+
+def _check_extra(extra: dict[str, Any], unsupported: dict[str, tuple[Any, ...]], where: str):
+    for name, value in extra.items():
+        if name in _ACCEPTED_HINTS and not where:
+            continue
+        if name in unsupported:
+            if value is None or any(_same(value, ok) for ok in unsupported[name]):
+                continue
+            raise bad_request(
+                f"{where}{name} is not supported by this server"
+                + (f" (accepted only as {_shown(unsupported[name])})" if unsupported[name] else ""),
+                param=f"{where}{name}",
+                code="unsupported_parameter",
+            )
+        raise bad_request(
+            f"Unrecognized request argument supplied: {where}{name}",
+            param=f"{where}{name}",
+            code="unrecognized_argument",
+        )
+
+
+def _same(value: Any, ok: Any) -> bool:
+    """JSON equality without Python's ``True == 1`` (``best_of: true`` is not ``1``)."""
+    if isinstance(value, bool) or isinstance(ok, bool):
+        return type(value) is type(ok) and value == ok
+    return value == ok
+
+
+def _shown(values: tuple[Any, ...]) -> str:
+    return " or ".join(["null", *(json.dumps(v) for v in values)])
 
 
 class _GenerationBody(_Body):
@@ -180,11 +319,14 @@ class DetokenizeRequest(_Body):
 
 
 def parse_body(model: type[_Body], body: bytes) -> Any:
-    """Validate a JSON body into ``model``; malformed JSON or any bad field is a 400."""
+    """Validate a JSON body into ``model``; malformed JSON, any bad field and any field tandem
+    would not act on (``check_fields``) is a 400."""
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_url=False)) from None
+    check_fields(req)
+    return req
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:

@@ -139,10 +139,11 @@ class ClusterBackend:
         if not members.routable():
             raise no_live_workers()
         disagg = bool(members.prefill and members.decode)
-        if params.n > 1 and disagg:
-            # A decode worker takes single sequences: the n samples run as n requests (seeds
-            # offset as the engine does for its own children); the first one's prompt blocks
-            # are then a prefix hit for the others.
+        if params.n > 1:
+            # The n samples run as n requests on every topology (seeds offset as the engine
+            # does for its own children): a decode worker takes single sequences, and each
+            # child can then resume after a worker's death or migrate live on its own. The
+            # first one's prompt blocks are a prefix hit for the others.
             def child(i: int):
                 return self.open(
                     f"{request_id}.{i}",

@@ -547,6 +547,119 @@ async def test_invalid_parameters_are_400_naming_the_param(app, backend, path, b
     assert backend.opened == []
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(
+    "path, body, param, code",
+    [
+        # a typo of a real field: OpenAI's answer, never a run to the context length
+        ("/v1/chat/completions", {**CHAT, "max_token": 8}, "max_token", "unrecognized_argument"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "frobnicate": True},
+            "frobnicate",
+            "unrecognized_argument",
+        ),
+        ("/tokenize", {"prompt": "hi", "frobnicate": 1}, "frobnicate", "unrecognized_argument"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream": True, "stream_options": {"include_usag": True}},
+            "stream_options.include_usag",
+            "unrecognized_argument",
+        ),
+        # documented (OpenAI or vLLM) but not implemented here: said so, by name
+        ("/v1/chat/completions", {**CHAT, "store": True}, "store", "unsupported_parameter"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "reasoning_effort": "low"},
+            "reasoning_effort",
+            "unsupported_parameter",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tool_choice": "auto"},
+            "tool_choice",
+            "unsupported_parameter",
+        ),
+        ("/v1/chat/completions", {**CHAT, "best_of": True}, "best_of", "unsupported_parameter"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "use_beam_search": True},
+            "use_beam_search",
+            "unsupported_parameter",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "guided_json": {}},
+            "guided_json",
+            "unsupported_parameter",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]}]},
+            "messages.0.tool_calls",
+            "unsupported_parameter",
+        ),
+    ],
+)
+async def test_unknown_and_unsupported_fields_are_400_naming_the_field(
+    app, backend, path, body, param, code
+):
+    async with http(app) as c:
+        r = await c.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+    assert param.rsplit(".", 1)[-1] in err["message"]
+    if code == "unrecognized_argument":
+        assert err["message"] == f"Unrecognized request argument supplied: {param}"
+    assert backend.opened == []
+
+
+async def test_documented_fields_that_ask_for_nothing_are_accepted(app, backend) -> None:
+    """Off values of unsupported fields, and hints that change nothing here, still serve."""
+    extra = dict(
+        store=False,
+        parallel_tool_calls=True,
+        service_tier="auto",
+        prompt_cache_key="k",
+        safety_identifier="u1",
+        use_beam_search=False,
+        logit_bias={},
+        tool_choice=None,
+        metadata={},
+    )
+    out = await oai(app).chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=3, extra_body=extra
+    )
+    assert out.choices[0].message.content is not None and len(backend.opened) == 1
+
+
+def test_openai_clients_fields_are_all_known() -> None:
+    """Every field the official client can send is declared, listed as unsupported or accepted
+    as a hint: none would be called unrecognized (the client's own types are the list)."""
+    from openai.types import completion_create_params as comp
+    from openai.types.chat import completion_create_params as chat
+
+    from router import protocol
+
+    for kind, params, table in [
+        (
+            protocol.CompletionRequest,
+            comp.CompletionCreateParamsBase,
+            protocol._UNSUPPORTED_COMPLETION,
+        ),
+        (
+            protocol.ChatCompletionRequest,
+            chat.CompletionCreateParamsBase,
+            protocol._UNSUPPORTED_CHAT,
+        ),
+    ]:
+        known = set(kind.model_fields) | set(table) | protocol._ACCEPTED_HINTS
+        assert set(params.__annotations__) - known == set(), kind.__name__
+
+
 async def test_invalid_parameter_through_the_openai_client(app) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         await oai(app).completions.create(model=MODEL, prompt="hi", temperature=-1)

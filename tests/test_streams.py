@@ -99,6 +99,37 @@ def test_a_readers_requests_are_aborted_when_it_goes_away(tiny_worker) -> None:
         w.shutdown()
 
 
+def test_every_sequence_of_n_ends_on_the_stream_when_they_end_in_one_step(tiny_worker) -> None:
+    """n = 3 greedy samples end in the same step: each sequence's last delta reaches the
+    reader (the request was forgotten after the first sequence's end, and the rest dropped:
+    an n > 1 request through the gateway then never finished)."""
+    w = tiny_worker
+
+    async def scenario():
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=3)
+        stream = w.outputs("router-n")
+        await w.generate("n3", [1, 2, 3], params, "router-n")
+        tokens: dict[int, list[int]] = {}
+        ended: set[int] = set()
+        deadline = time.monotonic() + 30  # heartbeats keep coming: bound the whole wait
+        while len(ended) < 3:
+            assert time.monotonic() < deadline, f"sequences {sorted(ended)} of 0-2 ended"
+            batch = await asyncio.wait_for(stream.__anext__(), 30)
+            for d in batch.deltas:
+                tokens.setdefault(d.index, []).extend(d.token_ids)
+                if d.finish_reason is not None:
+                    ended.add(d.index)
+        await stream.aclose()
+        return tokens
+
+    try:
+        tokens = asyncio.run(scenario())
+    finally:
+        w.shutdown()
+    assert sorted(tokens) == [0, 1, 2]
+    assert all(len(t) == 4 for t in tokens.values()) and tokens[0] == tokens[1] == tokens[2]
+
+
 def test_sse_frames_stay_one_line_under_any_line_splitter() -> None:
     """Token text may decode to U+2028, U+0085 or U+001C..1E: JSON leaves them raw, and
     splitlines()-based readers (httpx's iter_lines) would cut the frame there."""
