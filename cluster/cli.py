@@ -30,10 +30,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def version() -> str:
+    """The installed distribution's version (the source tree's when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("tandem")
+    except PackageNotFoundError:
+        return "0.1.0+source"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it says it already or has none to
+    show (None, an off switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, [], argparse.SUPPRESS)
+            and "default" not in text
+            and not isinstance(action, argparse._VersionAction)
+        ):
+            text = f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+        return text
+
+
+def _with_formatter(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``HelpFormatter`` for ``parser`` and every subcommand's parser under it."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _with_formatter(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="Disaggregated, multi-replica LLM serving."
     )
+    parser.add_argument("--version", action="version", version=f"tandem {version()}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_model(subparsers)
     _add_generate(subparsers)
@@ -49,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rebalance(subparsers)
     _add_policy(subparsers)
     _add_events(subparsers)
-    return parser
+    return _with_formatter(parser)
 
 
 # ----------------------------------------------------------------------------- tandem model
@@ -99,11 +138,13 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument("--model", default="smollm2", help="alias or local HF folder")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     gen.set_defaults(handler=_cmd_generate)
 
 
@@ -157,7 +198,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_stop(subparsers: argparse._SubParsersAction) -> None:
     stop = subparsers.add_parser("stop", help="stop a `tandem serve --detach`")
-    stop.add_argument("--port", type=int, default=8000)
+    stop.add_argument("--port", type=int, default=8000, help="the --port it was started with")
     stop.add_argument(
         "--timeout",
         type=float,
@@ -184,7 +225,7 @@ def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
     )
     gw.add_argument("--ray-address", default="auto", help="the Ray cluster `tandem serve` printed")
     gw.add_argument("--redis-url", default=None, help="the prefix index the workers publish to")
-    gw.add_argument("--namespace", default="tandem")
+    gw.add_argument("--namespace", default="tandem", help="the Ray namespace of the cluster")
     gw.add_argument("--cluster-id", default=None, help="which cluster (when several run)")
     gw.add_argument("--model", default="smollm2", help="the model id clients send")
     add_gateway_args(gw)
@@ -245,7 +286,9 @@ def _operator_handler(command: str):
 
 
 def _output_arg(p: argparse.ArgumentParser, choices=("text", "json")) -> None:
-    p.add_argument("-o", "--output", default=choices[0], choices=list(choices))
+    p.add_argument(
+        "-o", "--output", default=choices[0], choices=list(choices), help="how to print it"
+    )
 
 
 def _add_status(subparsers: argparse._SubParsersAction) -> None:
@@ -264,16 +307,24 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
         "scale",
         help="add or remove workers of one role (removal drains first)",
         description="Start new workers (on nodes with the role's resource) until ROLE has N, "
-        "or drain and stop the least loaded ones. Refused below 1 worker per role or below the "
-        "running load unless --force.",
+        "or drain and stop the least loaded ones. Refused (exit 5) unless --force: below 1 "
+        "worker of a role the cluster was started with, below the running load, a new prefill "
+        "or decode pool without the other (no router would send it a request), and a role the "
+        "cluster was not started with.",
     )
-    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
-    p.add_argument("--replicas", required=True, type=int, metavar="N")
+    p.add_argument(
+        "--role", required=True, choices=["prefill", "decode", "colocated"], help="the pool"
+    )
+    p.add_argument(
+        "--replicas", required=True, type=int, metavar="N", help="workers the pool should have"
+    )
     p.add_argument("--wait", action="store_true", help="return once it is done")
     p.add_argument(
         "--force",
         action="store_true",
-        help="go below 1 worker or the running load; stop a worker its drain could not empty",
+        help="go below 1 worker or the running load; start a pool the topology cannot route "
+        "yet or of a role the cluster was not started with; stop a worker its drain could not "
+        "empty",
     )
     p.add_argument(
         "--drain-deadline",
@@ -295,7 +346,7 @@ def _add_drain(subparsers: argparse._SubParsersAction) -> None:
         "deadline, or its move failed); the worker stays DRAINING until `tandem undrain`.",
     )
     p.add_argument("worker", metavar="WORKER")
-    p.add_argument("--deadline", type=float, default=60.0, metavar="S", help="(default: 60)")
+    p.add_argument("--deadline", type=float, default=60.0, metavar="S", help="seconds to empty it")
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("drain"))
 
@@ -317,8 +368,8 @@ def _add_switch(subparsers: argparse._SubParsersAction) -> None:
         "leaves requests.",
     )
     p.add_argument("worker", metavar="WORKER")
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
-    p.add_argument("--deadline", type=float, default=60.0, metavar="S", help="(default: 60)")
+    p.add_argument("--role", required=True, choices=["prefill", "decode"], help="its new role")
+    p.add_argument("--deadline", type=float, default=60.0, metavar="S", help="seconds to drain it")
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("switch"))
 
@@ -335,8 +386,10 @@ def _add_migrate(subparsers: argparse._SubParsersAction) -> None:
     what.add_argument(
         "--from", dest="from_worker", default=None, metavar="WORKER", help="a worker's requests"
     )
-    p.add_argument("--count", type=int, default=1, help="with --from: how many (default: 1)")
-    p.add_argument("--to", default=None, metavar="WORKER", help="(default: the least loaded)")
+    p.add_argument("--count", type=int, default=1, help="with --from: how many")
+    p.add_argument(
+        "--to", default=None, metavar="WORKER", help="the destination (default: the least loaded)"
+    )
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("migrate"))
 
@@ -358,36 +411,125 @@ def _add_policy(subparsers: argparse._SubParsersAction) -> None:
         "policy",
         help="show or change the controller's settings (rebalancer, health checks, autoscaler)",
     )
-    p.add_argument("--rebalance-mode", default=None, choices=["off", "on", "dry-run"])
-    p.add_argument("--rebalance-high", type=float, default=None, metavar="USE")
-    p.add_argument("--rebalance-low", type=float, default=None, metavar="USE")
-    p.add_argument("--rebalance-interval-s", type=float, default=None, metavar="S")
-    p.add_argument("--rebalance-max-moves", type=int, default=None, metavar="N")
-    p.add_argument("--health-interval-s", type=float, default=None, metavar="S")
-    p.add_argument("--health-timeout-s", type=float, default=None, metavar="S")
-    p.add_argument("--health-suspect-after", type=int, default=None, metavar="N")
-    p.add_argument("--health-hang-after-s", type=float, default=None, metavar="S")
-    p.add_argument("--health-dead-after-s", type=float, default=None, metavar="S")
+    p.description = (
+        "Without flags: the settings in force. Each flag changes one setting and leaves the "
+        "others as they are."
+    )
+    p.add_argument(
+        "--rebalance-mode",
+        default=None,
+        choices=["off", "on", "dry-run"],
+        help="the rebalancer's loop (dry-run: log the moves it would make)",
+    )
+    p.add_argument(
+        "--rebalance-high",
+        type=float,
+        default=None,
+        metavar="USE",
+        help="KV use (0-1) above which a decode worker's requests move away",
+    )
+    p.add_argument(
+        "--rebalance-low",
+        type=float,
+        default=None,
+        metavar="USE",
+        help="KV use (0-1) below which a decode worker may receive them",
+    )
+    p.add_argument(
+        "--rebalance-interval-s", type=float, default=None, metavar="S", help="between rounds"
+    )
+    p.add_argument(
+        "--rebalance-max-moves", type=int, default=None, metavar="N", help="moves per round"
+    )
+    p.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds between the controller's health checks of every worker",
+    )
+    p.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a health check may take before it counts as missed",
+    )
+    p.add_argument(
+        "--health-suspect-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="missed checks in a row that make a worker suspect (routed nothing new)",
+    )
+    p.add_argument(
+        "--health-hang-after-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="an engine step running this long makes its worker suspect",
+    )
+    p.add_argument(
+        "--health-dead-after-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds suspect before a worker is killed and its requests resume elsewhere",
+    )
     p.add_argument("--autoscale", default=None, choices=["on", "off"], help="the autoscaler")
-    p.add_argument("--autoscale-interval-s", type=float, default=None, metavar="S")
+    p.add_argument(
+        "--autoscale-interval-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds between the autoscaler's looks at the pools",
+    )
     p.add_argument(
         "--pool",
         default=None,
         choices=["prefill", "decode", "colocated"],
         help="the pool whose autoscaling the next flags change",
     )
-    p.add_argument("--min-replicas", type=int, default=None, metavar="N")
-    p.add_argument("--max-replicas", type=int, default=None, metavar="N")
+    p.add_argument(
+        "--min-replicas", type=int, default=None, metavar="N", help="the pool never shrinks below"
+    )
+    p.add_argument(
+        "--max-replicas", type=int, default=None, metavar="N", help="the pool never grows above"
+    )
     p.add_argument("--high", type=float, default=None, help="pressure that grows the pool")
     p.add_argument("--low", type=float, default=None, help="pressure (a worker fewer) shrinking it")
-    p.add_argument("--up-after-s", type=float, default=None, metavar="S")
-    p.add_argument("--down-after-s", type=float, default=None, metavar="S")
-    p.add_argument("--cooldown-s", type=float, default=None, metavar="S")
+    p.add_argument(
+        "--up-after-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds the pressure must stay over --high before the pool grows",
+    )
+    p.add_argument(
+        "--down-after-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds it must stay under --low before the pool shrinks",
+    )
+    p.add_argument(
+        "--cooldown-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds after a scale before the next decision",
+    )
     p.add_argument("--step", type=int, default=None, metavar="N", help="workers per scale-out")
     p.add_argument(
         "--slo-s", type=float, default=None, metavar="S", help="TTFT / ITL p90 target (0: none)"
     )
-    p.add_argument("--queue-tokens", type=float, default=None, metavar="TOKENS")
+    p.add_argument(
+        "--queue-tokens",
+        type=float,
+        default=None,
+        metavar="TOKENS",
+        help="prefill: queued prompt tokens per worker that count as pressure 1",
+    )
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("policy"))
 

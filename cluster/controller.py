@@ -20,10 +20,12 @@ Live migration is orchestrated here too (cluster/migrations.py): the admin ``mig
 
 Scaling (``scale(role, replicas)``), the operator's way in::
 
-    out   _spawn each new worker (on a node with the role's resource when the cluster has
-          them): STARTING, routers send it nothing -> ready() answers -> ACTIVE, published
+    out   refused unless forced for a new pool no router would use (prefill without decode,
+          or the other way round) or of a role the cluster was not started with; _spawn each
+          new worker (on a node with the role's resource when the cluster has them):
+          STARTING, routers send it nothing -> ready() answers -> ACTIVE, published
     in    pick the least loaded (refused below 1 worker or below the running load unless
-          forced) -> drain (decode: migrate away; prefill, colocated: wait until idle)
+          forced; a pool the cluster was not started with may go back to 0) -> drain (decode: migrate away; prefill, colocated: wait until idle)
           -> shutdown() + kill -> out of the table and of the prefix index, published
 
 Every state change, scale decision and migration is an event in a bounded log with sequence
@@ -113,8 +115,9 @@ DRAIN_DEADLINE_S = 60.0
 
 class Refused(ValueError):
     """The operator asked for something the controller will not do as things are (scaling
-    below one worker or below the running load without ``force``; a second scale of a role
-    while one runs). The message says why and what would make it go through."""
+    below one worker or below the running load without ``force``; a new pool that no router
+    would route to, or of a role the cluster was not started with, without ``force``; a second
+    scale of a role while one runs). The message says why and what would make it go through."""
 
 
 class _EventedMigrator(Migrator):
@@ -659,6 +662,8 @@ class Controller:
         try:
             pool = self._pool(role)
             plan = {"role": role, "previous_replicas": len(pool), "replicas": replicas}
+            if replicas > len(pool) and not pool and not force:
+                self._check_routable(role, replicas)
             if replicas > len(pool):
                 added = [self._spawn(role) for _ in range(replicas - len(pool))]
                 self._publish()
@@ -699,6 +704,35 @@ class Controller:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def _check_routable(self, role: str, replicas: int) -> None:
+        """Refused: a new pool of ``role`` that no router would send a request to. A prefill
+        worker without a decode worker (or the other way round) gets none: routers place a
+        request on a pair, else on a colocated worker. A role the cluster was not started
+        with changes its topology: that takes ``force``."""
+        pair = {"prefill": "decode", "decode": "prefill"}.get(role)
+        started = ", ".join(f"{r} {len(self._pool(r))}" for r in ROLES if r in self._roles)
+        if role not in self._roles:
+            instead = (
+                f"`tandem scale --role colocated --replicas {len(self._pool('colocated')) + 1}`"
+                if "colocated" in self._roles
+                else f"`tandem scale --role {sorted(self._roles)[0]} --replicas N`"
+                if self._roles
+                else "a role the cluster runs"
+            )
+            unpaired = pair is not None and not self._pool(pair)
+            raise Refused(
+                f"this cluster was started without {role} workers (its pools: {started or 'none'})"
+                f"{f'; {role} workers get no request without a {pair} worker' if unpaired else ''}"
+                f". To serve more, scale a pool it runs: {instead}. To change its topology, "
+                f"pass --force" + (f" and scale --role {pair} as well" if unpaired else "")
+            )
+        if pair is not None and not self._pool(pair):
+            raise Refused(
+                f"{replicas} {role} worker(s) would get no request: this cluster has no "
+                f"{pair} worker, and routers place a request on a prefill and a decode worker "
+                f"together. Run `tandem scale --role {pair} --replicas 1` first, or pass --force"
+            )
 
     def _refuse(self, role: str, replicas: int, reason: str, why: str) -> Refused:
         """A refused scale: logged as an event, returned to be raised."""
@@ -793,7 +827,8 @@ class Controller:
         """The ``len(pool) - replicas`` workers to remove: draining ones first, then suspect
         ones, then the least loaded (the newest among equals). Refused, unless ``force``,
         when fewer than one would be left or the rest cannot hold what runs now."""
-        if replicas < 1 and not force:
+        if replicas < 1 and not force and role in self._roles:
+            # (a pool the cluster was not started with may go back to 0)
             raise Refused(
                 f"scaling {role} to 0 leaves no {role} worker: at least 1 stays (--force to "
                 "remove every one)"

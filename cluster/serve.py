@@ -67,7 +67,7 @@ logger = logging.getLogger("tandem.serve")
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="the OpenAI API's port")
     p.add_argument(
         "--api-key",
         action="append",
@@ -144,7 +144,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="refuse (429 + Retry-After) a request whose projected wait for a slot exceeds "
         "this many seconds (default: 0, off)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413"
+    )
     p.add_argument(
         "--max-resumes",
         type=int,
@@ -190,7 +192,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="request headers larger than this get 431 (default: 16384)",
     )
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--log-level", default="warning", help="debug, info, warning or error (tandem's loggers)"
+    )
     p.add_argument(
         "--loop",
         default="auto",
@@ -255,7 +259,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "`tandem stop` stops it",
     )
     p.add_argument("--model", default="smollm2", help="alias or local HF folder (default: smollm2)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda when torch sees a GPU, else cpu",
+    )
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--prefill", type=int, default=None, help="prefill workers")
     p.add_argument("--decode", type=int, default=None, help="decode workers")

@@ -118,7 +118,11 @@ class MembershipView:
         if name in self._forgotten:
             return
         self._forgotten.add(name)
-        logger.warning("worker %s is dead, no longer routed to: %s", name, why)
+        w = self._workers.get(name)
+        if w is not None and w.state == WorkerState.DRAINING:  # scaled in: stopped after its drain
+            logger.info("worker %s (draining) has stopped, no longer routed to", name)
+        else:
+            logger.warning("worker %s is dead, no longer routed to: %s", name, why)
         if self.controller is not None:
             with contextlib.suppress(Exception):
                 self.controller.report_dead.remote(name, why)

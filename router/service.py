@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.block_manager import prefix_block_hashes
-from engine.messages import control
+from engine.messages import WorkerState, control
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
@@ -413,7 +413,9 @@ class ClusterBackend:
             except Exception as exc:  # noqa: BLE001 - reported per worker below
                 return exc
 
-        workers = list(self.members.workers)
+        # a worker still loading its model answers nothing until it is up: it is STARTING in
+        # the table (routed nothing), not a silent one to suspect
+        workers = [w for w in self.members.workers if w.state != WorkerState.STARTING]
         results = await asyncio.gather(
             *(call(m) for w in workers for m in (w.handle.health, w.handle.stats))
         )

@@ -287,3 +287,30 @@ def test_a_short_pool_takes_a_flex_worker_the_other_pool_can_spare() -> None:
         assert switched == [] and [c[:2] for c in calls] == [("decode", 2), ("prefill", 1)]
 
     run(go())
+
+
+def test_scale_refuses_a_pool_no_router_would_send_requests_to() -> None:
+    """The controller's own checks (the real ``scale``, nothing spawned: each is refused
+    before that): a decode pool without a prefill worker, a pool of a role the cluster was
+    not started with; both logged as refused scale events naming what to run instead."""
+
+    async def go():
+        c = Controller(WorkerSpec(model_dir="m", cluster_id="t"))
+        c._workers["colocated-0"] = WorkerInfo(
+            "colocated-0", "colocated", Worker(), WorkerState.ACTIVE
+        )
+        c._roles.add("colocated")
+        with pytest.raises(Refused, match="started without decode workers") as e:
+            await c.scale("decode", 2)
+        assert "tandem scale --role colocated --replicas 2" in str(e.value)
+        assert "without a prefill worker" in str(e.value)
+        # a disaggregated cluster whose prefill pool went to 0 (forced): decode alone is refused
+        c._roles = {"prefill", "decode"}
+        del c._workers["colocated-0"]
+        with pytest.raises(Refused, match="no prefill worker") as e:
+            await c.scale("decode", 1)
+        assert "tandem scale --role prefill --replicas 1" in str(e.value)
+        assert [x["phase"] for x in events(c, "scale")] == ["refused", "refused"]
+        assert c._workers == {} and c._scaling == {}
+
+    run(go())

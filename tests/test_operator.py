@@ -225,6 +225,24 @@ def test_scale_in_below_one_worker_is_refused(operator, capsys):
     assert "prefill: 1 -> 1" in capsys.readouterr().out
 
 
+def test_scale_refuses_a_pool_the_topology_cannot_route(cluster, operator, capsys):
+    """This cluster runs prefill + decode: a colocated pool is a change of topology (exit 5,
+    saying what to run instead) unless forced; a pool started at 0 may go back to 0."""
+    assert cli(operator, "scale", "--role", "colocated", "--replicas", "1", "--wait") == 5
+    err = capsys.readouterr().err
+    assert "started without colocated workers" in err and "--force" in err
+    assert cli(operator, "status", "-o", "json") == 0
+    assert "colocated-" not in capsys.readouterr().out  # nothing was started
+    assert (
+        cli(operator, "scale", "--role", "colocated", "--replicas", "1", "--wait", "--force") == 0
+    )
+    assert "colocated: 0 -> 1" in capsys.readouterr().out
+    assert cli(operator, "scale", "--role", "colocated", "--replicas", "0", "--wait") == 0
+    assert "colocated: 1 -> 0" in capsys.readouterr().out
+    cluster.refresh()
+    assert cluster.colocated == [] and len(cluster.decode) == 1 and len(cluster.prefill) == 1
+
+
 # -- drain -------------------------------------------------------------------------------------
 
 

@@ -190,6 +190,57 @@ def test_a_hung_worker_misses_polls_without_blinding_the_router(tmp_path) -> Non
     asyncio.run(scenario())
 
 
+def test_a_loading_worker_is_starting_not_suspect(tmp_path, caplog) -> None:
+    """A worker the controller has just started answers nothing while it loads its model: the
+    router does not poll it (no missed polls, no "suspect" warning, no report to the
+    controller) and shows it as starting; once the table says ACTIVE it is polled and routed.
+    A draining worker that stops (scaled in) is logged as stopped, not as dead."""
+    import logging
+    from dataclasses import replace
+
+    from router.service import ClusterBackend
+
+    members = table(tmp_path)
+    loading = WorkerInfo("decode-1", "decode", Handle("decode-1"), WorkerState.STARTING)
+    loading.handle.hung = True
+    members = replace(members, workers=[*members.workers, loading])
+    view = MembershipView(members)
+    backend = ClusterBackend(view, tokenizer=object(), stats_timeout_s=0.05)
+
+    async def scenario():
+        with caplog.at_level(logging.INFO, logger="router.membership"):
+            for _ in range(4):
+                assert await backend._poll() == []
+            assert not backend.missed_polls
+            assert backend.router_stats().worker_states["decode-1"] == "starting"
+            assert "suspect" not in caplog.text
+            loading.handle.hung = False  # up: the controller publishes it ACTIVE
+            view.apply(
+                replace(
+                    members,
+                    version=2,
+                    workers=[*members.workers[:-1], replace(loading, state=WorkerState.ACTIVE)],
+                )
+            )
+            assert await backend._poll() == []
+            assert "decode-1" in backend._polled and len(view.decode) == 2
+            # scaled in: DRAINING, then its actor stops before this router sees the new table
+            view.apply(
+                replace(
+                    members,
+                    version=3,
+                    workers=[*members.workers[:-1], replace(loading, state=WorkerState.DRAINING)],
+                )
+            )
+            loading.handle.dead = True
+            assert await backend._poll() == ["decode-1"]
+        assert "decode-1 (draining) has stopped" in caplog.text
+        assert "is dead" not in caplog.text
+        await backend.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_long_step_is_not_a_miss_but_a_hung_engine_thread_is(tmp_path) -> None:
     """Stats wait for the engine thread; liveness does not: a step longer than the stats
     deadline keeps the worker's last view without counting against it, a step older than
