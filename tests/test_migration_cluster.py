@@ -233,6 +233,37 @@ def test_drain_under_load_aborts_nothing(cluster, tok, model):
     assert_idle(cluster)
 
 
+def test_n_samples_through_the_router_migrate_one_by_one(cluster, tok, model):
+    """n = 2 through the router's backend: the samples run as two requests (``RID.0``,
+    ``RID.1``), so one moves live to the other worker while both stream; both choices are
+    still transformers' greedy tokens and the request finishes once."""
+    from router.service import ClusterBackend
+
+    prompt = tok("Tell me about the tides and the moon:")["input_ids"]
+    expected = hf_greedy_ids(model, prompt, 120)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, n=2)
+
+    async def main():
+        backend = ClusterBackend(cluster.members, tokenizer=cluster.tokenizer)
+        gen = await backend.open("fan", prompt, params)
+        moved, last = None, None
+        try:
+            async for out in gen.outputs():
+                last = out
+                if moved is None and len(out.outputs[0].token_ids) >= 20:  # to the other one
+                    moved = asyncio.ensure_future(migrate(cluster, "fan.0", None))
+            return last, await moved
+        finally:
+            await gen.aclose()
+            await backend.aclose()
+
+    last, result = asyncio.run(main())
+    assert result.outcome == "migrated", result
+    assert last.finished and [list(o.token_ids) for o in last.outputs] == [expected] * 2
+    assert [o.finish_reason for o in last.outputs] == ["length", "length"]
+    assert_idle(cluster)
+
+
 def test_source_killed_mid_migration_resumes_and_destination_frees(cluster, tok, model):
     """Source A is SIGKILLed while its migration copies (B holds a reservation): B frees its
     blocks when the channel drops, and the router resumes the request from its own snapshot."""

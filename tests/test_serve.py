@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import CliProcess
+from openai_checks import check_n_samples
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -215,6 +216,10 @@ def test_stop_n_and_completion_logprobs(client) -> None:
     )
     assert sorted(c.index for c in two.choices) == [0, 1]
     assert two.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in two.choices)
+
+
+def test_n_samples_streamed_and_not(client) -> None:
+    check_n_samples(client, MODEL)  # disaggregated: the n samples are n requests
 
 
 def test_errors_are_openai_json(server, client) -> None:

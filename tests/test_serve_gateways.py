@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import CliProcess
+from openai_checks import check_n_samples
 
 from cluster.gateways import (
     GatewayGroup,
@@ -411,6 +412,19 @@ def test_each_port_answers_with_the_same_text_and_counts_its_own(servers):
     # the child has the API key (through its channel): without it, 401
     r = httpx.post(f"http://127.0.0.1:{b}/v1/completions", json=BODY, timeout=30)
     assert r.status_code == 401
+
+
+@pytest.mark.slow
+def test_n_samples_through_both_gateway_processes(servers):
+    """A colocated cluster: n = 2 and 3 through the parent gateway and the child's."""
+    import openai
+
+    split = servers["split"]
+    for port in (split.port, split.port + 1):
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120
+        )
+        check_n_samples(client, MODEL)
 
 
 def _owners(port: int, client_ports: set[int], pids: list[int]) -> dict[int, int]:
