@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -50,6 +51,14 @@ __all__ = [
 ]
 
 CONTROLLER = "controller"
+# Prefill and decode workers on CUDA move KV over NCCL through cupy, which no default install
+# brings: say so before any worker starts (a worker would fail on its import, deep in Ray).
+NO_CUPY = (
+    "prefill/decode workers on CUDA stream KV over NCCL, which needs cupy, not installed here: "
+    'pip install -e ".[gpu]" (torch built for CUDA 13) or ".[gpu-cu12]" (CUDA 12; '
+    "torch.version.cuda says which); or serve colocated workers (tandem serve --colocated N), "
+    "or use transport='tcp' (python -m cluster.local --transport tcp)"
+)
 SCALE_HEADROOM = 8  # workers a new local Ray has room for beyond those it starts with
 # Secrets `tandem serve` takes from the environment: never copied into a Ray runtime_env.
 SECRET_ENV = frozenset(
@@ -171,6 +180,13 @@ class ClusterConfig:
             self.transport = "nccl" if self.device == "cuda" else "tcp"
         if self.transport not in ("tcp", "nccl"):
             raise ValueError(f"transport must be tcp, nccl or auto, got {self.transport!r}")
+        if (
+            self.transport == "nccl"
+            and self.num_prefill + self.num_decode > 0
+            and self.ray_address is None  # a joined cluster's nodes have their own Python
+            and importlib.util.find_spec("cupy") is None
+        ):
+            raise ValueError(NO_CUPY)
         if self.role_resources not in ("auto", "on", "off"):
             raise ValueError(f"role_resources must be auto, on or off, got {self.role_resources!r}")
         try:
