@@ -74,7 +74,8 @@ class AttentionMetadata:
 class AttentionBackend(abc.ABC):
     """Contract: ``build`` turns a step's chunks (decode chunks first) into metadata once per
     step; ``forward`` is called once per layer with that step's q, k, v and writes k, v into the
-    layer's cache before reading it. Output is ``[num_tokens, num_heads * head_dim]``."""
+    layer's cache before reading it. Output is ``[num_tokens, num_heads * head_dim]``, written
+    into ``out`` when given (a static buffer of the piecewise CUDA graphs)."""
 
     name: str
 
@@ -93,6 +94,7 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -147,11 +149,12 @@ class TorchAttentionBackend(AttentionBackend):
             o = _decode_attention(q[rows], k_cache, v_cache, g, meta.block_size, scale)
             out[rows] = o.reshape(g.num_rows, -1)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_heads, head_dim = q.shape[1], q.shape[2]
-        out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             self._decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale, out)
         for row, n, ctx, start in meta.prefills:
@@ -257,10 +260,13 @@ class TritonAttentionBackend(AttentionBackend):
             **fields,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
         self._write(k, v, k_cache, v_cache, meta.slot_mapping)
         t, num_heads, head_dim = q.shape
-        out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        else:
+            out = out.view(t, num_heads, head_dim)
         nd = meta.num_decodes
         if nd:
             self._decode_kernel(

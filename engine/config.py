@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
+# Largest piecewise graph bucket allowed: each bucket is L + 1 graphs and a working set that grows
+# with its tokens; past this a step is GPU-bound and graphs win nothing.
+PIECEWISE_MAX_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,17 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
+    cuda_graph_max_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "CUDA: largest step (tokens) whose dense layers replay from piecewise CUDA "
+            "graphs, attention launched between them (steps carrying prefill chunks, and decode "
+            "batches above cuda_graph_max_batch); capped at max_num_batched_tokens; bigger steps "
+            "run eagerly; 0 turns piecewise graphs off",
+            "min": 0,
+            "max": PIECEWISE_MAX_TOKENS,
+        },
+    )
     sm_carveout: int = 0  # CUDA: SMs cuBLAS matmuls leave free (for the KV stream's NCCL kernels)
     # Build text and check stop strings in the engine (offline). Workers turn it off: the router
     # detokenizes their token-id streams in its own process, off the engine thread (as vLLM's
@@ -178,6 +192,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if not 0 <= self.cuda_graph_max_tokens <= PIECEWISE_MAX_TOKENS:
+            raise ValueError(
+                f"cuda_graph_max_tokens must be in [0, {PIECEWISE_MAX_TOKENS}] (0: no piecewise "
+                f"graphs), got {self.cuda_graph_max_tokens}"
+            )
         if self.sm_carveout < 0:
             raise ValueError(f"sm_carveout must be >= 0, got {self.sm_carveout}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

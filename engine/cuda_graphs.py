@@ -1,4 +1,5 @@
-"""CUDA graphs of decode steps, one per batch-size bucket.
+"""CUDA graphs: whole decode steps per batch-size bucket, and prefill / mixed steps in pieces
+per token-count bucket.
 
 A decode step of a Llama-8B is ~500 kernel launches; launched one by one from Python they cost
 more than the GPU time of a small batch. Each bucket's whole step (embedding, every layer, final
@@ -13,16 +14,39 @@ A step of ``n`` decodes replays the smallest bucket ``b >= n``; rows ``n..b`` ar
 pinned mirrors and queues non-blocking copies, so nothing in a step waits on the GPU until the
 sampler reads the tokens back. The pinned mirrors are reused every step: safe because each
 step ends in that read-back, after which the previous step's copies have completed.
+
+A step that carries a prefill chunk has metadata of a shape no graph can fix (chunks, their
+lengths, the extend kernel's grid), so ``PiecewiseGraphs`` graphs everything but attention: per
+token-count bucket ``T``, the forward is cut at each layer's attention into ``L + 1`` pieces
+(``LlamaForCausalLM.first_piece`` / ``middle_piece`` / ``last_piece``), each one graph, and
+attention runs eagerly between them on the step's real rows only::
+
+    ids, positions ─► [embed, rotary state, layer 0 to q/k/v] ─► q k v ─► attention 0 (eager,
+    writes KV, n real rows) ─► o ─► [layer 0 o_proj..MLP, layer 1 to q/k/v] ─► q k v ─► ...
+    ─► attention L-1 ─► o ─► [layer L-1 o_proj..MLP, + residual] ─► hidden [T, hidden]
+
+Rows ``n..T`` are padding: never written to the KV cache, never attended, and the dense pieces
+are row-independent, so they cannot change a real row. The step's own logits are taken
+eagerly from the sampled rows, as on the eager path.
+
+Every graph of both kinds shares one memory pool. A graph's outputs are held *borrowed* (a view
+that does not keep the memory allocated), so later captures reuse that memory: the pool holds
+about one bucket's working set, not one per piece and bucket. That is sound because graphs of a
+pool replay one at a time, on one stream, and each output is read before the next replay
+(the q/k/v of piece i by attention i, the hidden states and logits by the step's own sampling).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionMetadata, ChunkSpec
+from engine.models.llama import StepContext
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +60,61 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def piecewise_sizes(max_tokens: int) -> list[int]:
+    """16, 32, every multiple of 64 up to 1024, then 8 buckets per doubling (1152, 1280, ...,
+    2048, 2304, ...), up to ``max_tokens`` (always a bucket). Padding wastes at most 1/9 of a
+    bucket above 512 rows; below that the dense layers are bound by reading the weights, so
+    padded rows cost little."""
+    sizes, n = [16, 32], 64
+    while n < max_tokens:
+        sizes.append(n)
+        n += max(64, 1 << (n.bit_length() - 4))
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+@dataclass
+class GraphPool:
+    """The memory pool and capture stream every graph of one runner shares."""
+
+    handle: tuple = field(default_factory=torch.cuda.graph_pool_handle)
+    stream: torch.cuda.Stream = field(default_factory=torch.cuda.Stream)
+
+
+def borrowed(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s memory that does not keep that memory allocated (what vLLM calls a weak
+    reference tensor; torch's own graph trees rebuild their outputs the same way). Valid while
+    the graph that wrote it is the last one of its pool to have replayed."""
+    storage = t.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
+    view = torch.empty(0, dtype=t.dtype, device=t.device)
+    return view.set_(weak, t.storage_offset(), t.size(), t.stride())
+
+
+def device_memory_in_use(device: torch.device) -> int:
+    """Bytes in use on the device: live tensors, graph pools and graphs' own memory (the
+    default pool's cached free blocks, e.g. left by warm-ups, are released first)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 class DecodeGraphs:
-    def __init__(self, model, backend, kv_caches, block_size: int, max_model_len: int, max_batch):
+    def __init__(
+        self,
+        model,
+        backend,
+        kv_caches,
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        pool: GraphPool | None = None,
+    ):
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.block_size = block_size
+        self.pool = pool or GraphPool()
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         width = -(-max_model_len // block_size)
@@ -77,23 +152,28 @@ class DecodeGraphs:
     def capture(self, sizes: list[int] | None = None) -> None:
         """Capture every bucket (or only ``sizes``, e.g. to re-capture after a layer swap)."""
         t0 = time.perf_counter()
+        device = self.kv_caches[0].device
+        used = device_memory_in_use(device)
         self._slots[2].fill_(-1)  # warm-up and capture write no KV
         self._lens[2].fill_(1)
-        pool = torch.cuda.graph_pool_handle()
         # Largest first: the smaller graphs reuse its pool memory.
         for b in sorted(sizes or self.sizes, reverse=True):
             self._forward(b)  # compiles the kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(b)
+            with torch.cuda.graph(graph, pool=self.pool.handle, stream=self.pool.stream):
+                logits = self._forward(b)
+            self._logits[b] = borrowed(logits)  # the sampler reads it before any other replay
             self._graphs[b] = graph
-        torch.cuda.synchronize()
+            del logits
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = device_memory_in_use(device) - used
         logger.info(
-            "captured %d decode graphs (batch 1..%d) in %.1f s",
-            len(self.sizes),
+            "captured %d decode graphs (batch 1..%d) in %.1f s, %.0f MiB",
+            len(sizes or self.sizes),
             self.max_batch,
-            time.perf_counter() - t0,
+            self.capture_s,
+            self.memory_bytes / 2**20,
         )
 
     def fits(self, chunks: list[ChunkSpec]) -> bool:
@@ -121,3 +201,151 @@ class DecodeGraphs:
         self._tables[2][:b].copy_(self._tables[0][:b], non_blocking=True)
         self._graphs[b].replay()
         return self._logits[b][:n]
+
+
+@dataclass
+class _Bucket:
+    """One token-count bucket's pieces: graph ``i`` ends at layer ``i``'s q, k, v (``qkv[i]``)
+    and residual stream (``residual[i]``); the last one ends at the hidden states."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    residual: list[torch.Tensor] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+
+
+class PiecewiseGraphs:
+    """Steps of up to ``max_tokens`` tokens (any mix of prefill chunks and decodes) with the
+    dense layers replayed from per-bucket graphs and attention launched eagerly between them
+    (module docstring)."""
+
+    def __init__(self, model, backend, kv_caches, max_tokens: int, pool: GraphPool | None = None):
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.pool = pool or GraphPool()
+        self.sizes = piecewise_sizes(max_tokens)
+        self.max_tokens = self.sizes[-1]
+        device = kv_caches[0].device
+        cfg = model.cfg
+        t = self.max_tokens
+
+        def buffers():
+            host = torch.zeros(t, dtype=torch.int64, pin_memory=True)
+            return host, host.numpy(), torch.zeros(t, dtype=torch.int64, device=device)
+
+        self._ids, self._positions = buffers(), buffers()
+        self._copied = torch.cuda.Event()  # the last step's input copies have left the mirrors
+        dtype = model.embed_tokens.weight.dtype
+        self._o = torch.zeros(t, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        self._buckets: dict[int, _Bucket] = {}
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        device = self.kv_caches[0].device
+        used = device_memory_in_use(device)
+        for t in sorted(self.sizes, reverse=True):  # largest first, as the decode graphs
+            self._warm_up(t)
+            self._buckets[t] = self._capture_bucket(t)
+        self.capture_s = time.perf_counter() - t0
+        self.memory_bytes = device_memory_in_use(device) - used
+        num = sum(len(b.graphs) for b in self._buckets.values())
+        logger.info(
+            "captured %d piecewise graphs (%d token buckets 16..%d, %d pieces each) in %.1f s, "
+            "%.0f MiB",
+            num,
+            len(self.sizes),
+            self.max_tokens,
+            len(self.model.layers) + 1,
+            self.capture_s,
+            self.memory_bytes / 2**20,
+        )
+
+    def _warm_up(self, t: int) -> None:
+        """Each kind of piece once at this size, outside capture: Triton compiles and cuBLAS
+        sets up here, not in a graph."""
+        model, o = self.model, self._o[:t]
+        step = StepContext(model.ops, None, None, None)
+        *_, residual = model.first_piece(step, self._ids[2][:t], self._positions[2][:t])
+        if len(model.layers) > 1:
+            model.middle_piece(step, 1, o, residual)
+        model.last_piece(step, o, residual)
+        torch.cuda.synchronize()
+
+    def _capture_bucket(self, t: int) -> _Bucket:
+        """Capture the ``L + 1`` pieces of bucket ``t`` in order. Each piece's inputs stay
+        allocated until the bucket is captured (``step`` holds the rotary state, ``residual``
+        the residual stream); its q, k, v and the hidden states are kept borrowed."""
+        model, o, bucket = self.model, self._o[:t], _Bucket()
+        step = StepContext(model.ops, None, None, None)
+
+        def piece(fn, *args):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self.pool.stream):
+                graph.capture_begin(self.pool.handle)
+                try:
+                    result = fn(step, *args)
+                finally:
+                    graph.capture_end()
+            bucket.graphs.append(graph)
+            return result
+
+        q, k, v, residual = piece(model.first_piece, self._ids[2][:t], self._positions[2][:t])
+        for i in range(1, len(model.layers) + 1):
+            bucket.qkv.append((borrowed(q), borrowed(k), borrowed(v)))
+            bucket.residual.append(borrowed(residual))
+            del q, k, v  # their memory goes back to the pool for the next pieces
+            if i == len(model.layers):
+                break
+            q, k, v, residual = piece(model.middle_piece, i, o, residual)
+        bucket.hidden = borrowed(piece(model.last_piece, o, residual))
+        return bucket
+
+    # -- a step ----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        meta: AttentionMetadata,
+        layer_hook: Callable[[int], None] | None = None,
+        tap_rows: torch.Tensor | None = None,
+        tap_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Hidden states ``[n, hidden]`` of the step's ``n`` tokens, as ``model.forward``
+        returns them, and ``{layer: its output at tap_rows}`` for ``tap_layers`` (a copy each).
+        ``layer_hook(i)`` is called once attention ``i`` has queued its KV writes. The hidden
+        states are valid until the next replay of any graph of the pool."""
+        n = len(input_ids)
+        t = next(s for s in self.sizes if s >= n)
+        bucket = self._buckets[t]
+        self._copied.synchronize()  # the mirrors may still be read by the last step's copies
+        for (host, mirror, device), values in (
+            (self._ids, input_ids),
+            (self._positions, positions),
+        ):
+            mirror[:n] = values
+            mirror[n:t] = 0  # padding rows: token 0 at position 0
+            device[:t].copy_(host[:t], non_blocking=True)
+        self._copied.record()
+        step = StepContext(self.model.ops, None, meta, self.backend)
+        o = self._o[:n]
+        taps: dict[int, torch.Tensor] = {}
+        layers = self.model.layers
+        for i, (layer, kv_cache) in enumerate(zip(layers, self.kv_caches, strict=True)):
+            bucket.graphs[i].replay()
+            if i - 1 in tap_layers:  # piece i folded layer i-1's output into the residual
+                taps[i - 1] = bucket.residual[i][tap_rows]
+            q, k, v = bucket.qkv[i]
+            layer.self_attn.attend(step, q[:n], k[:n], v[:n], kv_cache, out=o)
+            if layer_hook is not None:
+                layer_hook(i)
+        bucket.graphs[-1].replay()
+        hidden = bucket.hidden[:n]
+        if len(layers) - 1 in tap_layers:
+            taps[len(layers) - 1] = hidden[tap_rows]
+        return hidden, taps

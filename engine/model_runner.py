@@ -18,7 +18,7 @@ import torch
 from engine.attention import AttentionBackend, ChunkSpec, host_to_device, select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_layout import use_cpu_linears
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, GraphPool, PiecewiseGraphs
 from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
@@ -54,12 +54,16 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
-        self.graphs: DecodeGraphs | None = None
         # Hidden states kept at each new prompt's last token (``take_prompt_hidden``): layer i's
         # output (before the final norm), or -1: after the final norm, what feeds the LM head.
         self.capture_layers: tuple[int, ...] = ()
         self._prompt_hidden: dict[str, dict[int, np.ndarray]] = {}
-        if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
+        # CUDA graphs: whole decode steps, and every other step of up to piecewise_max_tokens
+        # tokens in pieces around attention (engine/cuda_graphs.py); both share one pool.
+        self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        if self._use_graphs:
+            pool = GraphPool()
             self.graphs = DecodeGraphs(
                 self.model,
                 self.backend,
@@ -67,8 +71,28 @@ class ModelRunner:
                 cfg.block_size,
                 max_model_len,
                 min(cfg.max_num_seqs, cfg.cuda_graph_max_batch),
+                pool,
             )
             self.graphs.capture()
+            if self.piecewise_max_tokens:
+                self.piecewise = PiecewiseGraphs(
+                    self.model, self.backend, self.kv_caches, self.piecewise_max_tokens, pool
+                )
+                self.piecewise.capture()
+
+    @property
+    def _use_graphs(self) -> bool:
+        cfg = self.cfg
+        return (
+            self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager
+        )
+
+    @property
+    def piecewise_max_tokens(self) -> int:
+        """Largest step (in tokens) the piecewise graphs take; 0 when they are off."""
+        if not self._use_graphs:
+            return 0
+        return min(self.cfg.cuda_graph_max_tokens, self.cfg.max_num_batched_tokens)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
         """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py)."""
@@ -138,7 +162,8 @@ class ModelRunner:
     def _profile_peak_activations(self) -> int:
         """Bytes a worst-case step needs beyond the weights and the KV pool: one prefill chunk
         of ``max_num_batched_tokens`` tokens, logits for ``max_num_seqs`` rows and the sampler's
-        copies of them, and the same logits once more for the decode graphs' private pool."""
+        copies of them, the same logits once more for the graphs' private pool, and that pool's
+        working set for the largest piecewise bucket (as much as the eager chunk, pro rata)."""
         tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         rows = min(self.cfg.max_num_seqs, tokens)
         bs = self.cfg.block_size
@@ -157,7 +182,8 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv, hidden, logits
         torch.cuda.empty_cache()
-        return peak + 3 * logits_bytes
+        graph_pool = peak * min(self.piecewise_max_tokens, tokens) // tokens
+        return peak + 3 * logits_bytes + graph_pool
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -165,8 +191,8 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
     ) -> dict[str, SampledToken]:
-        """One forward pass and sampling. ``layer_hook(i)`` runs after layer ``i`` wrote its KV
-        (such steps run eagerly: a graph replay has no point between layers to call it)."""
+        """One forward pass and sampling. ``layer_hook(i)`` runs once layer ``i`` has written
+        its KV (queued on the current stream)."""
         # Decodes first, shortest context first (the attention backend groups them by length).
         chunks = sorted(out.scheduled, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids: list[int] = []
@@ -183,25 +209,16 @@ class ModelRunner:
                 if self.capture_layers and not c.request.output_token_ids:
                     capture[c.request.request_id] = len(input_ids) - 1
         specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
-        eager = layer_hook is not None or bool(capture)
-        if self.graphs is not None and not eager and self.graphs.fits(specs):
+        whole_graph = layer_hook is None and not capture
+        if self.graphs is not None and whole_graph and self.graphs.fits(specs):
             logits = self.graphs.run(specs, input_ids)
             if not sampling:
                 return {}
             if len(sample_rows) < len(specs):
                 logits = logits[self._to_device(sample_rows)]
         else:
-            meta = self.backend.build(specs, self.cfg.block_size, self.device)
             capture_rows = self._to_device(list(capture.values())) if capture else None
-            with self._layer_taps(capture_rows) as taps:
-                hidden = self.model(
-                    self._to_device(input_ids),
-                    self._to_device(positions),
-                    self.kv_caches,
-                    meta,
-                    self.backend,
-                    layer_hook,
-                )
+            hidden, taps = self._forward(specs, input_ids, positions, layer_hook, capture_rows)
             if capture:
                 self._keep_prompt_hidden(list(capture), hidden[capture_rows], taps)
             if not sampling:
@@ -210,6 +227,35 @@ class ModelRunner:
         rows = [self._sampling_row(c) for c in sampling]
         tokens = self.sampler(logits, rows)
         return {c.request.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+
+    def _forward(
+        self,
+        specs: list[ChunkSpec],
+        input_ids: list[int],
+        positions: list[int],
+        layer_hook: Callable[[int], None] | None,
+        capture_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Hidden states of every row, and each captured layer's output at ``capture_rows``:
+        through the piecewise graphs when the step fits the largest bucket, else eagerly."""
+        meta = self.backend.build(specs, self.cfg.block_size, self.device)
+        if self.piecewise is not None and self.piecewise.fits(len(input_ids)):
+            layers = (
+                tuple(i for i in self.capture_layers if i >= 0) if capture_rows is not None else ()
+            )
+            return self.piecewise.forward(
+                input_ids, positions, meta, layer_hook, capture_rows, layers
+            )
+        with self._layer_taps(capture_rows) as taps:
+            hidden = self.model(
+                self._to_device(input_ids),
+                self._to_device(positions),
+                self.kv_caches,
+                meta,
+                self.backend,
+                layer_hook,
+            )
+        return hidden, taps
 
     # -- hidden states at the prompt's last token (the length probe's input) ----------------------
 

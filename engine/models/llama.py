@@ -27,8 +27,8 @@ class StepContext:
 
     ops: TorchOps  # or TritonOps (engine/ops.py): same interface
     rope: object  # the ops' rotary state for this step's positions
-    meta: AttentionMetadata
-    backend: AttentionBackend
+    meta: AttentionMetadata | None  # None inside graphed pieces (no attention there)
+    backend: AttentionBackend | None
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +106,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, step: StepContext, x, kv_cache):
+    def project(self, step: StepContext, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new tokens' q ``[T, H, D]``, k and v ``[T, KVH, D]``: projection, the per-head
+        norms (Qwen3) and rotary (views of one qkv tensor, rotated in place under TritonOps)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -115,8 +117,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q, step.ops), self.k_norm(k, step.ops)
         q, k = step.ops.apply_rotary(q, k, step.rope)
-        o = step.backend.forward(q, k, v, kv_cache[0], kv_cache[1], step.meta, self.scale)
-        return self.o_proj(o)
+        return q, k, v
+
+    def attend(self, step: StepContext, q, k, v, kv_cache, out=None) -> torch.Tensor:
+        """Writes k, v into the layer's cache and attends: ``[T, H * D]`` (into ``out``)."""
+        return step.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], step.meta, self.scale, out=out
+        )
 
 
 class MLP(nn.Module):
@@ -137,16 +144,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, step: StepContext, x, residual, kv_cache):
-        """``(x, residual)`` in and out: the residual stream is ``x + residual`` (vLLM's way,
-        so the add folds into the next norm)."""
+    def pre_attention(self, step: StepContext, x, residual):
+        """Input norm and q, k, v: ``(q, k, v, residual)``. The residual stream is
+        ``x + residual`` (vLLM's way, so the add folds into the next norm); ``residual`` is
+        None at layer 0."""
         if residual is None:
             x, residual = self.input_layernorm(x, step.ops), x
         else:
             x, residual = self.input_layernorm(x, step.ops, residual)
-        x = self.self_attn(step, x, kv_cache)
-        x, residual = self.post_attention_layernorm(x, step.ops, residual)
+        return (*self.self_attn.project(step, x), residual)
+
+    def post_attention(self, step: StepContext, o, residual):
+        """Attention output ``o`` ``[T, H * D]`` to the layer's output ``(x, residual)``:
+        o_proj, the residual add folded into the post-attention norm, MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), step.ops, residual)
         return self.mlp(step, x), residual
+
+    def forward(self, step: StepContext, x, residual, kv_cache):
+        """``(x, residual)`` in and out."""
+        q, k, v, residual = self.pre_attention(step, x, residual)
+        o = self.self_attn.attend(step, q, k, v, kv_cache)
+        return self.post_attention(step, o, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -194,6 +212,31 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(step, x, residual, kv_cache)
             if layer_hook is not None:
                 layer_hook(i)
+        return x + residual
+
+    # -- the same forward in pieces, cut at attention (engine/cuda_graphs.py graphs the pieces) ----
+    #
+    #   first_piece -> attend(0) -> middle_piece(1) -> attend(1) -> ... -> attend(L-1) -> last_piece
+    #
+    # Each piece is row-independent (no token reads another token's row): padded rows beyond a
+    # step's real tokens change nothing in the real ones.
+
+    def first_piece(self, step: StepContext, input_ids, positions):
+        """Embedding, the step's rotary state (into ``step.rope``) and layer 0 up to attention:
+        ``(q, k, v, residual)``."""
+        x = self.embed_tokens(input_ids)
+        step.rope = self.ops.rope_state(self.rotary, positions, x.dtype)
+        return self.layers[0].pre_attention(step, x, None)
+
+    def middle_piece(self, step: StepContext, i: int, o, residual):
+        """Layer ``i - 1`` from its attention output ``o``, then layer ``i`` up to attention."""
+        x, residual = self.layers[i - 1].post_attention(step, o, residual)
+        return self.layers[i].pre_attention(step, x, residual)
+
+    def last_piece(self, step: StepContext, o, residual) -> torch.Tensor:
+        """The last layer from its attention output: hidden states ``[T, hidden]`` as
+        ``forward`` returns them."""
+        x, residual = self.layers[-1].post_attention(step, o, residual)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
