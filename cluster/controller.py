@@ -284,8 +284,9 @@ class Controller:
             cls, engine = FlexWorker, {**base, **spec.prefill_engine, **spec.decode_engine}
             kwargs = {"role": role, **decode_kwargs}
         elif role == "prefill":
-            # A prefill worker never decodes: no decode CUDA graphs to capture.
-            cls, engine = PrefillWorker, {"enforce_eager": True, **base, **spec.prefill_engine}
+            # A prefill worker never decodes: no decode CUDA graphs to capture (its prompt
+            # chunks replay the piecewise graphs, the layer-wise KV sends between their pieces).
+            cls, engine = PrefillWorker, {"cuda_graph_max_batch": 0, **base, **spec.prefill_engine}
             kwargs = {"token": spec.token}
         elif role == "decode":
             cls, engine = DecodeWorker, {**base, **spec.decode_engine}

@@ -154,7 +154,9 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
-    cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
+    # largest decode batch captured (capped at max_num_seqs); 0: no decode graphs (a prefill
+    # worker never runs a decode step; its steps go to the piecewise graphs)
+    cuda_graph_max_batch: int = 256
     cuda_graph_max_tokens: int = field(
         default=2048,
         metadata={
@@ -190,8 +192,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
-        if self.cuda_graph_max_batch < 1:
-            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(
+                f"cuda_graph_max_batch must be >= 0 (0: no decode graphs), got "
+                f"{self.cuda_graph_max_batch}"
+            )
         if not 0 <= self.cuda_graph_max_tokens <= PIECEWISE_MAX_TOKENS:
             raise ValueError(
                 f"cuda_graph_max_tokens must be in [0, {PIECEWISE_MAX_TOKENS}] (0: no piecewise "

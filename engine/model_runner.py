@@ -64,16 +64,17 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         if self._use_graphs:
             pool = GraphPool()
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.backend,
-                self.kv_caches,
-                cfg.block_size,
-                max_model_len,
-                min(cfg.max_num_seqs, cfg.cuda_graph_max_batch),
-                pool,
-            )
-            self.graphs.capture()
+            if min(cfg.max_num_seqs, cfg.cuda_graph_max_batch) >= 1:
+                self.graphs = DecodeGraphs(
+                    self.model,
+                    self.backend,
+                    self.kv_caches,
+                    cfg.block_size,
+                    max_model_len,
+                    min(cfg.max_num_seqs, cfg.cuda_graph_max_batch),
+                    pool,
+                )
+                self.graphs.capture()
             if self.piecewise_max_tokens:
                 self.piecewise = PiecewiseGraphs(
                     self.model, self.backend, self.kv_caches, self.piecewise_max_tokens, pool
