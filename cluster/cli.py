@@ -405,15 +405,46 @@ def _add_rebalance(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_operator_handler("rebalance"))
 
 
+# `tandem policy`'s numeric settings: (flag, type, metavar, help). Each is None unless given
+# (SetPolicy changes only what is given).
+_POLICY_NUMBERS = (
+    (
+        "--rebalance-high",
+        float,
+        "USE",
+        "KV use (0-1) above which a decode worker's requests move away",
+    ),
+    ("--rebalance-low", float, "USE", "KV use (0-1) below which a decode worker may receive them"),
+    ("--rebalance-interval-s", float, "S", "seconds between the rebalancer's rounds"),
+    ("--rebalance-max-moves", int, "N", "moves per rebalance round"),
+    ("--health-interval-s", float, "S", "seconds between the controller's health checks"),
+    ("--health-timeout-s", float, "S", "seconds a health check may take before it is missed"),
+    ("--health-suspect-after", int, "N", "missed checks in a row that make a worker suspect"),
+    ("--health-hang-after-s", float, "S", "an engine step this long makes its worker suspect"),
+    ("--health-dead-after-s", float, "S", "seconds suspect before a worker is killed"),
+    ("--autoscale-interval-s", float, "S", "seconds between the autoscaler's looks"),
+)
+_POOL_NUMBERS = (
+    ("--min-replicas", int, "N", "the pool never shrinks below"),
+    ("--max-replicas", int, "N", "the pool never grows above"),
+    ("--high", float, "P", "pressure that grows the pool"),
+    ("--low", float, "P", "pressure (a worker fewer) under which it shrinks"),
+    ("--up-after-s", float, "S", "seconds the pressure must stay over --high to grow"),
+    ("--down-after-s", float, "S", "seconds it must stay under --low to shrink"),
+    ("--cooldown-s", float, "S", "seconds after a scale before the next decision"),
+    ("--step", int, "N", "workers per scale-out"),
+    ("--slo-s", float, "S", "TTFT / ITL p90 target (0: none)"),
+    ("--queue-tokens", float, "TOKENS", "prefill: queued prompt tokens per worker = pressure 1"),
+)
+
+
 def _add_policy(subparsers: argparse._SubParsersAction) -> None:
     p = _operator_parser(
         subparsers,
         "policy",
         help="show or change the controller's settings (rebalancer, health checks, autoscaler)",
-    )
-    p.description = (
-        "Without flags: the settings in force. Each flag changes one setting and leaves the "
-        "others as they are."
+        description="Without flags: the settings in force. Each flag changes one setting and "
+        "leaves the others as they are.",
     )
     p.add_argument(
         "--rebalance-mode",
@@ -421,115 +452,17 @@ def _add_policy(subparsers: argparse._SubParsersAction) -> None:
         choices=["off", "on", "dry-run"],
         help="the rebalancer's loop (dry-run: log the moves it would make)",
     )
-    p.add_argument(
-        "--rebalance-high",
-        type=float,
-        default=None,
-        metavar="USE",
-        help="KV use (0-1) above which a decode worker's requests move away",
-    )
-    p.add_argument(
-        "--rebalance-low",
-        type=float,
-        default=None,
-        metavar="USE",
-        help="KV use (0-1) below which a decode worker may receive them",
-    )
-    p.add_argument(
-        "--rebalance-interval-s", type=float, default=None, metavar="S", help="between rounds"
-    )
-    p.add_argument(
-        "--rebalance-max-moves", type=int, default=None, metavar="N", help="moves per round"
-    )
-    p.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds between the controller's health checks of every worker",
-    )
-    p.add_argument(
-        "--health-timeout-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds a health check may take before it counts as missed",
-    )
-    p.add_argument(
-        "--health-suspect-after",
-        type=int,
-        default=None,
-        metavar="N",
-        help="missed checks in a row that make a worker suspect (routed nothing new)",
-    )
-    p.add_argument(
-        "--health-hang-after-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="an engine step running this long makes its worker suspect",
-    )
-    p.add_argument(
-        "--health-dead-after-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds suspect before a worker is killed and its requests resume elsewhere",
-    )
     p.add_argument("--autoscale", default=None, choices=["on", "off"], help="the autoscaler")
-    p.add_argument(
-        "--autoscale-interval-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds between the autoscaler's looks at the pools",
-    )
+    for flag, kind, metavar, text in _POLICY_NUMBERS:
+        p.add_argument(flag, type=kind, default=None, metavar=metavar, help=text)
     p.add_argument(
         "--pool",
         default=None,
         choices=["prefill", "decode", "colocated"],
         help="the pool whose autoscaling the next flags change",
     )
-    p.add_argument(
-        "--min-replicas", type=int, default=None, metavar="N", help="the pool never shrinks below"
-    )
-    p.add_argument(
-        "--max-replicas", type=int, default=None, metavar="N", help="the pool never grows above"
-    )
-    p.add_argument("--high", type=float, default=None, help="pressure that grows the pool")
-    p.add_argument("--low", type=float, default=None, help="pressure (a worker fewer) shrinking it")
-    p.add_argument(
-        "--up-after-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds the pressure must stay over --high before the pool grows",
-    )
-    p.add_argument(
-        "--down-after-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds it must stay under --low before the pool shrinks",
-    )
-    p.add_argument(
-        "--cooldown-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="seconds after a scale before the next decision",
-    )
-    p.add_argument("--step", type=int, default=None, metavar="N", help="workers per scale-out")
-    p.add_argument(
-        "--slo-s", type=float, default=None, metavar="S", help="TTFT / ITL p90 target (0: none)"
-    )
-    p.add_argument(
-        "--queue-tokens",
-        type=float,
-        default=None,
-        metavar="TOKENS",
-        help="prefill: queued prompt tokens per worker that count as pressure 1",
-    )
+    for flag, kind, metavar, text in _POOL_NUMBERS:
+        p.add_argument(flag, type=kind, default=None, metavar=metavar, help=text)
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("policy"))
 

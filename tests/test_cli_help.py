@@ -65,3 +65,16 @@ def test_commands_have_help_in_the_overview() -> None:
     for path, _ in ALL[1:]:
         name = path.split()[1]
         assert re.search(rf"^\s+{name}\s+\S", overview, re.M), f"{name} has no help line"
+
+
+def test_policy_has_a_flag_for_every_setting_the_api_takes() -> None:
+    """`tandem policy`'s flags and SetPolicy's fields stay one set (a field added to the proto
+    without a flag, or a flag the client would drop, fails here)."""
+    from proto import operator_pb2 as pb
+
+    (policy,) = [p for path, p in ALL if path == "tandem policy"]
+    dests = {a.dest for a in policy._actions if a.option_strings}
+    top = {f.name for f in pb.SetPolicyRequest.DESCRIPTOR.fields}
+    top -= {"request_id", "autoscale_pools", "autoscale_enabled"}  # --pool ROLE, --autoscale
+    pool = {f.name for f in pb.PoolPolicyUpdate.DESCRIPTOR.fields}
+    assert top | pool | {"pool", "autoscale"} <= dests
