@@ -18,6 +18,15 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # Largest piecewise graph bucket allowed: each bucket is L + 1 graphs and a working set that grows
 # with its tokens; past this a step is GPU-bound and graphs win nothing.
 PIECEWISE_MAX_TOKENS = 16384
+# What max_num_batched_tokens / max_num_seqs default to on each device. CUDA: the fastest of
+# benchmarks/gpu_sweep.py on one H100 on vLLM's own ShareGPT sample (Llama-3-8B shape, 1000
+# prompts at once: 36.4 req/s at 512 / 2048, 35.0-36.2 at the former 256 / 2048, 31.2 at
+# 512 / 8192); on the 110-in / 275-out lengths file 512 / 8192 led (37.4 vs 33.1 req/s):
+# benchmarks/NOTES.md "Engine defaults".
+DEVICE_DEFAULTS = {
+    "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 512},
+    "cpu": {"max_num_batched_tokens": 2048, "max_num_seqs": 256},
+}
 
 
 @dataclass(frozen=True)
@@ -147,16 +156,18 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0  # used on CPU when num_kv_blocks is None
     gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    # None: the device's default (DEVICE_DEFAULTS: on CUDA the fastest of the sweep in
+    # benchmarks/gpu_sweep.py, NOTES "engine defaults"; on CPU what the CPU benchmarks ran)
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
-    # largest decode batch captured (capped at max_num_seqs); 0: no decode graphs (a prefill
-    # worker never runs a decode step; its steps go to the piecewise graphs)
-    cuda_graph_max_batch: int = 256
+    # largest decode batch captured (capped at max_num_seqs; None: max_num_seqs); 0: no decode
+    # graphs (a prefill worker never runs a decode step; its steps go to the piecewise graphs)
+    cuda_graph_max_batch: int | None = None
     cuda_graph_max_tokens: int = field(
         default=2048,
         metadata={
@@ -184,6 +195,15 @@ class EngineConfig:
     prompt_hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        defaults = DEVICE_DEFAULTS["cuda" if self.device.startswith("cuda") else "cpu"]
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.cuda_graph_max_batch is None:
+            object.__setattr__(self, "cuda_graph_max_batch", self.max_num_seqs)
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):

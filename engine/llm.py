@@ -26,8 +26,8 @@ class LLM:
         device: str = "cpu",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,  # None: the device's default (EngineConfig)
+        max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         load_format: str = "auto",
