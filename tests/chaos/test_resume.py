@@ -154,6 +154,44 @@ def test_a_dead_or_hung_worker_loses_no_greedy_request(setup, prompts, expected_
     assert_idle(cluster, timeout=30.0)  # a stopped worker, continued, aborted what moved away
 
 
+def test_n_samples_through_the_router_resume_when_their_worker_hangs(
+    setup, prompts, expected_greedy
+) -> None:
+    """n = 2 through the router's backend runs as two requests: the worker of sample 0 is
+    stopped (SIGSTOP) mid-stream, that sample (and its sibling, if they shared the worker)
+    resumes elsewhere from its snapshot, and both choices are transformers' greedy tokens."""
+    from router.service import ClusterBackend
+
+    cluster, _, _ = setup
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+
+    async def main():
+        backend = ClusterBackend(
+            cluster.members, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S
+        )
+        gen = await backend.open("fan-resume", prompts[0], params)
+        victim = gen.children[0].placement.decode
+        pid, stopped, last = _pid(cluster, victim), False, None
+        try:
+            async for out in gen.outputs():
+                last = out
+                if not stopped and min(len(o.token_ids) for o in out.outputs) >= 3:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = True
+        finally:
+            if stopped:
+                os.kill(pid, signal.SIGCONT)
+            await gen.aclose()
+            resumes = dict(backend.dispatcher.resumes)
+            await backend.aclose()
+        return last, stopped, resumes
+
+    last, stopped, resumes = asyncio.run(main())
+    assert stopped and resumes.get("stalled", 0) >= 1, resumes
+    assert last.finished and [list(o.token_ids) for o in last.outputs] == [expected_greedy[0]] * 2
+    assert_idle(cluster, timeout=30.0)  # the stopped worker, continued, aborted what moved away
+
+
 def test_seeded_sampling_continues_exactly_after_a_kill(setup, prompts) -> None:
     cluster, mode, pool = setup
 
