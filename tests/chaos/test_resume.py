@@ -160,15 +160,17 @@ def test_n_samples_through_the_router_resume_when_their_worker_hangs(
     """n = 2 through the router's backend runs as two requests: the worker of sample 0 is
     stopped (SIGSTOP) mid-stream, that sample (and its sibling, if they shared the worker)
     resumes elsewhere from its snapshot, and both choices are transformers' greedy tokens."""
+    from router.membership import MembershipView
     from router.service import ClusterBackend
 
     cluster, _, _ = setup
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
 
     async def main():
-        backend = ClusterBackend(
-            cluster.members, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S
-        )
+        # a router of its own, as a gateway has: the controller's table, not what this
+        # process's other dispatcher suspected during the earlier faults
+        view = MembershipView(await cluster.controller.members.remote(), cluster.controller)
+        backend = ClusterBackend(view, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S)
         gen = await backend.open("fan-resume", prompts[0], params)
         victim = gen.children[0].placement.decode
         pid, stopped, last = _pid(cluster, victim), False, None
