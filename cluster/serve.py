@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -678,7 +679,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     import torch
 
-    from cluster.local import LocalCluster
+    from cluster.local import ClusterConfig, LocalCluster
     from engine.prefix_index import PrefixIndex
     from router.redis_server import RedisServer
     from router.service import ClusterBackend
@@ -699,11 +700,26 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = {"dtype": dtype, **_engine_overrides(args.engine)}
     ports = gateway_ports(args.port, args.gateways, args.reuse_port)
     check_ports_free(args.host, sorted(set(ports)))  # before a minute of starting workers
+    # checked before anything starts (a GPU topology without cupy, a bad autoscale section)
+    config = ClusterConfig(
+        model=args.model,
+        num_prefill=num_p,
+        num_decode=num_d,
+        num_colocated=num_c,
+        device=device,
+        engine=engine,
+        ray_address=args.ray_address,
+        index_url=redis_url,
+        stall_timeout_s=args.stall_timeout,
+        hang_timeout_s=args.hang_timeout,
+        **_cluster_options(args),
+    )
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
         if redis_url is None:
             redis = stack.enter_context(RedisServer())
             redis_url = redis.url
+            config = dataclasses.replace(config, index_url=redis_url)
             print(f"started redis-server on 127.0.0.1:{redis.port}", file=sys.stderr, flush=True)
         print(
             f"starting {num_p} prefill + {num_d} decode + {num_c} colocated worker(s) of "
@@ -711,19 +727,7 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        cluster = LocalCluster(
-            model=args.model,
-            num_prefill=num_p,
-            num_decode=num_d,
-            num_colocated=num_c,
-            device=device,
-            engine=engine,
-            ray_address=args.ray_address,
-            index_url=redis_url,
-            stall_timeout_s=args.stall_timeout,
-            hang_timeout_s=args.hang_timeout,
-            **_cluster_options(args),
-        )
+        cluster = LocalCluster(config)
         stack.callback(cluster.shutdown)
         _start_rebalancer(cluster, args)
         operator = None

@@ -98,6 +98,7 @@ def test_tandem_serve_says_it_in_one_line(tmp_path, detach):
     assert "Traceback" not in out, out
     errors = [line for line in out.splitlines() if line.startswith("tandem: error:")]
     assert len(errors) == 1 and "needs cupy" in errors[0] and '".[gpu]"' in errors[0], out
+    assert "started redis-server" not in out and "starting " not in out, out  # nothing started
     if detach:
         assert "the server exited (2)" in out, out
         assert not (tmp_path / "cache" / "run" / f"serve-{port}.pid").exists()
