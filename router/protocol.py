@@ -32,7 +32,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -95,28 +95,6 @@ def retry_after(seconds: float) -> str:
 
 
 # ----------------------------------------------------------------------------- request bodies
-
-
-class _Body(BaseModel):
-    """Strict JSON types (``"16"`` is not a number). Fields a model does not declare are kept
-    aside (``model_extra``) for ``check_fields`` to judge: never silently dropped."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class ContentPart(_Body):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
 
 
 # Fields that OpenAI documents, or vLLM documents as extras, which tandem does not implement:
@@ -206,52 +184,30 @@ _UNSUPPORTED_TOKENIZE: dict[str, tuple[Any, ...]] = {
 }
 
 
-def check_fields(req: _Body) -> None:
-    """400 for a field of ``req`` (a parsed request body) that tandem would otherwise ignore:
-    a documented one it does not support, or an unknown one (see the module docstring)."""
-    if isinstance(req, ChatCompletionRequest):
-        table = _UNSUPPORTED_CHAT
-    elif isinstance(req, CompletionRequest):
-        table = _UNSUPPORTED_COMPLETION
-    else:
-        table = _UNSUPPORTED_TOKENIZE
-    _check_extra(req.model_extra or {}, table, "")
-    if isinstance(req, _GenerationBody) and req.stream_options is not None:
-        extra = req.stream_options.model_extra or {}
-        _check_extra(extra, _UNSUPPORTED_STREAM_OPTIONS, "stream_options.")
-    for i, m in enumerate(getattr(req, "messages", None) or ()):
-        _check_extra(m.model_extra or {}, _UNSUPPORTED_MESSAGE, f"messages.{i}.")
+class _Body(BaseModel):
+    """Strict JSON types (``"16"`` is not a number). Fields a model does not declare are kept
+    aside (``model_extra``) for ``check_fields`` to judge: never silently dropped."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    # documented fields this body does not implement: name -> the values that ask for nothing
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
 
-def _check_extra(extra: dict[str, Any], unsupported: dict[str, tuple[Any, ...]], where: str):
-    for name, value in extra.items():
-        if name in _ACCEPTED_HINTS and not where:
-            continue
-        if name in unsupported:
-            if value is None or any(_same(value, ok) for ok in unsupported[name]):
-                continue
-            raise bad_request(
-                f"{where}{name} is not supported by this server"
-                + (f" (accepted only as {_shown(unsupported[name])})" if unsupported[name] else ""),
-                param=f"{where}{name}",
-                code="unsupported_parameter",
-            )
-        raise bad_request(
-            f"Unrecognized request argument supplied: {where}{name}",
-            param=f"{where}{name}",
-            code="unrecognized_argument",
-        )
+class StreamOptions(_Body):
+    unsupported = _UNSUPPORTED_STREAM_OPTIONS
+    include_usage: bool = False
 
 
-def _same(value: Any, ok: Any) -> bool:
-    """JSON equality without Python's ``True == 1`` (``best_of: true`` is not ``1``)."""
-    if isinstance(value, bool) or isinstance(ok, bool):
-        return type(value) is type(ok) and value == ok
-    return value == ok
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
 
 
-def _shown(values: tuple[Any, ...]) -> str:
-    return " or ".join(["null", *(json.dumps(v) for v in values)])
+class ChatMessage(_Body):
+    unsupported = _UNSUPPORTED_MESSAGE
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class _GenerationBody(_Body):
@@ -287,6 +243,7 @@ class _GenerationBody(_Body):
 
 
 class CompletionRequest(_GenerationBody):
+    unsupported = _UNSUPPORTED_COMPLETION
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -296,6 +253,7 @@ class CompletionRequest(_GenerationBody):
 
 
 class ChatCompletionRequest(_GenerationBody):
+    unsupported = _UNSUPPORTED_CHAT
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -307,6 +265,7 @@ class ChatCompletionRequest(_GenerationBody):
 
 
 class TokenizeRequest(_Body):
+    unsupported = _UNSUPPORTED_TOKENIZE
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -314,18 +273,64 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
+    unsupported = _UNSUPPORTED_TOKENIZE
     model: str | None = None
     tokens: list[int]
 
 
-def parse_body(model: type[_Body], body: bytes) -> Any:
+def check_fields(req: _Body) -> None:
+    """400 for a field of ``req`` (a parsed request body) that tandem would otherwise ignore:
+    a documented one it does not support (its model's ``unsupported`` table), or an unknown one
+    (see the module docstring); also in its ``stream_options`` and ``messages``."""
+    _check_extra(req, "")
+    stream_options = getattr(req, "stream_options", None)
+    if stream_options is not None:
+        _check_extra(stream_options, "stream_options.")
+    for i, m in enumerate(getattr(req, "messages", None) or ()):
+        _check_extra(m, f"messages.{i}.")
+
+
+def _check_extra(body: _Body, where: str) -> None:
+    unsupported = type(body).unsupported
+    for name, value in (body.model_extra or {}).items():
+        if name in _ACCEPTED_HINTS and not where:
+            continue
+        if name in unsupported:
+            if value is None or any(_same(value, ok) for ok in unsupported[name]):
+                continue
+            raise bad_request(
+                f"{where}{name} is not supported by this server"
+                + (f" (accepted only as {_shown(unsupported[name])})" if unsupported[name] else ""),
+                param=f"{where}{name}",
+                code="unsupported_parameter",
+            )
+        raise bad_request(
+            f"Unrecognized request argument supplied: {where}{name}",
+            param=f"{where}{name}",
+            code="unrecognized_argument",
+        )
+
+
+def _same(value: Any, ok: Any) -> bool:
+    """JSON equality without Python's ``True == 1`` (``best_of: true`` is not ``1``)."""
+    if isinstance(value, bool) or isinstance(ok, bool):
+        return type(value) is type(ok) and value == ok
+    return value == ok
+
+
+def _shown(values: tuple[Any, ...]) -> str:
+    return " or ".join(["null", *(json.dumps(v) for v in values)])
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """Validate a JSON body into ``model``; malformed JSON, any bad field and any field tandem
     would not act on (``check_fields``) is a 400."""
     try:
         req = model.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc.errors(include_url=False)) from None
-    check_fields(req)
+    if isinstance(req, _Body):  # (router/admin.py's bodies refuse any extra field themselves)
+        check_fields(req)
     return req
 
 
