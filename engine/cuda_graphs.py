@@ -92,6 +92,13 @@ def borrowed(t: torch.Tensor) -> torch.Tensor:
     return view.set_(weak, t.storage_offset(), t.size(), t.stride())
 
 
+def pinned_mirror(device: torch.device, dtype: torch.dtype, *shape: int) -> tuple:
+    """A graph's static input: (pinned host tensor, its numpy view, the device tensor the graph
+    reads). The host fills the numpy view and queues a non-blocking copy."""
+    host = torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device)
+
+
 def device_memory_in_use(device: torch.device) -> int:
     """Bytes in use on the device: live tensors, graph pools and graphs' own memory (the
     default pool's cached free blocks, e.g. left by warm-ups, are released first)."""
@@ -120,16 +127,11 @@ class DecodeGraphs:
         width = -(-max_model_len // block_size)
         device = kv_caches[0].device
         b = self.max_batch
-
-        def buffers(dtype, *shape):
-            host = torch.zeros(shape, dtype=dtype, pin_memory=True)
-            return host, host.numpy(), torch.zeros(shape, dtype=dtype, device=device)
-
-        self._ids = buffers(torch.int64, b)
-        self._positions = buffers(torch.int64, b)
-        self._slots = buffers(torch.int64, b)
-        self._lens = buffers(torch.int32, b)
-        self._tables = buffers(torch.int32, b, width)
+        self._ids = pinned_mirror(device, torch.int64, b)
+        self._positions = pinned_mirror(device, torch.int64, b)
+        self._slots = pinned_mirror(device, torch.int64, b)
+        self._lens = pinned_mirror(device, torch.int32, b)
+        self._tables = pinned_mirror(device, torch.int32, b, width)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
@@ -227,12 +229,8 @@ class PiecewiseGraphs:
         device = kv_caches[0].device
         cfg = model.cfg
         t = self.max_tokens
-
-        def buffers():
-            host = torch.zeros(t, dtype=torch.int64, pin_memory=True)
-            return host, host.numpy(), torch.zeros(t, dtype=torch.int64, device=device)
-
-        self._ids, self._positions = buffers(), buffers()
+        self._ids = pinned_mirror(device, torch.int64, t)
+        self._positions = pinned_mirror(device, torch.int64, t)
         self._copied = torch.cuda.Event()  # the last step's input copies have left the mirrors
         dtype = model.embed_tokens.weight.dtype
         self._o = torch.zeros(t, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)

@@ -64,14 +64,15 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         if self._use_graphs:
             pool = GraphPool()
-            if min(cfg.max_num_seqs, cfg.cuda_graph_max_batch) >= 1:
+            max_batch = min(cfg.max_num_seqs, cfg.cuda_graph_max_batch)
+            if max_batch >= 1:
                 self.graphs = DecodeGraphs(
                     self.model,
                     self.backend,
                     self.kv_caches,
                     cfg.block_size,
                     max_model_len,
-                    min(cfg.max_num_seqs, cfg.cuda_graph_max_batch),
+                    max_batch,
                     pool,
                 )
                 self.graphs.capture()
