@@ -25,7 +25,8 @@ Scaling (``scale(role, replicas)``), the operator's way in::
           new worker (on a node with the role's resource when the cluster has them):
           STARTING, routers send it nothing -> ready() answers -> ACTIVE, published
     in    pick the least loaded (refused below 1 worker or below the running load unless
-          forced; a pool the cluster was not started with may go back to 0) -> drain (decode: migrate away; prefill, colocated: wait until idle)
+          forced; a pool the cluster was not started with may go back to 0) -> drain
+          (decode: migrate away; prefill, colocated: wait until idle)
           -> shutdown() + kill -> out of the table and of the prefix index, published
 
 Every state change, scale decision and migration is an event in a bounded log with sequence
@@ -712,13 +713,14 @@ class Controller:
         request on a pair, else on a colocated worker. A role the cluster was not started
         with changes its topology: that takes ``force``."""
         pair = {"prefill": "decode", "decode": "prefill"}.get(role)
-        started = ", ".join(f"{r} {len(self._pool(r))}" for r in ROLES if r in self._roles)
+        runs = [r for r in ROLES if r in self._roles]
+        started = ", ".join(f"{r} {len(self._pool(r))}" for r in runs)
         if role not in self._roles:
+            # grow a pool it runs: its colocated one, else the first of its roles
+            grow = "colocated" if "colocated" in runs else next(iter(runs), None)
             instead = (
-                f"`tandem scale --role colocated --replicas {len(self._pool('colocated')) + 1}`"
-                if "colocated" in self._roles
-                else f"`tandem scale --role {sorted(self._roles)[0]} --replicas N`"
-                if self._roles
+                f"`tandem scale --role {grow} --replicas {len(self._pool(grow)) + 1}`"
+                if grow
                 else "a role the cluster runs"
             )
             unpaired = pair is not None and not self._pool(pair)
