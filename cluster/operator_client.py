@@ -425,23 +425,18 @@ def rebalance(op: Operator, args: argparse.Namespace) -> int:
 
 # the fields `tandem policy --pool ROLE` may change: the request's own
 POOL_FIELDS = tuple(f.name for f in pb.PoolPolicyUpdate.DESCRIPTOR.fields)
+# the controller-wide settings `tandem policy` sets from a flag of the same name (the request's
+# own fields, but its id and the two with flags of another shape: --autoscale, --pool)
+POLICY_FIELDS = tuple(
+    f.name
+    for f in pb.SetPolicyRequest.DESCRIPTOR.fields
+    if f.name not in ("request_id", "autoscale_enabled", "autoscale_pools")
+)
 
 
 def policy(op: Operator, args: argparse.Namespace) -> int:
     request = pb.SetPolicyRequest(request_id=new_request_id())
-    for name in (
-        "rebalance_mode",
-        "rebalance_high",
-        "rebalance_low",
-        "rebalance_interval_s",
-        "rebalance_max_moves",
-        "health_interval_s",
-        "health_timeout_s",
-        "health_suspect_after",
-        "health_hang_after_s",
-        "health_dead_after_s",
-        "autoscale_interval_s",
-    ):
+    for name in POLICY_FIELDS:
         if getattr(args, name) is not None:
             setattr(request, name, getattr(args, name))
     if args.autoscale is not None:
