@@ -32,19 +32,16 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_engine import log, make_llm, throughput  # noqa: E402
 from benchmarks.workloads import SHAREGPT_LENGTHS, read_workload  # noqa: E402
 
-WORKLOAD: list | None = None  # --workload: the file's own prompt ids (one run per file)
-
 
 def prompts_for(lengths: list[tuple[int, int]], seed: int) -> list[list[int]]:
-    if WORKLOAD is not None and len(WORKLOAD) == len(lengths):
-        return [list(item.prompt_token_ids) for item in WORKLOAD]
+    """Fresh token ids at these lengths (nothing a prefix hit of another run)."""
     rng = random.Random(seed)
     return [[rng.randrange(128, 128000) for _ in range(p)] for p, _ in lengths]
 
 
-def one(seqs: int, budget: int, lengths, seed: int) -> dict:
+def one(seqs: int, budget: int, lengths, seed: int, prompts=None) -> dict:
     """One configuration's run; its engine (weights, KV pool, graphs) is freed on return."""
-    r = _run(seqs, budget, lengths, seed)
+    r = _run(seqs, budget, lengths, prompts or prompts_for(lengths, seed))
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
@@ -54,7 +51,7 @@ def one(seqs: int, budget: int, lengths, seed: int) -> dict:
     return r
 
 
-def _run(seqs: int, budget: int, lengths, seed: int) -> dict:
+def _run(seqs: int, budget: int, lengths, prompts: list[list[int]]) -> dict:
     t0 = time.perf_counter()
     if seqs == 0:  # the engine's own defaults for the device (EngineConfig.DEVICE_DEFAULTS)
         llm = make_llm(max_num_seqs=None, max_num_batched_tokens=None, cuda_graph_max_batch=None)
@@ -71,7 +68,7 @@ def _run(seqs: int, budget: int, lengths, seed: int) -> dict:
 
     engine.step = counted
     try:
-        r = throughput(llm, prompts_for(lengths, seed), [o for _, o in lengths])
+        r = throughput(llm, prompts, [o for _, o in lengths])
     finally:
         del engine.step  # no engine -> closure -> engine cycle left behind
     return r | {
@@ -105,13 +102,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global WORKLOAD
     source = args.workload or ROOT / "benchmarks" / SHAREGPT_LENGTHS
     if args.workload is not None:
-        WORKLOAD = read_workload(args.workload)[: args.num_requests]
-        lengths = [(len(i.prompt_token_ids), i.output_len) for i in WORKLOAD]
+        items = read_workload(args.workload)[: args.num_requests]
+        lengths = [(len(i.prompt_token_ids), i.output_len) for i in items]
+        prompts = [list(i.prompt_token_ids) for i in items]  # the file's own, every run
     else:
         lengths = json.loads(source.read_text())["lengths"][: args.num_requests]
+        prompts = None  # fresh ids per run
     result: dict = {
         "gpu": torch.cuda.get_device_name(),
         "workload": str(source.relative_to(ROOT)) if source.is_relative_to(ROOT) else str(source),
@@ -128,13 +126,13 @@ def main() -> None:
     seed = 10
     if args.defaults:
         log("the engine's defaults")
-        result["runs"].append(one(0, 0, lengths, seed))
+        result["runs"].append(one(0, 0, lengths, seed, prompts))
         save()
     for seqs in [int(s) for s in args.seqs.split(",")]:
         for budget in [int(b) for b in args.budgets.split(",")]:
             seed += 1
             log(f"max_num_seqs {seqs}, max_num_batched_tokens {budget}")
-            result["runs"].append(one(seqs, budget, lengths, seed))
+            result["runs"].append(one(seqs, budget, lengths, seed, prompts))
             save()
     print_table(result)
     plot(result, args.out / "gpu_sweep.png")
