@@ -342,6 +342,9 @@ class MigrationMixin:
             if request.num_computed_tokens > state.capacity:
                 state.need = request.num_computed_tokens
                 return "grow"
+            # A step still running may hold the request's last token: its outputs go out now,
+            # before the request can be handed over (pause waits for that step).
+            self._emit(self.engine.drain())
             try:
                 self.engine.pause(state.request_id)
             except ValueError as exc:

@@ -180,6 +180,11 @@ class EngineConfig:
         },
     )
     sm_carveout: int = 0  # CUDA: SMs cuBLAS matmuls leave free (for the KV stream's NCCL kernels)
+    # Schedule and prepare step N+1 while step N runs on the device, its sampled tokens fed to
+    # N+1 on the device (vLLM V1's async scheduling, SGLang's overlap scheduler). None: on for
+    # CUDA; on CPU the forward pass runs on the host's own cores, so there is nothing to hide
+    # behind (True runs the same pipeline there, as the tests do).
+    async_scheduling: bool | None = None
     # Build text and check stop strings in the engine (offline). Workers turn it off: the router
     # detokenizes their token-id streams in its own process, off the engine thread (as vLLM's
     # front end does), and aborts a request whose text hit a stop string.
@@ -201,6 +206,8 @@ class EngineConfig:
                 object.__setattr__(self, name, value)
         if self.cuda_graph_max_batch is None:
             object.__setattr__(self, "cuda_graph_max_batch", self.max_num_seqs)
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", self.device.startswith("cuda"))
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -11,9 +11,11 @@ norm, LM head) is captured once into a graph that reads its inputs from static d
 
 A step of ``n`` decodes replays the smallest bucket ``b >= n``; rows ``n..b`` are padding: slot
 -1 (the KV write skips them), context length 1 over block 0 (read, never written). The host fills
-pinned mirrors and queues non-blocking copies, so nothing in a step waits on the GPU until the
-sampler reads the tokens back. The pinned mirrors are reused every step: safe because each
-step ends in that read-back, after which the previous step's copies have completed.
+pinned mirrors and queues non-blocking copies, so nothing in a step waits on the GPU. The pinned
+mirrors are reused every step: before refilling them the host waits on an event recorded after
+the last step's copies (with async scheduling the next step is prepared while one runs). A token
+still pending from the step before (async scheduling) is written over ``input_ids`` on the
+device after the copy (``fill``).
 
 A step that carries a prefill chunk has metadata of a shape no graph can fix (chunks, their
 lengths, the extend kernel's grid), so ``PiecewiseGraphs`` graphs everything but attention: per
@@ -132,6 +134,7 @@ class DecodeGraphs:
         self._slots = pinned_mirror(device, torch.int64, b)
         self._lens = pinned_mirror(device, torch.int32, b)
         self._tables = pinned_mirror(device, torch.int32, b, width)
+        self._copied = torch.cuda.Event()  # the last step's input copies have left the mirrors
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
@@ -181,13 +184,20 @@ class DecodeGraphs:
     def fits(self, chunks: list[ChunkSpec]) -> bool:
         return len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
 
-    def run(self, chunks: list[ChunkSpec], input_ids: list[int]) -> torch.Tensor:
-        """Logits ``[len(chunks), vocab]`` (fp32) of a decode-only step."""
+    def run(
+        self,
+        chunks: list[ChunkSpec],
+        input_ids: list[int],
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[len(chunks), vocab]`` (fp32) of a decode-only step; ``fill``: (rows, token
+        ids) written over ``input_ids`` on the device."""
         n = len(chunks)
         b = next(s for s in self.sizes if s >= n)
         ids, positions, slots, lens, tables = (
             buf[1] for buf in (self._ids, self._positions, self._slots, self._lens, self._tables)
         )
+        self._copied.synchronize()  # the mirrors may still be read by the last step's copies
         bs = self.block_size
         ids[:n] = input_ids
         for row, c in enumerate(chunks):
@@ -201,6 +211,9 @@ class DecodeGraphs:
         for host, _, device in (self._ids, self._positions, self._slots, self._lens):
             device[:b].copy_(host[:b], non_blocking=True)
         self._tables[2][:b].copy_(self._tables[0][:b], non_blocking=True)
+        self._copied.record()
+        if fill is not None:
+            self._ids[2].index_copy_(0, *fill)
         self._graphs[b].replay()
         return self._logits[b][:n]
 
@@ -313,11 +326,13 @@ class PiecewiseGraphs:
         layer_hook: Callable[[int], None] | None = None,
         tap_rows: torch.Tensor | None = None,
         tap_layers: tuple[int, ...] = (),
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Hidden states ``[n, hidden]`` of the step's ``n`` tokens, as ``model.forward``
         returns them, and ``{layer: its output at tap_rows}`` for ``tap_layers`` (a copy each).
-        ``layer_hook(i)`` is called once attention ``i`` has queued its KV writes. The hidden
-        states are valid until the next replay of any graph of the pool."""
+        ``layer_hook(i)`` is called once attention ``i`` has queued its KV writes; ``fill``:
+        (rows, token ids) written over ``input_ids`` on the device. The hidden states are valid
+        until the next replay of any graph of the pool."""
         n = len(input_ids)
         t = next(s for s in self.sizes if s >= n)
         bucket = self._buckets[t]
@@ -330,6 +345,8 @@ class PiecewiseGraphs:
             mirror[n:t] = 0  # padding rows: token 0 at position 0
             device[:t].copy_(host[:t], non_blocking=True)
         self._copied.record()
+        if fill is not None:
+            self._ids[2].index_copy_(0, *fill)
         step = StepContext(self.model.ops, None, meta, self.backend)
         o = self._o[:n]
         taps: dict[int, torch.Tensor] = {}

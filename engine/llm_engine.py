@@ -27,7 +27,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import SequenceText
 from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, SampledToken
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -59,6 +59,17 @@ class _Sequence:
     num_emitted: int = 0  # token ids already handed out in a delta
     finish_emitted: bool = False
     base: int = 0  # output position of its first token here (tokens carried in come before)
+
+
+@dataclass
+class _InFlight:
+    """A scheduled step: queued on the device (``launched``), or already run by isolating a
+    fault (``sampled``, and the groups it failed)."""
+
+    out: SchedulerOutput
+    launched: LaunchedStep | None
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    faulted: list[_Group] = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +127,11 @@ class LLMEngine:
         self._remote: dict[str, Request] = {}  # reserved for a remote prefill, KV not yet here
         self._paused: dict[str, Request] = {}  # out of the batch, blocks held (migrating out)
         self.step_observer: StepObserver | None = None
+        # Async scheduling (EngineConfig.async_scheduling): the step queued on the device while
+        # the next is prepared, and outputs the next ``step`` call hands out.
+        self.async_scheduling = cfg.async_scheduling
+        self._inflight: _InFlight | None = None
+        self._ready: list = []
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
@@ -301,7 +317,7 @@ class LLMEngine:
         request = group.seqs[0].request
         if request_id in self._remote or request.status != RequestStatus.RUNNING:
             return f"request {request_id!r} is not decoding here (it waits)"
-        if request.num_computed_tokens != request.num_tokens - 1:
+        if request.num_computed_tokens != request.num_tokens_with_pending - 1:
             return f"request {request_id!r} is mid-prefill"
         return None
 
@@ -314,7 +330,10 @@ class LLMEngine:
 
     def pause(self, request_id: str) -> Request:
         """Take a decoding request out of the batch after a step, keeping its blocks (a
-        migration's last stage); ``resume_paused`` puts it back, ``release_paused`` lets go."""
+        migration's last stage); ``resume_paused`` puts it back, ``release_paused`` lets go.
+        A step still running is waited for first (its outputs come with the next ``step``,
+        or call ``drain`` before), so every token of the request is known."""
+        self._drain()
         request = self.migratable(request_id)
         self.scheduler.detach(request_id)
         self._paused[request_id] = request
@@ -357,7 +376,7 @@ class LLMEngine:
             self._retire(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or bool(self._ready) or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -367,24 +386,73 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput] | list[Delta]:
         """Run one scheduled forward pass. ``output_kind`` "cumulative": a RequestOutput for
-        every request that progressed; "delta": a Delta for every sequence that did."""
+        every request that progressed; "delta": a Delta for every sequence that did.
+
+        With async scheduling the step is queued on the device and the call returns the
+        outputs of the step before, which ran meanwhile; the host's work (reading and applying
+        sampled tokens, stop checks, outputs, the next schedule) runs while the device works.
+        A step whose sampled ids the next one needs on the host (penalties), and every step
+        of an engine with a step observer, is waited for in the call that launches it."""
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return []
+        launched = self._launch(sched_out) if not sched_out.is_empty else None
+        if self._inflight is not None:  # the step before, run while this one was prepared
+            self._ready += self._finish(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self._may_overlap(launched):
+            self._drain()
+        outputs, self._ready = self._ready, []
+        return outputs
+
+    def drain(self) -> list[RequestOutput] | list[Delta]:
+        """Wait for the step still running (async scheduling) and return every output not
+        handed out yet: afterwards each request's tokens are all known."""
+        self._drain()
+        outputs, self._ready = self._ready, []
+        return outputs
+
+    def has_work(self) -> bool:
+        """Whether ``step`` has something to do: a request to schedule, a step running, or
+        outputs to hand out."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._inflight is not None
+            or (bool(self._ready))
+        )
+
+    def _drain(self) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._ready += self._finish(inflight)
+
+    def _may_overlap(self, step: _InFlight) -> bool:
+        """Whether the next step may be scheduled while ``step`` runs."""
+        return (
+            self.async_scheduling
+            and step.launched is not None
+            and self.step_observer is None
+            and not any(c.samples and c.request.params.uses_penalties for c in step.out.scheduled)
+        )
+
+    def _launch(self, sched_out: SchedulerOutput) -> _InFlight:
         observer = self.step_observer
         hook = observer.begin_step(sched_out) if observer is not None else None
-        faulted: list[_Group] = []
         try:
-            sampled = self.runner.execute(sched_out, hook)
+            return _InFlight(sched_out, self.runner.launch(sched_out, hook))
         except Exception as exc:
             if observer is not None:
                 raise  # its hooks already streamed layers of this step: no re-execution
+            self._drain()  # the step before may hold this one's inputs: know them first
             sampled, culprits = self._isolate(sched_out.scheduled, exc)
-            faulted = self._fail_culprits(culprits, exc)
+            return _InFlight(sched_out, None, sampled, self._fail_culprits(culprits, exc))
+
+    def _finish(self, step: _InFlight) -> list[RequestOutput] | list[Delta]:
+        """Read a launched step's sampled tokens and apply them: progress, stops, outputs."""
+        sched_out, faulted = step.out, step.faulted
+        sampled = self.runner.collect(step.launched) if step.launched is not None else step.sampled
         if self.runner.capture_layers:
             self._on_prompt_hidden(sampled)
-        if observer is not None:
-            observer.end_step(sched_out, sampled)
+        if self.step_observer is not None:
+            self.step_observer.end_step(sched_out, sampled)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
         progressed, finished = self.scheduler.update_from_output(sched_out, token_ids)
         now = time.monotonic()

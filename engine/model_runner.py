@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from engine.cuda_graphs import DecodeGraphs, GraphPool, PiecewiseGraphs
 from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.weights import init_dummy_weights, iterate_weights
 
@@ -58,6 +59,13 @@ class ModelRunner:
         # output (before the final norm), or -1: after the final norm, what feeds the LM head.
         self.capture_layers: tuple[int, ...] = ()
         self._prompt_hidden: dict[str, dict[int, np.ndarray]] = {}
+        # The last launched step's sampled tokens (device) and each request's row in them: the
+        # next step's inputs read the tokens still pending from there.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # CUDA, for benchmarks: set to a list and each launch appends (start, end) events around
+        # its device work; the gaps between one step's end and the next one's start are the
+        # time the device waited for the host (benchmarks/gpu_async.py).
+        self.timeline: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         # CUDA graphs: whole decode steps, and every other step of up to piecewise_max_tokens
         # tokens in pieces around attention (engine/cuda_graphs.py); both share one pool.
         self.graphs: DecodeGraphs | None = None
@@ -193,8 +201,22 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
     ) -> dict[str, SampledToken]:
-        """One forward pass and sampling. ``layer_hook(i)`` runs once layer ``i`` has written
-        its KV (queued on the current stream)."""
+        """One forward pass and sampling, waited for. ``layer_hook(i)`` runs once layer ``i``
+        has written its KV (queued on the current stream)."""
+        return self.collect(self.launch(out, layer_hook))
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> LaunchedStep:
+        """Queue one forward pass and its sampling on the device and return without waiting
+        for them (``collect`` does). A token still pending in the step launched before this one
+        (async scheduling) is read from that step's device tensor of sampled tokens."""
+        marks = None
+        if self.timeline is not None:
+            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            marks[0].record()
+            self.timeline.append(marks)
         # Decodes first, shortest context first (the attention backend groups them by length).
         chunks = sorted(out.scheduled, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids: list[int] = []
@@ -202,33 +224,75 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         capture: dict[str, int] = {}  # request id -> row of its prompt's last token
+        pending: list[tuple[int, str]] = []  # (input row, request id) of pending tokens
         for c in chunks:
-            input_ids += c.request.all_token_ids[c.start : c.start + c.num_tokens]
+            known = c.request.all_token_ids[c.start : c.start + c.num_tokens]
+            input_ids += known
+            if len(known) < c.num_tokens:  # its last token is pending: filled on the device
+                if len(known) != c.num_tokens - 1:
+                    raise RuntimeError(f"{c.request.request_id}: more than one token pending")
+                input_ids.append(0)
+                pending.append((len(input_ids) - 1, c.request.request_id))
             positions += range(c.start, c.start + c.num_tokens)
             if c.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(c)
                 if self.capture_layers and not c.request.output_token_ids:
                     capture[c.request.request_id] = len(input_ids) - 1
+        fill = self._pending_fill(pending)
         specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
         whole_graph = layer_hook is None and not capture
+        hidden_rows: tuple[list[str], dict[int, torch.Tensor]] | None = None
         if self.graphs is not None and whole_graph and self.graphs.fits(specs):
-            logits = self.graphs.run(specs, input_ids)
-            if not sampling:
-                return {}
-            if len(sample_rows) < len(specs):
+            logits = self.graphs.run(specs, input_ids, fill)
+            if len(sample_rows) < len(specs) and sampling:
                 logits = logits[self._to_device(sample_rows)]
         else:
             capture_rows = self._to_device(list(capture.values())) if capture else None
-            hidden, taps = self._forward(specs, input_ids, positions, layer_hook, capture_rows)
+            hidden, taps = self._forward(
+                specs, input_ids, positions, layer_hook, capture_rows, fill
+            )
             if capture:
-                self._keep_prompt_hidden(list(capture), hidden[capture_rows], taps)
-            if not sampling:
-                return {}
-            logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
-        rows = [self._sampling_row(c) for c in sampling]
-        tokens = self.sampler(logits, rows)
-        return {c.request.request_id: t for c, t in zip(sampling, tokens, strict=True)}
+                hidden_rows = (list(capture), self._prompt_taps(hidden[capture_rows], taps))
+            logits = None
+            if sampling:
+                logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        ids = [c.request.request_id for c in sampling]
+        batch = None
+        if sampling:
+            batch = self.sampler.sample(logits, [self._sampling_row(c) for c in sampling])
+            self._last_sampled = (batch.tokens, {rid: i for i, rid in enumerate(ids)})
+        if marks is not None:
+            marks[1].record()
+        return LaunchedStep(ids, batch, hidden_rows)
+
+    def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """Wait for a launched step's sampled tokens (and its prompts' hidden states, which
+        ``take_prompt_hidden`` hands out from then on)."""
+        tokens = step.batch.wait() if step.batch is not None else []
+        if step.prompt_hidden is not None:
+            request_ids, taps = step.prompt_hidden
+            host = {i: taps[i].float().cpu().numpy() for i in self.capture_layers}
+            for k, rid in enumerate(request_ids):
+                self._prompt_hidden[rid] = {i: host[i][k] for i in self.capture_layers}
+        return dict(zip(step.request_ids, tokens, strict=True))
+
+    def _pending_fill(
+        self, pending: list[tuple[int, str]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input rows, their token ids on the device) for the tokens still pending: each one
+        sampled by the step launched last."""
+        if not pending:
+            return None
+        if self._last_sampled is None:
+            raise RuntimeError("a pending token with no step launched before")
+        tokens, row_of = self._last_sampled
+        try:
+            source = [row_of[rid] for _, rid in pending]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc} has a token pending from an older step") from None
+        rows = self._to_device([row for row, _ in pending])
+        return rows, tokens.index_select(0, self._to_device(source))
 
     def _forward(
         self,
@@ -237,20 +301,25 @@ class ModelRunner:
         positions: list[int],
         layer_hook: Callable[[int], None] | None,
         capture_rows: torch.Tensor | None,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Hidden states of every row, and each captured layer's output at ``capture_rows``:
-        through the piecewise graphs when the step fits the largest bucket, else eagerly."""
+        through the piecewise graphs when the step fits the largest bucket, else eagerly.
+        ``fill``: (rows, token ids) written over ``input_ids`` on the device."""
         meta = self.backend.build(specs, self.cfg.block_size, self.device)
         if self.piecewise is not None and self.piecewise.fits(len(input_ids)):
             layers = (
                 tuple(i for i in self.capture_layers if i >= 0) if capture_rows is not None else ()
             )
             return self.piecewise.forward(
-                input_ids, positions, meta, layer_hook, capture_rows, layers
+                input_ids, positions, meta, layer_hook, capture_rows, layers, fill
             )
+        ids = self._to_device(input_ids)
+        if fill is not None:
+            ids.index_copy_(0, *fill)
         with self._layer_taps(capture_rows) as taps:
             hidden = self.model(
-                self._to_device(input_ids),
+                ids,
                 self._to_device(positions),
                 self.kv_caches,
                 meta,
@@ -286,15 +355,14 @@ class ModelRunner:
             for h in handles:
                 h.remove()
 
-    def _keep_prompt_hidden(
-        self, request_ids: list[str], last: torch.Tensor, taps: dict[int, torch.Tensor]
-    ) -> None:
-        """``last``: the final layer's output at the captured rows (before the final norm)."""
+    def _prompt_taps(
+        self, last: torch.Tensor, taps: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Every captured layer's output at the captured rows, on the device; ``last``: the
+        final layer's output there (before the final norm)."""
         if -1 in self.capture_layers:
             taps[-1] = self.model.norm(last, self.model.ops)
-        host = {i: taps[i].float().cpu().numpy() for i in self.capture_layers}
-        for k, rid in enumerate(request_ids):
-            self._prompt_hidden[rid] = {i: host[i][k] for i in self.capture_layers}
+        return taps
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         return host_to_device(np.asarray(values, dtype=np.int64), self.device)
@@ -305,4 +373,17 @@ class ModelRunner:
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            # Inputs of this chunk not known yet (a token pending from the step before).
+            num_pending=chunk.start + chunk.num_tokens - request.num_tokens,
         )
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``): who samples, in row order, their
+    tokens on their way to the host, and the hidden states captured at prompts' last tokens
+    (request ids, ``{layer: [rows, hidden]}`` on the device)."""
+
+    request_ids: list[str]
+    batch: SampledBatch | None
+    prompt_hidden: tuple[list[str], dict[int, torch.Tensor]] | None = None

@@ -10,6 +10,11 @@ with ``num_tokens`` (prompt + generated). There are no prefill and decode phases
 
 Chunked prefill, prefix hits, recompute after preemption and (later) KV that arrives from a
 remote prefill worker are all the same thing: ``num_computed_tokens`` moving forward.
+
+``num_computed_tokens`` moves when a step is scheduled (its KV is written by that step, before
+any later step reads it). With async scheduling the next step is scheduled while one runs: a
+token that running step samples is *pending* (``num_pending``), its position already known, its
+id not, so a decoding request has ``num_computed_tokens == num_tokens_with_pending - 1``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still running on the device (async scheduling): their positions
+    # are scheduled (counted in ``num_computed_tokens`` once their KV is queued), their ids not
+    # known yet. Each is appended when its step's results are read.
+    num_pending: int = 0
     # Prompt tokens found in the prefix cache at first admission (reported to the client).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
@@ -76,6 +85,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

@@ -141,7 +141,7 @@ class EngineWorker:
     # -- the engine thread -----------------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        return self.engine.scheduler.has_unfinished_requests()
+        return self.engine.has_work()
 
     def _wait_timeout(self) -> float | None:
         """How long the idle engine thread may block (None: until the inbox has something)."""

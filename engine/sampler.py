@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 
-__all__ = ["SampledToken", "Sampler", "SamplingRow", "seeded_uniform"]
+__all__ = ["SampledBatch", "SampledToken", "Sampler", "SamplingRow", "seeded_uniform"]
 
 _NEG_INF = float("-inf")
 # Candidate-set sizes tried for top-p before falling back to a full sort of the row.
@@ -58,7 +58,16 @@ class SamplingRow:
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far (before this step's token)
+    output_token_ids: Sequence[int]  # generated so far (before this step's token), known ids
+    # Tokens generated before this one whose ids are not known yet (a step still running: async
+    # scheduling). They count for positions (seeds, min_tokens); penalties need every id, so a
+    # row with penalties never has any.
+    num_pending: int = 0
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated before this step's, known or pending."""
+        return len(self.output_token_ids) + self.num_pending
 
 
 _MASK64 = (1 << 64) - 1
@@ -99,6 +108,8 @@ def _apply_frequency_presence(
 
 def _apply_penalties(row: torch.Tensor, sampling_row: SamplingRow) -> None:
     params = sampling_row.params
+    if sampling_row.num_pending:
+        raise ValueError("penalties need every output token id: none may be pending")
     output = torch.as_tensor(sampling_row.output_token_ids, dtype=torch.long, device=row.device)
     if params.repetition_penalty != 1.0:
         prompt = torch.as_tensor(sampling_row.prompt_token_ids, dtype=torch.long, device=row.device)
@@ -111,7 +122,7 @@ def _min_tokens_banned(sampling_row: SamplingRow, vocab_size: int) -> list[int]:
     """Token ids to forbid this step because the row has not reached ``min_tokens`` yet:
     the stop token ids, and the EOS ids unless ``ignore_eos``."""
     params = sampling_row.params
-    if len(sampling_row.output_token_ids) >= params.min_tokens:
+    if sampling_row.num_output >= params.min_tokens:
         return []
     banned = list(params.stop_token_ids or [])
     if not params.ignore_eos:
@@ -164,6 +175,7 @@ def _candidate_thresholds(
     top_p: torch.Tensor,
     row_totals: torch.Tensor,
     size: int,
+    any_top_p: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k then top-p thresholds from each row's ``size`` most likely tokens.
 
@@ -177,9 +189,9 @@ def _candidate_thresholds(
     has_k = top_k > 0
     k_index = (top_k.clamp(1, size) - 1)[:, None]
     k_threshold = torch.where(has_k, best.gather(1, k_index).squeeze(1), zeros)
-    has_p = top_p < 1.0
-    if not bool(has_p.any()):
+    if not any_top_p:  # (known on the host: no device round trip)
         return k_threshold, torch.ones_like(has_k)
+    has_p = top_p < 1.0
 
     # Top-p acts on the top-k-truncated distribution: drop candidates past k, renormalise.
     positions = torch.arange(size, device=weights.device)
@@ -197,20 +209,29 @@ def _candidate_thresholds(
 
 
 def _top_k_top_p_thresholds(
-    weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    weights: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    largest_top_k: int,
+    any_top_p: bool,
+    any_top_p_only: bool,
 ) -> torch.Tensor:
     """Per row, the smallest weight kept by top-k (0 = off) then top-p (1 = off).
+    ``largest_top_k``, ``any_top_p`` (a row with top-p) and ``any_top_p_only`` (one with top-p
+    and no top-k) come from the host, so a step with no top-p-only row never waits on the device.
 
     Avoids a full sort: top-k needs only k candidates, and the top-p nucleus is looked for
     among the best 256 tokens, then 4096, then the whole (sorted) row, per unresolved row.
     """
     n_rows, vocab_size = weights.shape
     thresholds = weights.new_zeros(n_rows)
+    if not any_top_p_only:  # every row resolves on its top-k candidates: one pass
+        size = min(vocab_size, max(largest_top_k, 1))
+        threshold, _ = _candidate_thresholds(weights, top_k, top_p, thresholds, size, any_top_p)
+        return threshold
     pending = torch.arange(n_rows, device=weights.device)
-    top_p_only = (top_p < 1.0) & (top_k == 0)
-    any_top_p_only = bool(top_p_only.any())
-    row_totals = weights.sum(dim=-1) if any_top_p_only else thresholds
-    for size in _candidate_sizes(vocab_size, int(top_k.max()), any_top_p_only):
+    row_totals = weights.sum(dim=-1)
+    for size in _candidate_sizes(vocab_size, largest_top_k, any_top_p_only):
         if pending.numel() == n_rows:
             rows, k, p, totals = weights, top_k, top_p, row_totals
         else:
@@ -237,19 +258,51 @@ def _zero_below(weights: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor
     return weights
 
 
-def _host_list(t: torch.Tensor) -> list:
-    """``t.tolist()`` for a device tensor, through pinned memory and an event. With a plain
-    ``tolist()`` or ``.cpu()`` (a pageable device-to-host copy) other threads' CUDA calls waited
-    until the whole forward pass had run: a prefill worker's KV sender sat in
-    ``Event.record`` for ~75 ms at 8k tokens (benchmarks/NOTES.md, disaggregation, change 7)."""
-    if t.device.type == "cpu":
-        return t.tolist()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
+class SampledBatch:
+    """One step's sampled tokens (and the logprobs asked for), still on the device, with their
+    copies to the host queued behind them; ``wait`` returns them. The copies go through pinned
+    memory and an event: with a plain ``tolist()`` or ``.cpu()`` (a pageable device-to-host
+    copy) other threads' CUDA calls waited until the whole forward pass had run (a prefill
+    worker's KV sender sat in ``Event.record`` for ~75 ms at 8k tokens: benchmarks/NOTES.md,
+    disaggregation, change 7), and the engine could not schedule the next step meanwhile.
+
+    ``tokens`` (device, one per row) may feed the next step's inputs before ``wait``."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        logprobs: tuple[list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """``logprobs``: (rows that want them, how many top entries each, the chosen token's
+        logprob, the top ids, the top values), the tensors one row per wanting row."""
+        self.tokens = tokens
+        self._wanting, self._n_top = (logprobs[0], logprobs[1]) if logprobs else ([], [])
+        tensors = [tokens, *(logprobs[2:] if logprobs else ())]
+        if tokens.device.type == "cpu":
+            self._host, self._done = tensors, None
+            return
+        self._host = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.append(host.copy_(t, non_blocking=True))
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def ready(self) -> bool:
+        """Whether ``wait`` would return without blocking."""
+        return self._done is None or self._done.query()
+
+    def wait(self) -> list[SampledToken]:
+        if self._done is not None:
+            self._done.synchronize()
+        results = [SampledToken(t, None, None) for t in self._host[0].tolist()]
+        if not self._wanting:
+            return results
+        chosen, top_ids, top_values = (t.tolist() for t in self._host[1:])
+        for j, (i, n) in enumerate(zip(self._wanting, self._n_top, strict=True)):
+            results[i].logprob = chosen[j]
+            results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        return results
 
 
 # --------------------------------------------------------------------------- picking
@@ -274,9 +327,7 @@ def _draw_uniforms(
     else:
         uniforms = torch.empty(len(rows), device=device)
     if seeded:
-        values = [
-            seeded_uniform(rows[i].params.seed, len(rows[i].output_token_ids)) for i in seeded
-        ]
+        values = [seeded_uniform(rows[i].params.seed, rows[i].num_output) for i in seeded]
         if len(seeded) == len(rows):
             uniforms.copy_(torch.tensor(values, dtype=torch.float32))
         else:
@@ -352,12 +403,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Sample from ``logits`` [len(rows), vocab]; ``logits`` itself is left unchanged."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(
-                f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}."
-            )
-        if not rows:
+        if logits.dim() == 2 and not rows and logits.shape[0] == 0:
             return []
+        return self.sample(logits, rows).wait()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampledBatch:
+        """Queue the sampling of ``logits`` [len(rows), vocab] (>= 1 row) on the device; the
+        result is read with ``wait``. ``logits`` itself is left unchanged."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or not rows:
+            raise ValueError(
+                f"logits must be [len(rows)={len(rows)} >= 1, vocab], got {tuple(logits.shape)}."
+            )
         n_rows, device = len(rows), logits.device
         processed = self._processed(logits, rows)
         tokens = torch.empty(n_rows, dtype=torch.long, device=device)
@@ -437,7 +493,15 @@ class Sampler:
             top_k = _column([rows[i].params.top_k for i in uses_kp], weights, torch.long)
             top_p = _column([rows[i].params.top_p for i in uses_kp], weights, torch.float32)
             candidates = self._gather(weights, index, "candidates", len(uses_kp))
-            kp = _top_k_top_p_thresholds(candidates, top_k, top_p)
+            kp_params = [rows[i].params for i in uses_kp]
+            kp = _top_k_top_p_thresholds(
+                candidates,
+                top_k,
+                top_p,
+                max(p.top_k for p in kp_params),
+                any(p.top_p < 1.0 for p in kp_params),
+                any(p.top_p < 1.0 and p.top_k <= 0 for p in kp_params),
+            )
             thresholds = kp if index is None else thresholds.index_copy_(0, index, kp)
         if uses_min_p:
             # The best token's weight is 1 and top-k/top-p always keep it, so min-p's
@@ -448,24 +512,15 @@ class Sampler:
 
     def _results(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
-    ) -> list[SampledToken]:
+    ) -> SampledBatch:
         """Package tokens, with logprobs of the raw distribution for the rows that ask."""
-        results = [SampledToken(t, None, None) for t in _host_list(tokens)]
         wanting = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         if not wanting:
-            return results
+            return SampledBatch(tokens, None)
         index = _row_index(wanting, len(rows), logits.device)
-        out = self._workspace.take("logprobs", len(wanting), logits.shape[-1], logits.device)
-        logprobs = torch.log_softmax(_select(logits, index), -1, dtype=torch.float32, out=out)
-        chosen = _host_list(logprobs.gather(1, _select(tokens, index)[:, None]).squeeze(1))
-        n_top = max(rows[i].params.logprobs or 0 for i in wanting)
-        top_ids: list[list[int]] = [[] for _ in wanting]
-        top_values: list[list[float]] = [[] for _ in wanting]
-        if n_top > 0:
-            top = logprobs.topk(min(n_top, logprobs.shape[-1]), dim=-1, sorted=True)
-            top_ids, top_values = _host_list(top.indices), _host_list(top.values)
-        for j, i in enumerate(wanting):
-            n = rows[i].params.logprobs or 0
-            results[i].logprob = chosen[j]
-            results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
-        return results
+        # Not a scratch buffer: with async scheduling the next step samples before these are read.
+        logprobs = torch.log_softmax(_select(logits, index), -1, dtype=torch.float32)
+        chosen = logprobs.gather(1, _select(tokens, index)[:, None]).squeeze(1)
+        n_each = [rows[i].params.logprobs or 0 for i in wanting]
+        top = logprobs.topk(min(max(n_each), logprobs.shape[-1]), dim=-1, sorted=True)
+        return SampledBatch(tokens, (wanting, n_each, chosen, top.indices, top.values))

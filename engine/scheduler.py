@@ -6,6 +6,13 @@ One loop closes each step::
     sampled = model_runner.execute(out)    # one forward pass over all of them
     scheduler.update_from_output(out, sampled)
 
+``schedule`` moves each request's ``num_computed_tokens`` past its chunk at once, and counts
+the token a sampling chunk will produce as *pending*; ``update_from_output`` appends it. So the
+next step can be scheduled while this one runs (the engine's async scheduling): a request whose
+token is pending decodes it next (its id reaches the next step's inputs on the device), and a
+request that will surely have finished by then (``max_tokens``, the context length) is left
+out. A request the pending token turns out to stop has its next token dropped.
+
 Each step has a token budget (``max_num_batched_tokens``). Running requests are served first, in
 priority order: a decoding request takes 1 token, a request mid-prefill takes what is left of its
 prompt up to the budget (chunked prefill), so decodes and prefill chunks share one step. When a
@@ -45,11 +52,12 @@ class ScheduledRequest:
     start: int
     num_tokens: int
     block_table: list[int]
+    # Whether this chunk reaches the end of the request's tokens, pending ones included (so
+    # its logits are sampled); fixed when the chunk is made.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens (so its logits are sampled)."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens_with_pending
 
 
 @dataclass
@@ -133,15 +141,26 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            i += 1
+            if request.num_pending and self._surely_finished(request):
+                continue  # its pending token ends it: a step for it would be thrown away
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # ``request`` itself was preempted: everything after it already was
             out.scheduled.append(self._chunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
-            i += 1
         if not out.preempted:
             self._admit_waiting(budget, out)
         return out
+
+    def _surely_finished(self, request: Request) -> bool:
+        """Whether the tokens pending for ``request`` reach its length limits (whatever they are)."""
+        params, total = request.params, request.num_tokens_with_pending
+        outputs = request.num_output_tokens + request.num_pending
+        if params.max_tokens is not None and outputs >= params.max_tokens:
+            return True
+        bm = self.block_manager
+        return total >= self.config.max_model_len or total > bm.num_blocks * bm.block_size
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.block_manager.allocate_slots(request, num_new) is None:
@@ -155,6 +174,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending:
+                break  # preempted while its last token was pending: it is known next step
             hits = self.block_manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -170,8 +191,14 @@ class Scheduler:
             budget -= num_new
 
     def _chunk(self, request: Request, start: int, num_tokens: int) -> ScheduledRequest:
+        """The chunk ``[start, start + num_tokens)`` of ``request``; its progress moves past it
+        now (the step writes that KV before any later step reads it)."""
         table = self.block_manager.block_table(request.request_id)
-        return ScheduledRequest(request, start, num_tokens, table)
+        chunk = ScheduledRequest(request, start, num_tokens, table)
+        request.num_computed_tokens = start + num_tokens
+        if chunk.samples:
+            request.num_pending += 1
+        return chunk
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -194,17 +221,17 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int]
     ) -> tuple[list[Request], list[Request]]:
-        """Advance progress after a forward pass. ``sampled`` maps request id to the token sampled
-        for every chunk that ``samples``. Returns (requests that got a token, requests finished
-        by a token-level stop: eos, stop_token_ids, max_tokens, context length)."""
+        """Take a step's sampled tokens in: ``sampled`` maps request id to the token sampled for
+        every chunk that ``samples``. Returns
+        (requests that got a token, requests finished by a token-level stop: eos,
+        stop_token_ids, max_tokens, context length). A request that finished after the step
+        was scheduled (aborted, or stopped by the step before) drops its token."""
         progressed, finished = [], []
         for chunk in out.scheduled:
             request = chunk.request
-            if request.is_finished:
-                continue  # aborted between schedule() and now
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            if not chunk.samples:
+            if not chunk.samples or request.is_finished:
                 continue
+            request.num_pending -= 1
             request.append_output_token(sampled[request.request_id])
             progressed.append(request)
             status = self.check_stop(request)

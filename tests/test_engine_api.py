@@ -172,10 +172,10 @@ def _poison(engine, monkeypatch, bad: list[int] | None) -> None:
     real = engine.runner.sampler
 
     class Poisoned:
-        def __call__(self, logits, rows):
+        def sample(self, logits, rows):
             if bad is None or any(list(r.prompt_token_ids) == bad for r in rows):
                 raise RuntimeError("poisoned row")
-            return real(logits, rows)
+            return real.sample(logits, rows)
 
     monkeypatch.setattr(engine.runner, "sampler", Poisoned())
 

@@ -94,8 +94,12 @@ def test_config_is_what_hf_saved(tiny):
         {},
         {"max_num_batched_tokens": 7, "block_size": 4},  # chunked prefill, decode+prefill mixed
         {"num_kv_blocks": 12, "block_size": 16},  # forced preemption (recompute)
+        # Async scheduling: step N+1 scheduled and launched before N's tokens are read
+        {"async_scheduling": True},
+        {"max_num_batched_tokens": 7, "block_size": 4, "async_scheduling": True},
+        {"num_kv_blocks": 12, "block_size": 16, "async_scheduling": True},
     ],
-    ids=["plain", "chunked", "preempt"],
+    ids=["plain", "chunked", "preempt", "async", "async-chunked", "async-preempt"],
 )
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_greedy_matches_hf(tiny, engine_kwargs, backend, monkeypatch):
@@ -107,12 +111,13 @@ def test_greedy_matches_hf(tiny, engine_kwargs, backend, monkeypatch):
     assert llm.engine.runner.backend.name == ("torch" if backend == "torch" else "cpu")
 
 
-def test_preemption_happens_and_tokens_match(tmp_path_factory):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_happens_and_tokens_match(tmp_path_factory, async_scheduling):
     model, path = _make_model(tmp_path_factory, "llama")
     rng = random.Random(3)
     prompts = [[rng.randrange(BASE["vocab_size"]) for _ in range(30)] for _ in range(6)]
     expected = [hf_greedy(model, p, 40) for p in prompts]
-    llm = LLM(str(path), num_kv_blocks=14, block_size=8)
+    llm = LLM(str(path), num_kv_blocks=14, block_size=8, async_scheduling=async_scheduling)
     seen = []
     original = llm.engine.scheduler._preempt
 
@@ -127,13 +132,14 @@ def test_preemption_happens_and_tokens_match(tmp_path_factory):
     llm.engine.block_manager.check_invariant(expect_idle=True)
 
 
-def test_prefix_hits_give_same_tokens(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefix_hits_give_same_tokens(tiny, async_scheduling):
     model, path, prompts, expected = tiny
     shared = prompts[-1][:96]
     tails = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     batch = [shared + t for t in tails]
     expected = [hf_greedy(model, p) for p in batch]
-    llm = LLM(str(path), block_size=16)
+    llm = LLM(str(path), block_size=16, async_scheduling=async_scheduling)
     first = llm.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert first[0].num_cached_tokens == 0
     rest = llm.generate(batch[1:], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -257,14 +257,22 @@ def test_top_k_top_p_thresholds_match_full_sort() -> None:
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # relative: best is 1
     top_k = [0, 0, 0, 0, 0, 50, 1000, 1, 300, 5000]
     top_p = [0.9, 0.5, 0.95, 0.8, 0.99, 1.0, 0.9, 0.3, 0.7, 0.99]
-    got = _top_k_top_p_thresholds(weights, torch.tensor(top_k), torch.tensor(top_p))
+
+    def thresholds(w: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+        flags = (
+            max(ks),
+            any(p < 1.0 for p in ps),
+            any(p < 1.0 and k == 0 for k, p in zip(ks, ps, strict=True)),
+        )
+        return _top_k_top_p_thresholds(w, torch.tensor(ks), torch.tensor(ps), *flags)
+
+    got = thresholds(weights, top_k, top_p)
     assert torch.equal(got, reference_thresholds(weights, top_k, top_p))
-    # Fewer rows at a time give the same thresholds (no dependence on the batch).
+    # Fewer rows at a time give the same thresholds (no dependence on the batch); pairs 5-6
+    # and 7-8 all have top-k, so they take the one-pass path (no top-p-only row).
     for i in range(0, len(scales), 2):
         part = slice(i, i + 2)
-        alone = _top_k_top_p_thresholds(
-            weights[part], torch.tensor(top_k[part]), torch.tensor(top_p[part])
-        )
+        alone = thresholds(weights[part], top_k[part], top_p[part])
         assert torch.equal(alone, got[part])
 
 

@@ -451,7 +451,8 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     sched.finish_requests(["v"], RequestStatus.FINISHED_ABORTED)
     progressed, finished = sched.update_from_output(out, {"v": 1, "other": 2})
     assert progressed == [other] and finished == []
-    assert v.output_token_ids == [] and v.num_computed_tokens == 0
+    assert v.output_token_ids == [] and other.output_token_ids == [2]
+    assert other.num_pending == 0 and other.num_computed_tokens == 3
     sched.block_manager.check_invariant()
     run_until_idle(sched)
 

@@ -1,0 +1,142 @@
+"""Async scheduling on one GPU (issue 23, item 2): the same offline run with the host's work
+between forwards (``async_scheduling=False``) and beside them (``True``), at the engine's
+defaults, Llama-3-8B shape (dummy bf16 weights), greedy, ignore_eos, all requests at once.
+
+For each run: requests and output tokens per second, steps, and where the wall time went:
+the device's busy time (first to last event of each step's work) and the time it sat waiting
+for the host between one step's end and the next one's start (``ModelRunner.timeline``), as a
+share of the wall time (the issue's bar: at most 5 %).
+
+Workloads: vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json, 231 in / 189
+out) and the ShareGPT-lengths file (110 in / 275 out, fresh token ids). The two settings
+alternate (off, on, off, on with ``--repeats 2``) so a drift of the machine hits both.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_async.py --out DIR [--repeats 1] [--num-requests 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_engine import log, make_llm, throughput  # noqa: E402
+from benchmarks.gpu_sweep import prompts_for  # noqa: E402
+from benchmarks.workloads import SHAREGPT_LENGTHS, read_workload  # noqa: E402
+
+VLLM_SAMPLE = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
+
+
+def device_time(timeline) -> tuple[float, float]:
+    """(seconds the device worked on steps, seconds it waited for the host between them)."""
+    busy = idle = 0.0
+    for i, (start, end) in enumerate(timeline):
+        busy += start.elapsed_time(end) / 1e3
+        if i + 1 < len(timeline):
+            idle += max(end.elapsed_time(timeline[i + 1][0]), 0.0) / 1e3
+    return busy, idle
+
+
+def run(async_scheduling: bool, prompts: list[list[int]], outputs: list[int]) -> dict:
+    t0 = time.perf_counter()
+    llm = make_llm(
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
+        cuda_graph_max_batch=None,
+        async_scheduling=async_scheduling,
+    )
+    start_s = time.perf_counter() - t0
+    runner = llm.engine.runner
+    runner.timeline = []
+    r = throughput(llm, prompts, outputs)
+    torch.cuda.synchronize()
+    busy, idle = device_time(runner.timeline)
+    r |= {
+        "async_scheduling": async_scheduling,
+        "max_num_seqs": llm.engine.cfg.max_num_seqs,
+        "max_num_batched_tokens": llm.engine.cfg.max_num_batched_tokens,
+        "start_s": start_s,
+        "steps": len(runner.timeline),
+        "device_busy_s": busy,
+        "device_waits_for_host_s": idle,
+        "host_exposed_share": idle / r["seconds"],
+        "ms_per_step": 1e3 * r["seconds"] / len(runner.timeline),
+    }
+    runner.timeline = None
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    if free < 0.8 * total:
+        raise SystemExit("the last engine's memory was not freed: the next would not be comparable")
+    log(
+        f"async={async_scheduling}: {r['req_s']:.1f} req/s, {r['output_tok_s']:.0f} out tok/s, "
+        f"{r['steps']} steps, device waited {idle:.2f} of {r['seconds']:.1f} s"
+    )
+    return r
+
+
+def workloads(n: int) -> dict[str, tuple[list[list[int]], list[int]]]:
+    items = read_workload(VLLM_SAMPLE)[:n]
+    lengths = json.loads((ROOT / "benchmarks" / SHAREGPT_LENGTHS).read_text())["lengths"][:n]
+    return {
+        "vllm_sharegpt": ([list(i.prompt_token_ids) for i in items], [i.output_len for i in items]),
+        "sharegpt_lengths": (prompts_for(lengths, 21), [o for _, o in lengths]),
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['gpu']}, engine defaults, {result['requests']} requests at once")
+    head = (
+        "| workload | async | req/s | out tok/s | steps | ms/step | device busy | waits for host |"
+    )
+    print(head)
+    print("|" + " --- |" * 8)
+    for r in result["runs"]:
+        print(
+            f"| {r['workload']} | {'on' if r['async_scheduling'] else 'off'} | {r['req_s']:.1f} | "
+            f"{r['output_tok_s']:,.0f} | {r['steps']} | {r['ms_per_step']:.2f} | "
+            f"{r['device_busy_s']:.1f} s | {r['device_waits_for_host_s']:.2f} s "
+            f"({100 * r['host_exposed_share']:.1f} %) |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--workloads", default="vllm_sharegpt,sharegpt_lengths")
+    ap.add_argument("--no-warmup", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    loads = workloads(args.num_requests)
+    result: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "requests": args.num_requests,
+        "runs": [],
+    }
+    if not args.no_warmup:
+        log(f"{result['gpu']}: warm-up (Triton compiles), 100 requests")
+        prompts, outputs = loads["vllm_sharegpt"]
+        run(True, prompts[:100], outputs[:100])
+    for name in args.workloads.split(","):
+        prompts, outputs = loads[name]
+        for _ in range(args.repeats):
+            for on in (False, True):
+                log(f"{name}, async_scheduling={on}")
+                result["runs"].append(run(on, prompts, outputs) | {"workload": name})
+                (args.out / "gpu_async.json").write_text(json.dumps(result, indent=2))
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
