@@ -12,6 +12,7 @@ out) and the ShareGPT-lengths file (110 in / 275 out, fresh token ids). The two 
 alternate (off, on, off, on with ``--repeats 2``) so a drift of the machine hits both.
 
     PYTHONPATH=$PWD python benchmarks/gpu_async.py --out DIR [--repeats 1] [--num-requests 1000]
+    python benchmarks/gpu_async.py --replot benchmarks/results/gpu_async.json   # no GPU needed
 """
 
 from __future__ import annotations
@@ -109,6 +110,33 @@ def print_table(result: dict) -> None:
         )
 
 
+def plot(result: dict, path: Path) -> None:
+    """Requests per second with async scheduling off and on, per workload, and where each
+    run's wall time went (the device busy, the device waiting for the host)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    labels = [f"{r['workload']}\nasync {'on' if r['async_scheduling'] else 'off'}" for r in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = ["#1f77b4" if r["async_scheduling"] else "#bbbbbb" for r in runs]
+    left.bar(labels, [r["req_s"] for r in runs], color=colors)
+    left.set_ylabel("requests / s (offline, all at once)")
+    busy = [r["device_busy_s"] for r in runs]
+    waits = [r["device_waits_for_host_s"] for r in runs]
+    right.bar(labels, busy, color="#2ca02c", label="device busy")
+    right.bar(labels, waits, bottom=busy, color="#d62728", label="device waits for the host")
+    right.set_ylabel("seconds")
+    right.legend()
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"Async scheduling, {result['gpu']}, Llama-3-8B shape, engine defaults")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -116,7 +144,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workloads", default="vllm_sharegpt,sharegpt_lengths")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--replot", type=Path, default=None, help="table and plot of a saved JSON")
     args = ap.parse_args()
+    if args.replot is not None:
+        result = json.loads(args.replot.read_text())
+        print_table(result)
+        plot(result, args.replot.with_suffix(".png"))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     loads = workloads(args.num_requests)
     result: dict = {
@@ -136,6 +170,7 @@ def main() -> None:
                 result["runs"].append(run(on, prompts, outputs) | {"workload": name})
                 (args.out / "gpu_async.json").write_text(json.dumps(result, indent=2))
     print_table(result)
+    plot(result, args.out / "gpu_async.png")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ Metrics (per rate; vLLM's names, times in ms unless named otherwise)
 
 Workloads (``--workload``): ``sharegpt`` (real ShareGPT first-turn text, answer length as the
 output length), ``sharegpt-ids`` (random token ids of ShareGPT lengths; ``--lengths-file`` reads
-benchmarks/data/sharegpt_llama3_lengths.json where the dataset is not installed), ``random``,
+benchmarks/data/sharegpt_llama3_lengths.json where the dataset is not installed), ``file`` (the
+prompt ids and output lengths of a benchmarks/workloads.py file, ``--workload-file``: vLLM's
+ShareGPT sample, benchmarks/data/vllm_sharegpt_llama3_1000.json), ``random``,
 ``long`` (2048..8192-token prompts) and ``prefix`` (``--num-prefixes`` shared system prompts).
 
 Tandem and vLLM side by side (same requests, one JSON file, one plot)::
@@ -73,7 +75,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `benchmarks.workloads` when run as a script
 
 DEFAULT_LENGTHS = ROOT / "benchmarks" / "data" / "sharegpt_llama3_lengths.json"
-WORKLOADS = ("sharegpt", "sharegpt-ids", "random", "long", "prefix")
+WORKLOADS = ("sharegpt", "sharegpt-ids", "file", "random", "long", "prefix")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 REJECT_STATUSES = (429, 503)
 SAFE_ID_RANGE = (100, 30000)  # token ids every tokenizer of interest knows
@@ -501,6 +503,24 @@ def sharegpt_ids(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
     ]
 
 
+def file_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
+    """The first ``--num-prompts`` requests of a benchmarks/workloads.py file (``--workload-file``,
+    e.g. vLLM's ShareGPT sample): its own prompt token ids and output lengths."""
+    from benchmarks.workloads import read_workload
+
+    if args.workload_file is None:
+        raise SystemExit("--workload file needs --workload-file PATH")
+    items = read_workload(args.workload_file)[: args.num_prompts]
+    return [
+        Request(
+            list(i.prompt_token_ids),
+            len(i.prompt_token_ids),
+            clip_output(i.output_len, args.max_output),
+        )
+        for i in items
+    ]
+
+
 def random_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
     rng, ids, out = random.Random(args.seed), id_range(tokenizer), []
     for _ in range(args.num_prompts):
@@ -532,6 +552,7 @@ def prefix_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
 BUILDERS = {
     "sharegpt": sharegpt_text,
     "sharegpt-ids": sharegpt_ids,
+    "file": file_requests,
     "random": random_requests,
     "long": long_requests,
     "prefix": prefix_requests,
@@ -744,6 +765,9 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
     ap.add_argument("--tokenizer", default=None, help="HF folder or alias (sharegpt: --model)")
     ap.add_argument("--lengths-file", type=Path, default=None, help="sharegpt-ids lengths JSON")
+    ap.add_argument(
+        "--workload-file", type=Path, default=None, help="file: a benchmarks/workloads.py file"
+    )
     ap.add_argument("--max-prompt", type=int, default=1024, help="sharegpt: longer skipped")
     ap.add_argument("--max-output", type=int, default=None, help="sharegpt: clip outputs")
     ap.add_argument("--input-len", type=int, default=1024, help="random; prefix: the suffix")

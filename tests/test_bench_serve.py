@@ -331,3 +331,23 @@ def test_end_to_end_append_save_requests_and_plot(fake_server, tmp_path):
     assert sorted(data["runs"]) == ["other", "sys-b"]
     pytest.importorskip("matplotlib")
     assert png.stat().st_size > 0
+
+
+def test_file_workload_sends_the_files_own_requests():
+    """``--workload file``: the prompt ids and output lengths of a workloads.py file (vLLM's
+    ShareGPT sample here), in order, clipped by ``--max-output``; without the file it says so."""
+    from benchmarks.workloads import read_workload
+
+    path = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
+    args = serve.parse_args(
+        ["--workload", "file", "--workload-file", str(path), "--num-prompts", "7"]
+        + ["--max-output", "100"]
+    )
+    requests = serve.build_requests(args)
+    items = read_workload(path)[:7]
+    assert [r.prompt for r in requests] == [list(i.prompt_token_ids) for i in items]
+    assert [r.prompt_len for r in requests] == [len(i.prompt_token_ids) for i in items]
+    assert [r.output_len for r in requests] == [min(i.output_len, 100) for i in items]
+    assert any(i.output_len > 100 for i in items)
+    with pytest.raises(SystemExit, match="--workload-file"):
+        serve.build_requests(serve.parse_args(["--workload", "file"]))
