@@ -343,3 +343,44 @@ def test_a_new_prefix_in_flight_follows_its_first_request(redis, tmp_path) -> No
         asyncio.run(scenario())
     finally:
         index.close()
+
+
+def test_a_burst_is_placed_in_linear_time_and_stays_balanced(tmp_path, monkeypatch) -> None:
+    """With a length predictor the cache-aware policy balances decode workers by their
+    requests' predicted output still to come. Summing it over every running request for each placement made a burst of N requests
+    quadratic (1000 at once kept the gateway from streaming any token for seconds); the sum is
+    now kept ``work_ttl_s`` and each placement adds its own request, so a burst still
+    alternates between equal workers and calls ``remaining()`` about once per request."""
+    from router.admission import Ticket
+    from router.policy import RouteRequest
+    from router.predictor import ORACLE_HEADER, OraclePredictor, PredictInput
+    from router.service import ClusterBackend
+
+    workers = [WorkerInfo(f"c-{i}", "decode", Handle(f"c-{i}")) for i in range(2)]
+    workers.append(WorkerInfo("p-0", "prefill", Handle("p-0")))
+    members = Membership(1, workers, model_dir=str(tmp_path), block_size=BS, max_model_len=64)
+    backend = ClusterBackend(MembershipView(members), predictor=OraclePredictor())
+    backend.work_ttl_s = 3600.0  # the whole burst within one sum
+    calls = [0]
+    remaining = Ticket.remaining
+
+    def counted(ticket):
+        calls[0] += 1
+        return remaining(ticket)
+
+    monkeypatch.setattr(Ticket, "remaining", counted)
+    predictor = OraclePredictor()
+
+    async def burst() -> list[str]:
+        placed = []
+        for i in range(40):
+            hints = PredictInput(prompt_len=8, max_tokens=100, headers={ORACLE_HEADER: "50"})
+            ticket = await backend.admission.acquire(f"r{i}", predictor.predict(hints), 100)
+            _, d, _ = backend._place_ticket(RouteRequest(8, BS), True, ticket)
+            placed.append(d)
+        return placed
+
+    placed = asyncio.run(burst())
+    for n in range(1, len(placed) + 1):  # every prefix of the burst is balanced
+        assert abs(placed[:n].count("c-0") - placed[:n].count("c-1")) <= 1, placed
+    assert calls[0] <= 2 * len(placed), f"{calls[0]} remaining() calls for {len(placed)} requests"
