@@ -395,9 +395,11 @@ class LLMEngine:
         of an engine with a step observer, is waited for in the call that launches it."""
         sched_out = self.scheduler.schedule()
         launched = self._launch(sched_out) if not sched_out.is_empty else None
-        if self._inflight is not None:  # the step before, run while this one was prepared
-            self._ready += self._finish(self._inflight)
-        self._inflight = launched
+        # The step before is forgotten before it is read: one whose read fails (the device
+        # faulted) is not read again by every later call.
+        before, self._inflight = self._inflight, launched
+        if before is not None:  # the step before, run while this one was prepared
+            self._ready += self._finish(before)
         if launched is not None and not self._may_overlap(launched):
             self._drain()
         outputs, self._ready = self._ready, []

@@ -195,3 +195,37 @@ def test_pause_waits_for_the_running_step(tiny, prompts):
     assert streamed["m"] == hf_greedy_ids(model, prompts[3], 10)
     assert streamed["o"] == hf_greedy_ids(model, prompts[4], 10)
     engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_a_step_whose_read_fails_is_not_read_again(tiny, prompts):
+    """The device faults under a running step: reading its tokens raises, from ``step``, once.
+    The worker then ends every request (EngineWorker._fail_everything); the engine goes on with
+    new ones instead of re-reading the broken step on every later call."""
+    model, path = tiny
+    llm = LLM(path, block_size=4, async_scheduling=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    engine.add_request("a", prompts[1], params)
+    engine.add_request("b", prompts[2], params)
+    engine.step()
+    runner, collect, broken = engine.runner, engine.runner.collect, []
+
+    def faulty(step):
+        if not broken or step is broken[0]:
+            broken[:1] = [step]
+            raise RuntimeError("device fault")
+        return collect(step)
+
+    runner.collect = faulty
+    with pytest.raises(RuntimeError, match="device fault"):
+        engine.step()
+    engine.abort_request(["a", "b"])
+    engine.add_request("c", prompts[3], params)
+    got = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        got += [o.outputs[0].token_ids for o in engine.step() if o.request_id == "c"]
+    assert not engine.has_unfinished_requests()
+    assert got[-1] == hf_greedy_ids(model, prompts[3], 8)
+    engine.block_manager.check_invariant(expect_idle=True)
