@@ -70,6 +70,7 @@ class _InFlight:
     launched: LaunchedStep | None
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     faulted: list[_Group] = field(default_factory=list)
+    observer: StepObserver | None = None  # the step observer that saw it begin
 
 
 @dataclass
@@ -431,7 +432,7 @@ class LLMEngine:
         return (
             self.async_scheduling
             and step.launched is not None
-            and self.step_observer is None
+            and step.observer is None
             and not any(c.samples and c.request.params.uses_penalties for c in step.out.scheduled)
         )
 
@@ -439,7 +440,7 @@ class LLMEngine:
         observer = self.step_observer
         hook = observer.begin_step(sched_out) if observer is not None else None
         try:
-            return _InFlight(sched_out, self.runner.launch(sched_out, hook))
+            return _InFlight(sched_out, self.runner.launch(sched_out, hook), observer=observer)
         except Exception as exc:
             if observer is not None:
                 raise  # its hooks already streamed layers of this step: no re-execution
@@ -453,8 +454,8 @@ class LLMEngine:
         sampled = self.runner.collect(step.launched) if step.launched is not None else step.sampled
         if self.runner.capture_layers:
             self._on_prompt_hidden(sampled)
-        if self.step_observer is not None:
-            self.step_observer.end_step(sched_out, sampled)
+        if step.observer is not None:  # the one that saw it begin (a role may switch between)
+            step.observer.end_step(sched_out, sampled)
         token_ids = {rid: t.token_id for rid, t in sampled.items()}
         progressed, finished = self.scheduler.update_from_output(sched_out, token_ids)
         now = time.monotonic()

@@ -229,3 +229,34 @@ def test_a_step_whose_read_fails_is_not_read_again(tiny, prompts):
     assert not engine.has_unfinished_requests()
     assert got[-1] == hf_greedy_ids(model, prompts[3], 8)
     engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_an_observer_attached_mid_pipeline_ends_only_steps_it_began(tiny, prompts):
+    """A worker that takes up prefill attaches its KV streamer (the step observer) between two
+    steps while one runs: the observer is told the end only of steps it saw begin, and every
+    step from then on waits for the one before."""
+    model, path = tiny
+    llm = LLM(path, block_size=4, async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("a", prompts[2], SamplingParams(temperature=0.0, max_tokens=6))
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None
+
+    class Observer:
+        def __init__(self):
+            self.begun, self.ended = [], []
+
+        def begin_step(self, out):
+            self.begun.append(out)
+
+        def end_step(self, out, sampled):
+            self.ended.append(out)
+
+    observer = engine.step_observer = Observer()
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        assert engine._inflight is None  # observed steps are waited for
+    assert observer.ended == observer.begun and observer.begun
+    assert outs[-1].outputs[0].token_ids == hf_greedy_ids(model, prompts[2], 6)
