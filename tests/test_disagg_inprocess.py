@@ -31,9 +31,11 @@ def tiny(tmp_path_factory):
     return save_tiny(tmp_path_factory, "tiny-disagg")
 
 
-@pytest.fixture(scope="module")
-def workers(tiny):
-    cfg = {"model_dir": tiny, **ENGINE}
+# Decode workers with async scheduling too (on by default on CUDA): requests admitted from a
+# remote prefill join a pipeline with a step running.
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def workers(tiny, request):
+    cfg = {"model_dir": tiny, **ENGINE, "async_scheduling": request.param}
     p = PrefillWorker(cfg, "p")
     d = DecodeWorker(cfg, "d", transport="inproc")
     yield p, d

@@ -32,9 +32,11 @@ def tiny(tmp_path_factory):
     return save_tiny(tmp_path_factory, "tiny-migrate")
 
 
-@pytest.fixture(scope="module")
-def workers(tiny):
-    cfg = {"model_dir": tiny, **ENGINE}
+# Decode workers with async scheduling too (on by default on CUDA): a migration pauses a request
+# while a step may be running, and its tokens must still come out exactly.
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def workers(tiny, request):
+    cfg = {"model_dir": tiny, **ENGINE, "async_scheduling": request.param}
     p = PrefillWorker(cfg, "p")
     a = DecodeWorker(cfg, "a", transport="inproc", migration=MIGRATION)
     b = DecodeWorker(cfg, "b", transport="inproc", migration=MIGRATION)
