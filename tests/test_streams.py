@@ -64,14 +64,16 @@ def test_assembler_applies_stop_strings_and_stop_tokens(tokenizer) -> None:
     assert asm.output.finished and asm.output.outputs[0].text == tokenizer.decode(ids[:3])
 
 
-@pytest.fixture
-def tiny_worker(tmp_path, tiny_cfg):
-    """A colocated worker on a random tiny Llama, in this process."""
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def tiny_worker(tmp_path, tiny_cfg, request):
+    """A colocated worker on a random tiny Llama, in this process (async scheduling off, as on
+    CPU by default, and on, as on CUDA)."""
     from decode_worker.colocated import ColocatedWorker
 
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(tmp_path)
-    return ColocatedWorker({"model_dir": str(tmp_path), "num_kv_blocks": 32, "block_size": 4}, "c")
+    cfg = {"model_dir": str(tmp_path), "num_kv_blocks": 32, "block_size": 4}
+    return ColocatedWorker({**cfg, "async_scheduling": request.param}, "c")
 
 
 def test_a_readers_requests_are_aborted_when_it_goes_away(tiny_worker) -> None:
