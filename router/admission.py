@@ -160,6 +160,18 @@ class PredictionQuality:
         return kendall_tau(pred, actual)
 
 
+TAIL_TTL_S = 0.05  # sjf: how long a projection of the queue's tail is reused
+
+
+@dataclass(eq=False)
+class _Tail:
+    """The seconds from ``at`` at which each slot frees once every queued request started."""
+
+    heap: list[float]
+    at: float
+    version: tuple[int, int, int]  # (Admission._version, capacity, queued) it was made for
+
+
 class Admission:
     """The queue and the slots. ``capacity()`` answers the pool's slots now (it follows the
     membership); every method runs on the router's event loop."""
@@ -176,6 +188,10 @@ class Admission:
         self.rates = _Rates()
         self.running: set[Ticket] = set()
         self.queue: dict[Ticket, None] = {}  # arrival order
+        # sjf: the slots' heap after the queue (_fcfs_start), and a count of the changes other
+        # than arrivals that make it stale
+        self._tail: _Tail | None = None
+        self._version = 0
         self.admitted = 0
         self.queued_total = 0  # requests that had to wait
         self.rejected: dict[str, int] = {"queue_full": 0, "projected_wait": 0}
@@ -216,7 +232,7 @@ class Admission:
                 retry_after_s=wait if wait is not None else 1.0,
             )
         if self.cfg.policy == "sjf":
-            fcfs = self._project(t, list(self.queue))
+            fcfs = self._fcfs_start(t)
             limit = self.cfg.max_wait_s if fcfs is None else self.cfg.aging * fcfs
             t.deadline = now + min(limit, self.cfg.max_wait_s)
             t.projected = fcfs is not None
@@ -227,6 +243,7 @@ class Admission:
         try:
             await t._grant
         except BaseException:
+            self._version += 1
             if self.queue.pop(t, None) is None and t in self.running:
                 self.release(t)  # granted as it was cancelled: give the slot back
             raise
@@ -248,6 +265,7 @@ class Admission:
         if t not in self.running:
             return
         self.running.discard(t)
+        self._version += 1
         now = self.clock()
         self.rates.finished(t, now)
         if actual is not None and t.admitted_median is not None:
@@ -281,6 +299,36 @@ class Admission:
     def projected_wait(self, t: Ticket) -> float | None:
         """Seconds until a slot frees for ``t`` under the policy (None: no rates yet)."""
         return self._project(t, self.ahead_of(t))
+
+    def _fcfs_start(self, t: Ticket) -> float | None:
+        """``_project(t, queue)``, the FCFS projection of ``t`` joining the queue's tail, without
+        walking every running and queued request for each arrival (a burst queued under sjf
+        was quadratic): the slots' heap after the queue is kept while only arrivals change it
+        (no start, no release, no leaving the queue, the same capacity, within
+        ``TAIL_TTL_S``), and ``t`` is added to it here."""
+        now, capacity = self.clock(), self.capacity()
+        tail = self._tail
+        if (
+            tail is None
+            or tail.version != (self._version, capacity, len(self.queue))
+            or now - tail.at > TAIL_TTL_S
+        ):
+            if not self.queue and len(self.running) < capacity:
+                self._tail = None
+                return 0.0
+            heap = self._slots_free()
+            if heap is None:
+                self._tail = None
+                return None
+            for q in self.queue:
+                heapq.heapreplace(heap, heap[0] + self.rates.service_s(q.remaining()))
+            tail = self._tail = _Tail(heap, now, (self._version, capacity, len(self.queue)))
+        elapsed = now - tail.at
+        start = max(tail.heap[0], elapsed)  # (a slot that freed meanwhile frees now)
+        heapq.heapreplace(tail.heap, start + self.rates.service_s(t.remaining()))
+        start -= elapsed
+        tail.version = (self._version, capacity, len(self.queue) + 1)  # t joins the queue next
+        return start
 
     def _project(self, t: Ticket, ahead: list[Ticket]) -> float | None:
         if not ahead and len(self.running) < self.capacity():
@@ -335,6 +383,7 @@ class Admission:
     def _start(self, t: Ticket, now: float) -> None:
         t.granted_at = now
         self.running.add(t)
+        self._version += 1
         self.admitted += 1
         self.wait.observe(now - t.arrival)
 
@@ -350,6 +399,7 @@ class Admission:
     def _pump(self) -> None:
         now = self.clock()
         if self.queue and self.capacity() < 1:  # no worker left to wait for: as a new arrival
+            self._version += 1
             for t in list(self.queue):
                 del self.queue[t]
                 if t._grant is not None and not t._grant.done():

@@ -344,3 +344,41 @@ def test_buckets_count_at_inclusive_upper_edges() -> None:
         h.observe(v)
     assert h.pairs() == [(0.1, 2), (1.0, 2), (float("inf"), 1)]
     assert h.total == pytest.approx(8.65)
+
+
+def test_sjf_deadlines_of_a_burst_are_the_fcfs_projection_in_linear_time(monkeypatch) -> None:
+    """Each request queued under sjf gets ``aging`` x its FCFS-projected start as deadline.
+    Projecting it over every running and queued request per arrival made a burst quadratic;
+    the slots' heap after the queue is now kept between arrivals: the deadlines are exactly
+    the full projection's, for about one ``remaining()`` per request."""
+    calls = [0]
+    remaining = Ticket.remaining
+
+    def counted(ticket):
+        calls[0] += 1
+        return remaining(ticket)
+
+    async def main():
+        clock = Clock()
+        adm = Admission(QueueConfig("sjf", aging=2.0, max_wait_s=1e6), lambda: 3, clock)
+        with_rates(adm, tokens_per_s=10.0, first_token_s=0.5)
+        for i, n in enumerate((40, 70, 100)):
+            adm.first_token(await adm.acquire(f"r{i}", pred(n), 10 * n))
+        monkeypatch.setattr(Ticket, "remaining", counted)
+        waiting = [
+            asyncio.ensure_future(adm.acquire(f"q{i}", pred(5 + (37 * i) % 90), 400))
+            for i in range(60)
+        ]
+        await settle()
+        burst_calls = calls[0]
+        queued = list(adm.queue)
+        assert len(queued) == 60
+        for i, q in enumerate(queued):  # the full projection, request by request
+            fcfs = adm._project(q, queued[:i])
+            assert q.deadline == pytest.approx(clock.t + 2.0 * fcfs), i
+        for w in waiting:
+            w.cancel()
+        return burst_calls
+
+    burst_calls = run(main())
+    assert burst_calls <= 2 * 60 + 3, f"{burst_calls} remaining() calls for a burst of 60"
