@@ -75,3 +75,20 @@ def test_cpu_linears_match_f_linear(onednn) -> None:
     torch.testing.assert_close(
         model.proj(x3), torch.nn.functional.linear(x3, *ref["proj"]), rtol=1e-5, atol=1e-4
     )
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load() -> None:
+    """torch's build lock (a file in the build folder, taken even to load a finished build)
+    outlives a process killed while building; the next worker must load the kernel anyway."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build = Path(_get_build_directory("tandem_paged_decode_cpu", verbose=False))
+    (build / "lock").touch()  # what a builder killed mid-build leaves
+    root = Path(__file__).resolve().parents[1]
+    code = "from kernels.cpu.paged_decode import load_kernel; assert load_kernel() is not None"
+    subprocess.run([sys.executable, "-c", code], cwd=root, timeout=240, check=True)
+    assert not (build / "lock").exists()
