@@ -130,7 +130,6 @@ class LLMEngine:
         self.step_observer: StepObserver | None = None
         # Async scheduling (EngineConfig.async_scheduling): the step queued on the device while
         # the next is prepared, and outputs the next ``step`` call hands out.
-        self.async_scheduling = cfg.async_scheduling
         self._inflight: _InFlight | None = None
         self._ready: list = []
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
@@ -430,7 +429,7 @@ class LLMEngine:
     def _may_overlap(self, step: _InFlight) -> bool:
         """Whether the next step may be scheduled while ``step`` runs."""
         return (
-            self.async_scheduling
+            self.cfg.async_scheduling
             and step.launched is not None
             and step.observer is None
             and not any(c.samples and c.request.params.uses_penalties for c in step.out.scheduled)

@@ -288,10 +288,6 @@ class SampledBatch:
         self._done = torch.cuda.Event()
         self._done.record()
 
-    def ready(self) -> bool:
-        """Whether ``wait`` would return without blocking."""
-        return self._done is None or self._done.query()
-
     def wait(self) -> list[SampledToken]:
         if self._done is not None:
             self._done.synchronize()

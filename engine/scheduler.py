@@ -142,7 +142,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             i += 1
-            if request.num_pending and self._surely_finished(request):
+            if request.num_pending and self._length_capped(request, request.num_pending):
                 continue  # its pending token ends it: a step for it would be thrown away
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
@@ -152,15 +152,6 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(budget, out)
         return out
-
-    def _surely_finished(self, request: Request) -> bool:
-        """Whether the tokens pending for ``request`` reach its length limits (whatever they are)."""
-        params, total = request.params, request.num_tokens_with_pending
-        outputs = request.num_output_tokens + request.num_pending
-        if params.max_tokens is not None and outputs >= params.max_tokens:
-            return True
-        bm = self.block_manager
-        return total >= self.config.max_model_len or total > bm.num_blocks * bm.block_size
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.block_manager.allocate_slots(request, num_new) is None:
@@ -249,11 +240,15 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if self._length_capped(request):
             return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        bm = self.block_manager
-        if request.num_tokens > bm.num_blocks * bm.block_size:
-            return RequestStatus.FINISHED_LENGTH_CAPPED  # would outgrow the whole pool
         return None
+
+    def _length_capped(self, request: Request, more: int = 0) -> bool:
+        """Whether ``request``, ``more`` tokens from now (tokens pending: whatever their ids),
+        reaches a length limit: ``max_tokens``, the context length, or the whole pool."""
+        outputs, total = request.num_output_tokens + more, request.num_tokens + more
+        if request.params.max_tokens is not None and outputs >= request.params.max_tokens:
+            return True
+        bm = self.block_manager
+        return total >= self.config.max_model_len or total > bm.num_blocks * bm.block_size
