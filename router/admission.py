@@ -42,7 +42,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.histogram import Buckets
@@ -316,12 +316,10 @@ class Admission:
             if not self.queue and len(self.running) < capacity:
                 self._tail = None
                 return 0.0
-            heap = self._slots_free()
+            heap = self._heap_after(self.queue)
             if heap is None:
                 self._tail = None
                 return None
-            for q in self.queue:
-                heapq.heapreplace(heap, heap[0] + self.rates.service_s(q.remaining()))
             tail = self._tail = _Tail(heap, now, (self._version, capacity, len(self.queue)))
         elapsed = now - tail.at
         start = max(tail.heap[0], elapsed)  # (a slot that freed meanwhile frees now)
@@ -333,13 +331,18 @@ class Admission:
     def _project(self, t: Ticket, ahead: list[Ticket]) -> float | None:
         if not ahead and len(self.running) < self.capacity():
             return 0.0
+        heap = self._heap_after(ahead)
+        return None if heap is None else heap[0]
+
+    def _heap_after(self, ahead: Iterable[Ticket]) -> list[float] | None:
+        """List scheduling: the seconds from now at which each slot frees once ``ahead`` has
+        started, in order, each in the first slot to free (None: no rates yet)."""
         heap = self._slots_free()
         if heap is None:
             return None
         for q in ahead:
-            start = heapq.heappop(heap)
-            heapq.heappush(heap, start + self.rates.service_s(q.remaining()))
-        return heap[0]
+            heapq.heapreplace(heap, heap[0] + self.rates.service_s(q.remaining()))
+        return heap
 
     def _slots_free(self) -> list[float] | None:
         """A heap of the seconds from now at which each slot frees (None: no rates yet)."""
