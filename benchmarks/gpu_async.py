@@ -18,7 +18,6 @@ alternate (off, on, off, on with ``--repeats 2``) so a drift of the machine hits
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import log, make_llm, throughput  # noqa: E402
-from benchmarks.gpu_sweep import prompts_for  # noqa: E402
+from benchmarks.gpu_sweep import check_freed, prompts_for  # noqa: E402
 from benchmarks.workloads import SHAREGPT_LENGTHS, read_workload  # noqa: E402
 
 VLLM_SAMPLE = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
@@ -73,11 +72,7 @@ def run(async_scheduling: bool, prompts: list[list[int]], outputs: list[int]) ->
     }
     runner.timeline = None
     del llm, runner
-    gc.collect()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    if free < 0.8 * total:
-        raise SystemExit("the last engine's memory was not freed: the next would not be comparable")
+    check_freed()
     log(
         f"async={async_scheduling}: {r['req_s']:.1f} req/s, {r['output_tok_s']:.0f} out tok/s, "
         f"{r['steps']} steps, device waited {idle:.2f} of {r['seconds']:.1f} s"

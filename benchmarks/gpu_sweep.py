@@ -42,13 +42,18 @@ def prompts_for(lengths: list[tuple[int, int]], seed: int) -> list[list[int]]:
 def one(seqs: int, budget: int, lengths, seed: int, prompts=None) -> dict:
     """One configuration's run; its engine (weights, KV pool, graphs) is freed on return."""
     r = _run(seqs, budget, lengths, prompts or prompts_for(lengths, seed))
+    check_freed()
+    return r
+
+
+def check_freed() -> None:
+    """After an engine is dropped: its memory is back, or the next run would not compare."""
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     log(f"after freeing: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     if free < 0.8 * total:
         raise SystemExit("the last engine's memory was not freed: the next would not be comparable")
-    return r
 
 
 def _run(seqs: int, budget: int, lengths, prompts: list[list[int]]) -> dict:
