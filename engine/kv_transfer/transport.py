@@ -318,6 +318,7 @@ def split_endpoint(endpoint: str) -> tuple[str, str, int]:
 @dataclass
 class _Incoming:
     slots: torch.Tensor  # destination slot of every token position, on the KV's device
+    ready: torch.cuda.Event | None  # recorded after the slots' upload (None off CUDA)
     num_tokens: int
     received: list[int]  # tokens received per layer
     peer: int | None = None  # connection the first layer came on
@@ -347,6 +348,7 @@ class KVReceiver:
         self.limits = limits or KVLimits()
         self._lock = threading.Lock()
         self._transfers: dict[str, _Incoming] = {}
+        self._upload: torch.cuda.Stream | None = None  # the slots' uploads (CUDA only)
         self.bytes_received = 0
         self.endpoint = ""
 
@@ -358,29 +360,47 @@ class KVReceiver:
         """Token positions ``[0, num_tokens)`` of ``transfer_id`` go to ``block_table``.
         ``exact``: its ``done`` announces exactly ``num_tokens``; otherwise (a migration, whose
         request grows while its KV is copied) any count up to it, every layer covering it."""
-        slots_dev = self._slots(block_table, num_tokens)
+        slots_dev, ready = self._slots(block_table, num_tokens)
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
-            incoming = _Incoming(slots_dev, num_tokens, [0] * self.spec.num_layers, exact=exact)
+            incoming = _Incoming(
+                slots_dev, ready, num_tokens, [0] * self.spec.num_layers, exact=exact
+            )
             self._transfers[transfer_id] = incoming
 
     def extend(self, transfer_id: str, block_table: list[int], num_tokens: int) -> bool:
         """Room for more positions in an inexact transfer still arriving (``block_table``
         extends the one it had); False when it is no longer expected."""
-        slots_dev = self._slots(block_table, num_tokens)
+        slots_dev, ready = self._slots(block_table, num_tokens)
         with self._lock:
             t = self._transfers.get(transfer_id)
             if t is None or t.exact or num_tokens < t.num_tokens:
                 return False
-            t.slots, t.num_tokens = slots_dev, num_tokens
+            t.slots, t.ready, t.num_tokens = slots_dev, ready, num_tokens
             return True
 
-    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+    def _slots(
+        self, block_table: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The transfer's destination slots on the KV's device, and (on CUDA) the event after
+        which they are there. The upload runs on the receiver's own stream: the caller's
+        stream may be the engine's, queued a step or two ahead, and the scatter (on another
+        stream) waits for this event, never for those steps."""
         if len(block_table) * self.block_size < num_tokens:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
         slots = slot_array(block_table, 0, num_tokens, self.block_size)
-        return host_to_device(slots, self.kv_caches[0].device)
+        device = self.kv_caches[0].device
+        if device.type != "cuda":
+            return host_to_device(slots, device), None
+        with self._lock:
+            if self._upload is None:
+                self._upload = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._upload):
+            slots_dev = host_to_device(slots, device)
+            ready = torch.cuda.Event()
+            ready.record()
+        return slots_dev, ready
 
     def cancel(self, transfer_id: str) -> None:
         """Stop writing into the transfer's blocks; ``released`` follows once that holds."""
@@ -409,7 +429,7 @@ class KVReceiver:
         transfers no longer expected (cancelled, unknown) are dropped. Destination slots are
         slices of each transfer's slot tensor, made once at ``expect``: no host allocation and
         no host-to-device copy per message."""
-        dst, keep = [], []
+        dst, keep, ready = [], [], []
         col = 0
         with self._lock:
             for tid, start, n in entries:
@@ -418,12 +438,20 @@ class KVReceiver:
                     t.peer = peer
                     dst.append(t.slots[start : start + n])
                     keep.append((col, n))
+                    if t.ready is not None:
+                        ready.append(t.ready)
                     t.received[layer] = max(t.received[layer], start + n)
                 col += n
             if dst:
                 cache = self.kv_caches[layer]
                 if sum(n for _, n in keep) < kv.shape[2]:  # some entries dropped: keep the rest
                     kv = torch.cat([kv[:, :, c : c + n] for c, n in keep], dim=2)
+                if ready:  # the slots' upload, on the receiver's stream, comes first
+                    stream = torch.cuda.current_stream(cache.device)
+                    for event in ready:
+                        stream.wait_event(event)
+                    for d in dst:  # freed at the transfer's end: not reused before this runs
+                        d.record_stream(stream)
                 index = dst[0] if len(dst) == 1 else torch.cat(dst)
                 cache.index_copy_(2, index, kv.to(cache.device))
         self.bytes_received += kv.numel() * kv.element_size()
