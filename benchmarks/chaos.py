@@ -746,6 +746,7 @@ class Run:
         self.extras: list[asyncio.Task] = []
         self.notes: dict[str, Any] = {}
         self.fault_at: float | None = None
+        self.fault_wall: float | None = None  # time.time() of the fault (the router's clock)
         self.affected: list[Flight] = []  # streams on the worker the fault hit
         self.hit: Callable[[Flight], bool] = lambda f: True  # which of them it really hit
         self.fault_done = False
@@ -827,6 +828,7 @@ class Run:
 
     def strike(self, victim: str, affected: list[Flight], **notes: Any) -> None:
         self.fault_at = self.now()
+        self.fault_wall = time.time()
         self.affected = affected
         self.notes |= {"victim": victim, "fault_at_s": round(self.fault_at, 3), **notes}
 
@@ -1035,6 +1037,7 @@ class Row:
 async def run_scenario(name: str, h: Harness, client: Any, jobs: Jobs, long_ttft: float) -> Row:
     run = Run(name, h, client, jobs, long_ttft)
     resumes0 = dict(h.gateway.backend.dispatcher.resumes)
+    log0 = len(h.gateway.backend.dispatcher.resume_log)
     progress = asyncio.ensure_future(_progress(run)) if h.cfg.progress else None
     load = asyncio.ensure_future(run.lanes())
     try:
@@ -1052,7 +1055,46 @@ async def run_scenario(name: str, h: Harness, client: Any, jobs: Jobs, long_ttft
     idle = await asyncio.to_thread(h.settle)
     resumes = {k: v - resumes0.get(k, 0) for k, v in h.gateway.backend.dispatcher.resumes.items()}
     run.notes["resumes"] = {k: v for k, v in resumes.items() if v}
+    timelines = list(h.gateway.backend.dispatcher.resume_log)[log0:]
+    if timelines and run.fault_wall is not None:
+        run.notes["resume_breakdown"] = resume_breakdown(timelines, run.fault_wall)
     return make_row(run, idle)
+
+
+RESUME_SPANS = (
+    # (name, from, to): milliseconds between two instants of a resume's timeline
+    ("detect", "fault", "failed"),  # the fault -> the router gives up on the attempt
+    ("place", "failed", "placed"),  # -> new workers chosen
+    ("reserve", "placed", "reserved"),  # -> the decode worker reserved (the prefill runs beside)
+    ("prefill", "placed", "prefilled"),  # -> the prefill worker's answer is back
+    ("kv_tail_admit", "prefilled", "first"),  # -> the first token of the new attempt arrives
+    ("first_step", "first", "second"),  # -> its next token (one decode step)
+    ("stall", "fault", "first"),  # the fault -> the first token after it
+)
+
+
+def resume_breakdown(timelines: list[dict[str, Any]], fault_wall: float) -> dict[str, Any]:
+    """Each resume's spans (ms), and the prefill worker's own split of ``prefill``: the call to
+    its engine thread, queued there, computing prompt + output (the rest of ``prefill`` is the
+    two Ray hops). Median over the resumes alongside."""
+    rows = []
+    for t in timelines:
+        marks = {**t, "fault": fault_wall}
+        row: dict[str, Any] = {"tokens": t.get("tokens"), "reason": t.get("reason")}
+        for name, a, b in RESUME_SPANS:
+            if marks.get(a) is not None and marks.get(b) is not None:
+                row[name] = round((marks[b] - marks[a]) * 1e3, 1)
+        phases = t.get("prefill_phases")
+        if phases:
+            names = ("prefill_call", "prefill_queued", "prefill_compute")
+            for name, v in zip(names, phases, strict=True):
+                row[name] = round(v * 1e3, 1)
+        rows.append(row)
+    median = {}
+    for k in dict.fromkeys(k for r in rows for k in r if k not in ("tokens", "reason")):
+        vals = sorted(r[k] for r in rows if k in r)
+        median[k] = vals[len(vals) // 2]
+    return {"resumes": rows, "median_ms": median}
 
 
 def make_row(run: Run, idle: list[WorkerIdle]) -> Row:
@@ -1166,7 +1208,13 @@ def format_table(rows: Sequence[Row]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(head), sep, *(line(b) for b in body), line(total)])
+    lines = [line(head), sep, *(line(b) for b in body), line(total)]
+    for r in rows:  # the resumes' breakdown (median ms over the scenario's resumes)
+        b = r.notes.get("resume_breakdown")
+        if b:
+            spans = ", ".join(f"{k} {v}" for k, v in b["median_ms"].items())
+            lines.append(f"{r.scenario}: {len(b['resumes'])} resumes, median ms: {spans}")
+    return "\n".join(lines)
 
 
 def report(cfg: ChaosConfig, rows: Sequence[Row], meta: dict[str, Any]) -> dict[str, Any]:

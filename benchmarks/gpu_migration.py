@@ -222,6 +222,9 @@ async def main_async(cluster, args, home: str, peer: str, vocab: int) -> dict:
                 "copied_mb": round(r.bytes / 2**20, 1),
                 "pause_ms": round(r.pause_s * 1e3, 2),
                 "migration_ms": round((t1 - t0) * 1e3, 1),
+                "copy_ms": round(r.copy_s * 1e3, 2),
+                # the copy stages' rate (their bytes are all but the last stage's <= 16 blocks)
+                "copy_gb_s": round(r.bytes / r.copy_s / 1e9, 1) if r.copy_s else None,
                 **{k: round(v, 2) for k, v in downtime(s.times, t0, t1, args.before).items()},
             }
             rows.append(row)
@@ -330,10 +333,12 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(f"\nexact: greedy tokens identical with and without migration: {results['exact']}")
-    print(f"{'context':>8} {'stages':>6} {'copied MB':>9} {'pause ms':>8} {'median ms':>9} "
-          f"{'max gap ms':>10} {'downtime ms':>11}")  # fmt: skip
+    print(f"{'context':>8} {'stages':>6} {'copied MB':>9} {'copy ms':>8} {'copy GB/s':>9} "
+          f"{'migration ms':>12} {'pause ms':>8} {'median ms':>9} {'max gap ms':>10} "
+          f"{'downtime ms':>11}")  # fmt: skip
     for r in results["downtime"]:
-        print(f"{r['context']:>8} {r['stages']:>6} {r['copied_mb']:>9} {r['pause_ms']:>8} "
+        print(f"{r['context']:>8} {r['stages']:>6} {r['copied_mb']:>9} {r['copy_ms']:>8} "
+              f"{r['copy_gb_s']!s:>9} {r['migration_ms']:>12} {r['pause_ms']:>8} "
               f"{r['median_gap_ms']:>9} {r['max_gap_ms']:>10} {r['downtime_ms']:>11}")  # fmt: skip
     t = results["throughput"]
     b = t["back_to_back"]

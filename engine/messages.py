@@ -103,6 +103,9 @@ class PrefillDone:
 
     token: SampledToken
     num_cached_tokens: int = 0  # prompt tokens its prefix cache served
+    # Seconds on the prefill worker: the call to its engine thread, queued there, computing
+    # (first chunk scheduled to the token sampled); for a resume's breakdown.
+    phases: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ class MigrationResult:
     bytes: int = 0  # KV payload bytes copied
     pause_s: float = 0.0  # the request out of every running batch (the last stage)
     seconds: float = 0.0  # the whole migration
+    copy_s: float = 0.0  # the copy stages before the last, while it decodes (first to drained)
 
     @property
     def ok(self) -> bool:

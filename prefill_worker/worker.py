@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -102,11 +103,15 @@ class PrefillMixin:
             params, max_tokens=upto, min_tokens=min(params.min_tokens, upto), stop=[], n=1
         )
 
+        called_at = time.monotonic()
+
         def add() -> None:
             trace(request_id, "prefill.add")
             self.engine.add_request(request_id, prompt, one, **kwargs)
             self._register(request_id, "")  # no stream (the result is the call's); for TTFT
-            self.streamer.add(request_id, request_id, endpoint, len(prompt) + carried, gate)
+            self.streamer.add(
+                request_id, request_id, endpoint, len(prompt) + carried, gate, called_at=called_at
+            )
 
         try:
             await self.call(add)
@@ -133,9 +138,10 @@ class PrefillMixin:
             loop, fut = entry
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-    def _on_done(self, request_id: str, token: dict) -> None:
+    def _on_done(self, request_id: str, token: dict, phases=None) -> None:
         first = token_from_dict(token)
-        self._resolve(request_id, PrefillDone(first, int(token.get("num_cached_tokens", 0))))
+        cached = int(token.get("num_cached_tokens", 0))
+        self._resolve(request_id, PrefillDone(first, cached, phases))
 
     def _on_channel_failure(self, transfer_ids: list[str], reason: str) -> None:
         """From a sender thread: the channel to a decode worker broke."""

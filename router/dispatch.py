@@ -36,7 +36,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -240,6 +240,11 @@ class Dispatcher:
         self._watchdog: asyncio.Task | None = None
         self.coalesced_batches = 0
         self.resumes: Counter[str] = Counter()  # by reason
+        # One timeline per resume (wall-clock seconds, so a harness on the same host can set a
+        # fault's instant beside them): failed, placed, reserved, prefilled, first, second
+        # (the resumed attempt's first two deltas with tokens), prefill_phases (the prefill
+        # worker's own split: to its engine thread, queued, computing), tokens recomputed.
+        self.resume_log: deque[dict[str, Any]] = deque(maxlen=256)
         self.migrations = 0  # requests of this router that moved to another worker
         self._orphans: dict[tuple[str, str], None] = {}
 
@@ -258,15 +263,18 @@ class Dispatcher:
         avoid: set[str] = set()
         assembler = Assembler(request_id, prompt_ids, params, self.tokenizer)
         failures = resumes = 0
+        timeline: dict[str, Any] | None = None  # of the resume under way
         while True:
             attempt = failures + resumes
             irid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             carried = assembler.produced()
             extra = {**kwargs, "output_token_ids": carried} if carried else kwargs
             prefill, decode = choose(avoid)
+            if timeline is not None:
+                timeline["placed"] = time.time()
             try:
                 async for out in self._attempt(
-                    irid, prompt_ids, params, extra, prefill, decode, assembler
+                    irid, prompt_ids, params, extra, prefill, decode, assembler, timeline
                 ):
                     yield out
                 return
@@ -288,6 +296,13 @@ class Dispatcher:
                     ) from None
                 resumes += 1
                 self.resumes[exc.reason] += 1
+                timeline = {
+                    "request_id": request_id,
+                    "reason": exc.reason,
+                    "tokens": len(prompt_ids) + len(produced),
+                    "failed": time.time(),
+                }
+                self.resume_log.append(timeline)
                 logger.warning(
                     "request %s resumes after %d tokens (%s): %s",
                     request_id,
@@ -296,7 +311,7 @@ class Dispatcher:
                     exc,
                 )
 
-    async def _attempt(self, irid, ids, params, kwargs, prefill, decode, assembler):
+    async def _attempt(self, irid, ids, params, kwargs, prefill, decode, assembler, timeline=None):
         finished = False
         workers = [decode] + ([prefill] if prefill is not None else [])
         for w in workers:
@@ -306,7 +321,7 @@ class Dispatcher:
                 inflight = await self._start_colocated(irid, ids, params, kwargs, decode)
             else:
                 inflight, placed, irid = await self._start_disagg(
-                    irid, ids, params, kwargs, prefill, decode
+                    irid, ids, params, kwargs, prefill, decode, timeline
                 )
                 if placed is not decode:  # the chosen one was full: another had room
                     decode.outstanding -= 1
@@ -321,6 +336,8 @@ class Dispatcher:
                     if d.moved_to is not None:  # migrated: read its new worker from now on
                         workers[0] = self._moved(irid, inflight, d.moved_to)
                         continue
+                    if timeline is not None and d.token_ids and "second" not in timeline:
+                        timeline["second" if "first" in timeline else "first"] = time.time()
                     stopped = assembler.apply(d)  # a stop string: the worker does not know
                     finished = assembler.output.finished
                     if stopped and finished:
@@ -365,10 +382,11 @@ class Dispatcher:
             raise _Retry(f"worker {worker.name} failed: {brief(exc)}", "worker_died") from None
         return inflight
 
-    async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef):
+    async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef, timeline):
         """Reserve on ``d`` while ``p`` computes the prompt (gated), falling back to the other
         decode workers when ``d`` is full. Returns (the request's inflight, its decode worker,
-        the id it runs under). ``kwargs["predicted_tokens"]`` goes to the reservation only."""
+        the id it runs under). ``kwargs["predicted_tokens"]`` goes to the reservation only.
+        ``timeline``: a resume's, which gets its reservation's and its prefill's instants."""
         reserve, kwargs = kwargs, _for_prefill(kwargs)
         inflight = self._expect(irid, d, _carried(kwargs))
         pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
@@ -382,7 +400,9 @@ class Dispatcher:
             d = await self._reserve_anywhere(irid, ids, params, reserve, avoid={d.name})
             inflight = self._inflight[irid]
             pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, **kwargs)
-        asyncio.ensure_future(self._watch_prefill(pref, p, d, irid))
+        if timeline is not None:
+            timeline["reserved"] = time.time()
+        asyncio.ensure_future(self._watch_prefill(pref, p, d, irid, timeline))
         return inflight, d, irid
 
     async def _reserve_on(self, d: WorkerRef, irid, ids, params, kwargs):
@@ -418,7 +438,7 @@ class Dispatcher:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    async def _watch_prefill(self, pref, p: WorkerRef, d: WorkerRef, irid: str) -> None:
+    async def _watch_prefill(self, pref, p: WorkerRef, d: WorkerRef, irid: str, timeline=None):
         """The prefill's result; a failure ends the request on ``d`` retryably. A prefill
         worker that hangs (this router or the controller holds it suspect: health polls
         missed, a stuck step) fails its prefills at once, not after the transfer timeout."""
@@ -440,6 +460,9 @@ class Dispatcher:
                     _quietly(control(p.handle.abort), irid)
                     res = PrefillFailed(f"prefill worker {p.name} is unresponsive")
         trace(irid, "router.prefilled")
+        if timeline is not None:
+            timeline["prefilled"] = time.time()
+            timeline["prefill_phases"] = getattr(res, "phases", None)
         if isinstance(res, PrefillFailed):
             _quietly(d.handle.fail_transfer, irid, res.message)
 

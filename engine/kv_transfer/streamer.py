@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,9 @@ class _Outgoing:
     endpoint: str
     num_tokens: int
     sent_upto: int = 0  # positions [0, sent_upto) are queued for every layer
+    called_at: float = 0.0  # monotonic: the worker's call, added here, first chunk scheduled
+    added_at: float = 0.0
+    first_step_at: float | None = None
 
 
 class KVStreamer:
@@ -73,7 +77,7 @@ class KVStreamer:
     def __init__(self, connector: KVConnector, kv_caches: list[torch.Tensor], block_size: int):
         self.connector, self.kv_caches, self.block_size = connector, kv_caches, block_size
         self.transfers: dict[str, _Outgoing] = {}
-        self.on_done = lambda request_id, token: None  # set by the worker
+        self.on_done = lambda request_id, token, phases: None  # set by the worker
 
     def add(
         self,
@@ -83,11 +87,15 @@ class KVStreamer:
         num_tokens: int,
         gate: threading.Event | None = None,
         gate_timeout_s: float = 60.0,
+        called_at: float | None = None,
     ) -> None:
         sender = self.connector.sender(endpoint)  # opened now: its handshake overlaps the queue
         if gate is not None:
             sender.hold(transfer_id, gate, gate_timeout_s)
-        self.transfers[request_id] = _Outgoing(transfer_id, endpoint, num_tokens)
+        now = time.monotonic()
+        self.transfers[request_id] = _Outgoing(
+            transfer_id, endpoint, num_tokens, called_at=called_at or now, added_at=now
+        )
 
     def drop(self, request_id: str, reason: str) -> _Outgoing | None:
         t = self.transfers.pop(request_id, None)
@@ -102,6 +110,8 @@ class KVStreamer:
             end = chunk.start + chunk.num_tokens
             if t is None or end <= t.sent_upto:
                 continue
+            if t.first_step_at is None:
+                t.first_step_at = time.monotonic()
             slots, entries = plan.setdefault(t.endpoint, ([], []))
             slots.append(slot_array(chunk.block_table, t.sent_upto, end, self.block_size))
             entries.append((t.transfer_id, t.sent_upto, end - t.sent_upto))
@@ -139,4 +149,6 @@ class KVStreamer:
             if not self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token):
                 continue  # refused earlier (a full channel queue): it is failing, not done
             trace(rid, "prefill.sampled")
-            self.on_done(rid, token)
+            first = t.first_step_at or t.added_at
+            phases = (t.added_at - t.called_at, first - t.added_at, time.monotonic() - first)
+            self.on_done(rid, token, phases)

@@ -108,12 +108,36 @@ async def _stream_with_fault(cluster, prompts, params, fault, mode):
         await asyncio.sleep(0.01)
     assert min(progress) >= 3, progress
     started = time.monotonic()
+    _stream_with_fault.dispatcher = cluster.dispatcher()  # (needs the running loop)
+    _stream_with_fault.log0 = len(_stream_with_fault.dispatcher.resume_log)
+    _stream_with_fault.fault_wall = time.time()
     undo = fault()
     outs = await asyncio.gather(*tasks)
     took = time.monotonic() - started
     if undo is not None:
         undo()
     return outs, took, dict(cluster.dispatcher().resumes)
+
+
+def _check_timelines(mode, how) -> None:
+    """Each resume of the last run left a timeline whose instants come in order: the fault,
+    the router giving up (a hang: after the stall timeout), new workers placed, (disaggregated:
+    the reservation, the prefill worker's answer with its own split), the first tokens."""
+    log = list(_stream_with_fault.dispatcher.resume_log)[_stream_with_fault.log0 :]
+    assert log, "no resume timeline"
+    fault = _stream_with_fault.fault_wall
+    for t in log:
+        assert fault <= t["failed"] <= t["placed"] <= t["first"], t
+        if "second" in t:
+            assert t["first"] <= t["second"], t
+        if how == "stop":
+            assert t["failed"] - fault >= 0.5 * STALL_S, t
+        if mode == "disagg":
+            assert t["placed"] <= t["reserved"] and t["placed"] <= t["prefilled"], t
+            to_engine, queued, compute = t["prefill_phases"]
+            assert to_engine >= 0 and queued >= 0 and compute > 0, t
+            assert to_engine + queued + compute <= t["prefilled"] - t["placed"], t
+        assert t["tokens"] > 3, t  # prompt + the output carried
 
 
 def _kill(cluster, pool):
@@ -149,6 +173,7 @@ def test_a_dead_or_hung_worker_loses_no_greedy_request(setup, prompts, expected_
         assert out.outputs[0].token_ids == exp
     assert resumes.get("worker_died" if how == "kill" else "stalled", 0) >= 1, resumes
     assert took < 60  # a hang is noticed after STALL_S, not after a transfer timeout
+    _check_timelines(mode, how)
     cluster.refresh()
     assert (victim in {w.name for w in cluster.workers}) == (how == "stop")
     assert_idle(cluster, timeout=30.0)  # a stopped worker, continued, aborted what moved away
