@@ -119,6 +119,7 @@ class ChaosConfig:
     kv_blocks: int | None = 512  # per worker (None: the engine's own sizing)
     engine: dict[str, Any] = field(default_factory=dict)  # more EngineConfig fields
     decode_gpus: float = 1.0  # CUDA: GPUs per decode worker (0.5: two share one)
+    prefill_gpus: float = 1.0  # CUDA: GPUs per prefill worker
     replace: bool = True  # start a new worker for each one killed
     stall_deadline_s: float = 60.0  # no byte this long: lost
     deadline_s: float = 300.0  # no end this long: lost
@@ -461,7 +462,11 @@ class Harness:
             transfer_timeout_s=cfg.transfer_timeout_s,
             stall_timeout_s=cfg.stall_timeout_s,
             index_url=self.redis.url,
-            gpus={"decode": cfg.decode_gpus} if cfg.decode_gpus != 1.0 else {},
+            gpus={
+                role: share
+                for role, share in (("prefill", cfg.prefill_gpus), ("decode", cfg.decode_gpus))
+                if share != 1.0
+            },
         )
         self.gateway = GatewayThread(self.cluster, self.redis.url, cfg, "chaos").start()
         return self
@@ -1352,6 +1357,7 @@ FLAGS = [
     ("--deadline", "deadline_s", float, "s without the end: lost"),
     ("--seed", "seed", int, "prompts"),
     ("--decode-gpus", "decode_gpus", float, "CUDA: GPUs per decode worker (0.5: two share one)"),
+    ("--prefill-gpus", "prefill_gpus", float, "CUDA: GPUs per prefill worker"),
 ]
 
 

@@ -95,11 +95,24 @@ def main() -> None:
             }
             q = torch.randn(1, HEADS, TOKENS, HEAD_DIM, device=dev, dtype=dt)
             kv = torch.randn(1, HEADS, TOKENS, HEAD_DIM, device=dev, dtype=dt)
+            if load in ("triton", "triton-layer"):  # the engine's own prefill attention kernel
+                from kernels.extend_attention import extend_attention
+
+                block = 16
+                tq = torch.randn(TOKENS, HEADS, HEAD_DIM, device=dev, dtype=dt)
+                tk = torch.randn(TOKENS, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+                cache = torch.zeros(KV_HEADS, TOKENS, HEAD_DIM, device=dev, dtype=dt)
+                tables = torch.arange(TOKENS // block, device=dev, dtype=torch.int32)[None]
+                cu = torch.tensor([0, TOKENS], device=dev, dtype=torch.int32)
+                prefix = torch.zeros(1, device=dev, dtype=torch.int32)
 
             def layer():
                 if load in ("attention", "layer"):
                     F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
-                if load in ("gemm", "layer"):
+                if load in ("triton", "triton-layer"):
+                    extend_attention(tq, tk, tk, cache, cache, tables, cu, prefix, TOKENS, block,
+                                     HEAD_DIM**-0.5)  # fmt: skip
+                if load in ("gemm", "layer", "triton-layer"):
                     x @ w["qkv"].T
                     x @ w["o"].T
                     h = x @ w["up"].T

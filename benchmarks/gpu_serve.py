@@ -309,6 +309,8 @@ def phase(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         server.wait(args.start_timeout)
+        if args.warmup:  # untimed: Triton compiles its kernels here, not in the saturation run
+            drive(args, server, f"{topo}-warmup", "sharegpt", args.warmup, [1e999])
         sat = drive(args, server, f"{topo}-sharegpt-inf", "sharegpt", args.num_prompts, [1e999])
         out["saturation"] = sat[0]["request_throughput"]
         if topo.startswith("one") or args.inf_only:
@@ -372,6 +374,97 @@ def goodput(result: dict[str, Any], slos: dict[str, float]) -> float:
     return bench.compute_metrics(recs, slos)["request_goodput"]
 
 
+ATTAINMENT = 0.9  # DistServe: goodput is the highest rate at which 90 % of requests meet both SLOs
+
+
+def attainment(result: dict[str, Any], slos: dict[str, float]) -> float:
+    """The share of a run's requests that completed within both SLOs (failures miss)."""
+    recs = result.get("requests")
+    if not recs:
+        return float("nan")
+    met = sum(1 for r in recs if r["success"] and bench.meets_slos(bench.Record(**r), slos))
+    return met / len(recs)
+
+
+def frontier(points: list[tuple[float, float]], target: float = ATTAINMENT) -> dict[str, Any]:
+    """DistServe's goodput from (offered rate, attainment) points of one topology: the highest
+    rate measured before the first that misses ``target`` (``measured``), and the rate where
+    attainment crosses ``target`` between those two, linearly (``interpolated``). ``below``:
+    the lowest rate already missed; ``above``: none missed."""
+    pts = sorted((r, a) for r, a in points if r != float("inf"))
+    last = None
+    for rate, att in pts:
+        if att < target:
+            if last is None:
+                return {"measured": 0.0, "interpolated": 0.0, "bound": "below", "first_miss": rate}
+            (r0, a0), (r1, a1) = last, (rate, att)
+            cross = r0 + (r1 - r0) * (a0 - target) / (a0 - a1) if a0 != a1 else r0
+            return {"measured": r0, "interpolated": cross, "bound": "", "first_miss": rate}
+        last = (rate, att)
+    top = last[0] if last else float("nan")
+    return {"measured": top, "interpolated": top, "bound": "above", "first_miss": None}
+
+
+def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, Any]]:
+    """Per workload and SLO pair: each topology's saturation, its attainment at every offered
+    rate, and its goodput (``frontier``), as markdown lines and as JSON."""
+    lines, out = [], {}
+    for workload in ("sharegpt", "long"):
+        for slo_name, slos in SLOS.items():
+            rows = {}
+            for topo, label in (("two", "2 colocated"), ("pd", "1P1D")):
+                rates = runs.get(f"{topo}-{workload}-rates", [])
+                inf = runs.get(f"{topo}-{workload}-inf", [])
+                if not rates:
+                    continue
+                sat = inf[0]["request_throughput"] if inf else float("nan")
+                pts = [(r["offered_rate"], attainment(r, slos)) for r in rates]
+                rows[label] = {"saturation": sat, "points": pts, "goodput": frontier(pts)}
+            if not rows:
+                continue
+            key = f"{workload}/{slo_name}"
+            out[key] = rows
+            slo = f"TTFT {slos['ttft']:g} ms, TPOT {slos['tpot']:g} ms"
+            lines += ["", f"{workload}, SLO {slo_name} ({slo}): attainment per offered rate"]
+            lines += ["| topology | saturation req/s | rate: attainment | goodput req/s "
+                      "(measured / interpolated) | per GPU | / saturation |", "|---|---|---|---|---|---|"]  # fmt: skip
+            for label, row in rows.items():
+                g = row["goodput"]
+                cells = ", ".join(f"{r:g}: {a:.2f}" for r, a in row["points"])
+                bound = {"below": " (missed at every rate)", "above": " (met at every rate)"}
+                lines.append(
+                    f"| {label} | {row['saturation']:.2f} | {cells} | {g['measured']:.2f} / "
+                    f"{g['interpolated']:.2f}{bound.get(g['bound'], '')} | "
+                    f"{g['interpolated'] / 2:.2f} | {g['interpolated'] / row['saturation']:.2f} |"
+                )
+    return lines, out
+
+
+def plot_frontier(data: dict[str, Any], png: Path) -> None:
+    """Attainment against offered rate, a panel per workload and SLO pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(data)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for label, row in data[key].items():
+            rates, atts = zip(*row["points"], strict=True)
+            ax.plot(rates, atts, marker="o", label=f"{label} (goodput "
+                    f"{row['goodput']['interpolated']:.1f})")  # fmt: skip
+        ax.axhline(ATTAINMENT, color="grey", ls="--", lw=0.8)
+        ax.set_title(key)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    log(f"wrote {png}")
+
+
 def report(args: argparse.Namespace) -> None:
     runs, phases = load_runs([Path(d) for d in args.dirs])
     lines = []
@@ -414,9 +507,14 @@ def report(args: argparse.Namespace) -> None:
                 + " | ".join(f"{gp[k]:.2f}" for k in SLOS)
                 + " |"
             )
-    print("\n".join(lines + [""] + table))
+    frontier_lines, frontiers = goodput_tables(runs)
+    summary["goodput"] = frontiers
+    print("\n".join(lines + [""] + table + frontier_lines))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot and frontiers:
+        png = Path(args.plot)
+        plot_frontier(frontiers, png.with_name(f"{png.stem}_goodput{png.suffix}"))
     if args.plot:
         for workload in ("sharegpt", "long"):
             data = {"runs": {}}
@@ -477,6 +575,7 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
         "of benchmarks/data/sharegpt_llama3_lengths.json",
     )
     r.add_argument("--rate-prompts", type=int, default=400, help="ShareGPT at each finite rate")
+    r.add_argument("--warmup", type=int, default=0, help="ShareGPT requests first, untimed")
     r.add_argument("--long-prompts", type=int, default=200)
     r.add_argument("--long-rate-prompts", type=int, default=100)
     r.add_argument("--long-input", type=int, nargs=2, default=[2048, 7936])

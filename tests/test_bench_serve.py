@@ -351,3 +351,31 @@ def test_file_workload_sends_the_files_own_requests():
     assert any(i.output_len > 100 for i in items)
     with pytest.raises(SystemExit, match="--workload-file"):
         serve.build_requests(serve.parse_args(["--workload", "file"]))
+
+
+def test_goodput_frontier_is_the_last_rate_before_attainment_drops() -> None:
+    """DistServe's goodput: the highest rate at which 90 % of requests meet both SLOs (the last
+    passing rate before the first miss, and the crossing interpolated between them)."""
+    from benchmarks.gpu_serve import attainment, frontier
+
+    g = frontier([(30.0, 0.5), (10.0, 1.0), (20.0, 0.95), (float("inf"), 0.0)])
+    assert g["measured"] == 20.0 and g["first_miss"] == 30.0
+    assert g["interpolated"] == pytest.approx(20.0 + 10.0 * 0.05 / 0.45)
+    # a later rate passing again does not lift it past the first miss
+    assert frontier([(10.0, 0.95), (20.0, 0.5), (30.0, 0.92)])["measured"] == 10.0
+    assert frontier([(10.0, 0.8), (20.0, 0.5)])["bound"] == "below"
+    top = frontier([(10.0, 1.0), (20.0, 0.91)])
+    assert top["bound"] == "above" and top["measured"] == 20.0
+
+    def rec(ttft: float, latency: float, ok: bool = True) -> dict:
+        return vars(Record(prompt_len=8, output_len=11, success=ok, ttft=ttft, latency=latency,
+                           output_tokens=11))  # fmt: skip
+
+    slos = {"ttft": 500.0, "tpot": 40.0}
+    reqs = [
+        rec(0.1, 0.1 + 10 * 0.03),
+        rec(0.6, 0.9),
+        rec(0.1, 0.1 + 10 * 0.05),
+        rec(0.1, 0.2, False),
+    ]
+    assert attainment({"requests": reqs}, slos) == 0.25  # only the first meets both; failed miss

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The 2-GPU measurements (issue 28) in named sections, for a lent machine with 2 GPUs:
+#
+#     benchmarks/gpu_two.sh OUTDIR SECTION...
+#
+# Sections: tests (every 2-GPU test under tests/gpu/ and the KV receiver's stream test),
+# disagg (the layer-wise KV stream against NCCL point to point, benchmarks/gpu_disagg.py),
+# overlap (a send behind prefill kernels, benchmarks/gpu_overlap.py), migration
+# (benchmarks/gpu_migration.py), chaos (kill decode, kill prefill, hang decode under load, with
+# the resume breakdown), goodput-two / goodput-pd (benchmarks/gpu_serve.py, a topology's
+# saturation and its SLO attainment at 0.6x..1.3x of it, vLLM-sampled ShareGPT and 2k-8k
+# prompts), served (issue 23: one worker through the gateway against the offline engine).
+# Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
+# (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn.
+#
+# The model folder is the Llama-3-8B shape (benchmarks/configs/llama3-8b, dummy bf16 weights)
+# with the Llama-3 tokenizer beside it: TOKENIZER_DIR (default .gpu_carry) holds tokenizer.json
+# (or tokenizer.json.xz) and tokenizer_config.json (benchmarks/fetch_llama3_tokenizer.sh).
+set -uo pipefail
+out="$1"
+shift
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+model="${MODEL_DIR:-/tmp/llama3-8b}"
+tok="${TOKENIZER_DIR:-$root/.gpu_carry}"
+mkdir -p "$model" "$out"
+cp benchmarks/configs/llama3-8b/config.json "$model/"
+if [ -f "$tok/tokenizer.json.xz" ]; then
+    xz -dc "$tok/tokenizer.json.xz" >"$model/tokenizer.json"
+elif [ -f "$tok/tokenizer.json" ]; then
+    cp "$tok/tokenizer.json" "$model/"
+fi
+[ -f "$tok/tokenizer_config.json" ] && cp "$tok/tokenizer_config.json" "$model/"
+sample=benchmarks/data/vllm_sharegpt_llama3_1000.json
+dummy=(--engine load_format=dummy --engine max_model_len=8192)
+fracs=(0.6 0.7 0.8 0.9 1.0 1.1 1.2 1.3)
+
+section() {
+    local name="$1" limit="$2"
+    shift 2
+    local var="GPU_TWO_LIMIT_${name//-/_}"
+    limit="${!var:-$limit}"
+    mkdir -p "$out/$name"
+    echo "== $name (limit ${limit} s) $(date +%T)"
+    timeout --signal=INT --kill-after=20 "$limit" "$@" >"$out/$name/log.txt" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc $(date +%T)"
+    grep -v "Assertion\|IndexKernel" "$out/$name/log.txt" | tail -n "${TAIL:-25}"
+    ray stop --force >/dev/null 2>&1
+    pkill -f "cluster.cli serve" >/dev/null 2>&1
+    return 0
+}
+
+for s in "$@"; do
+    case "$s" in
+    tests)
+        section tests 300 python -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_kv_receiver_streams.py tests/gpu/test_disagg_nccl.py \
+            tests/gpu/test_migration_nccl.py tests/gpu/test_nccl_bounds.py ;;
+    tests-changed)  # the tests of what changed since a full tests run
+        section tests-changed 150 python -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_kv_receiver_streams.py tests/gpu/test_migration_nccl.py ;;
+    disagg)
+        section disagg 240 python benchmarks/gpu_disagg.py --reps 3 --out "$out/disagg/gpu_disagg.json" ;;
+    overlap)
+        section overlap 120 python benchmarks/gpu_overlap.py --carveouts 0 \
+            --loads gemm attention triton layer triton-layer --out "$out/overlap/gpu_overlap.json" ;;
+    migration)
+        section migration 240 python benchmarks/gpu_migration.py --repeats 2 --moves 6 --window 4 \
+            --out "$out/migration/gpu_migration.json" ;;
+    chaos)
+        section chaos 330 python benchmarks/chaos.py --device cuda --model "$model" \
+            --num-prefill 2 --num-decode 2 --prefill-gpus 0.5 --decode-gpus 0.5 \
+            --workload sharegpt-ids --scenarios kill-decode,kill-prefill,hang-decode \
+            --requests 200 --concurrency 32 --max-tokens 256 --max-concurrent 64 --expect none \
+            --kv-blocks 6000 --long-tokens 4096 --engine load_format=dummy \
+            --engine max_model_len=8192 --json "$out/chaos/chaos_gpu.json" ;;
+    goodput-two | goodput-pd)
+        section "$s" 330 python benchmarks/gpu_serve.py run --model "$model" \
+            --phases "${s#goodput-}" --out "$out/$s" "${dummy[@]}" --requests-file "$sample" \
+            --warmup 64 --num-prompts 600 --rate-prompts 200 --long-prompts 100 \
+            --long-rate-prompts 48 --fracs "${fracs[@]}" --bench-timeout 300 ;;
+    served)
+        section served 420 python benchmarks/gpu_serve.py run --model "$model" \
+            --phases offline,one --inf-only --requests-file "$sample" "${dummy[@]}" \
+            --out "$out/served" ;;
+    *) echo "unknown section $s" ;;
+    esac
+done
