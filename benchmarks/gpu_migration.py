@@ -149,6 +149,27 @@ def downtime(times: list[float], start: float, end: float, before: int) -> dict:
     return {"median_gap_ms": median, "max_gap_ms": worst, "downtime_ms": worst - median}
 
 
+def chunk_breakdown(t: dict[str, list], chunk_bytes: int) -> dict[str, float | int]:
+    """Medians over a context's copy chunks (messages of at least half a chunk): ms waiting for
+    room on the channel, ms gathering and queuing on the host, ms of the gather on the copy
+    stream, ms from the gather's end to the send's start, of the send, of the receive."""
+
+    def med(values: list[float]) -> float | None:
+        return round(statistics.median(values), 3) if values else None
+
+    big = chunk_bytes // 2
+    return {
+        "chunks": len(t["chunks"]),
+        "pace_ms": med([a for a, _ in t["chunks"]]),
+        "queue_ms": med([b for _, b in t["chunks"]]),
+        "gather_ms": med([ms for n, ms in t["gather"] if n >= big]),
+        "post_lag_ms": med([x[1] for x in t["send"] if x[0] >= big]),
+        "send_ms": med([x[2] for x in t["send"] if x[0] >= big]),
+        "recv_ms": med([x[1] for x in t["recv"] if x[0] >= big]),
+        "send_gb_s": med([x[0] / x[2] / 1e6 for x in t["send"] if x[0] >= big and x[2] > 0]),
+    }
+
+
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
@@ -203,8 +224,21 @@ async def main_async(cluster, args, home: str, peer: str, vocab: int) -> dict:
         await migrate(s.rid, peer)
     log(f"background: {args.background} requests on each decode worker")
 
-    # 2. downtime per context
+    # 2. downtime per context; where a copy stage's time goes (per chunk) at each context
     rows = []
+    by_name = {w.name: w for w in cluster.decode}
+
+    async def timings() -> dict[str, list]:
+        got = await asyncio.gather(
+            *(by_name[n].handle.migration_timings.remote() for n in (home, peer))
+        )
+        recv = await asyncio.gather(*(by_name[n].handle.kv_timings.remote() for n in (home, peer)))
+        out = {k: got[0][k] + got[1][k] for k in got[0]}
+        out["recv"] = recv[0] + recv[1]
+        return out
+
+    await timings()  # (drop the warm-up's and the background's)
+    breakdown = {}
     for ctx in args.contexts:
         for rep in range(args.repeats):
             rid = f"ctx{ctx}-{rep}"
@@ -230,7 +264,10 @@ async def main_async(cluster, args, home: str, peer: str, vocab: int) -> dict:
             rows.append(row)
             log(f"downtime {row}")
             await s.cancel()
+        breakdown[ctx] = chunk_breakdown(await timings(), args.chunk_bytes)
+        log(f"per chunk at {ctx}: {breakdown[ctx]}")
     results["downtime"] = rows
+    results["chunks"] = breakdown
 
     # 3. background throughput during migrations (each alone, ``--gap`` s apart) against the
     # quiet stretches between them, and during back-to-back migrations (a stress figure)
@@ -300,6 +337,9 @@ def main() -> None:
     ap.add_argument("--moves", type=int, default=12, help="spaced migrations, section 3")
     ap.add_argument("--gap", type=float, default=0.5, help="seconds between them")
     ap.add_argument("--kv-blocks", type=int, default=6144)
+    ap.add_argument(
+        "--chunk-bytes", type=int, default=4096 * 32 * 2 * 8 * 128 * 2, help="a copy chunk (8B)"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_migration.json"))
     args = ap.parse_args()
 
@@ -340,6 +380,8 @@ def main() -> None:
         print(f"{r['context']:>8} {r['stages']:>6} {r['copied_mb']:>9} {r['copy_ms']:>8} "
               f"{r['copy_gb_s']!s:>9} {r['migration_ms']:>12} {r['pause_ms']:>8} "
               f"{r['median_gap_ms']:>9} {r['max_gap_ms']:>10} {r['downtime_ms']:>11}")  # fmt: skip
+    for ctx, b in results["chunks"].items():
+        print(f"per chunk at {ctx}: {b}")
     t = results["throughput"]
     b = t["back_to_back"]
     print(f"background decode tok/s while a {t['context']}-token request migrates: "

@@ -67,6 +67,12 @@ for s in "$@"; do
     overlap)
         section overlap 120 python benchmarks/gpu_overlap.py --carveouts 0 \
             --loads gemm attention triton layer triton-layer --out "$out/overlap/gpu_overlap.json" ;;
+    overlap-channels)  # fewer NCCL channels, cuBLAS leaving SMs: can a send run beside GEMMs?
+        section overlap-channels 120 env NCCL_MAX_P2P_NCHANNELS=4 python benchmarks/gpu_overlap.py \
+            --carveouts 0 16 --loads gemm layer --out "$out/overlap-channels/gpu_overlap.json" ;;
+    migration-32k)  # the copy's per-chunk breakdown at 32k only
+        section migration-32k 150 python benchmarks/gpu_migration.py --contexts 32768 \
+            --repeats 2 --moves 2 --window 1 --out "$out/migration-32k/gpu_migration.json" ;;
     migration)
         section migration 240 python benchmarks/gpu_migration.py --repeats 2 --moves 6 --window 4 \
             --out "$out/migration/gpu_migration.json" ;;

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,8 @@ class MigrationMixin:
         self.migration = config
         self._connector: KVConnector | None = None  # made on the first migration out
         self._copy_stream: torch.cuda.Stream | None = None  # copy stages' gathers (CUDA)
+        self._gather_times: deque = deque(maxlen=256)  # (bytes, start, end events) per chunk
+        self._chunk_times: deque = deque(maxlen=256)  # (ms waiting for room, ms to queue it)
         self._out: dict[str, _Out] = {}
         self._in: dict[str, _In] = {}
         self._in_done: dict[str, str] = {}  # results kept for a late migrate_wait / cancel
@@ -320,9 +322,12 @@ class MigrationMixin:
         was gathered for it goes to a transfer B then cancels."""
         table, ready = await self.call(lambda: self._out_table(state))
         while state.sent < upto:
+            t0 = time.monotonic()
             await self._pace(state, sender)
+            t1 = time.monotonic()
             end = min(upto, state.sent + self.migration.chunk_tokens)
             await asyncio.to_thread(self._gather_beside, state, sender, table, ready, end)
+            self._chunk_times.append(((t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3))
 
     def _out_table(self, state: _Out) -> tuple[list[int], torch.cuda.Event | None]:
         """Engine thread: the request's block table and (CUDA) an event after its queued steps."""
@@ -340,11 +345,19 @@ class MigrationMixin:
             return self._gather(state, sender, table, end)
         device = self.engine.runner.kv_caches[0].device
         with torch.cuda.device(device):
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device)
+            if self._copy_stream is None:  # highest priority, as the pair streams: its gathers
+                self._copy_stream = torch.cuda.Stream(device, priority=-100)  # take SMs first
             with torch.cuda.stream(self._copy_stream):
                 self._copy_stream.wait_event(ready)
+                start, stop = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                nbytes = self._copy_bytes(end - state.sent)
+                start.record()
                 self._gather(state, sender, table, end)
+                stop.record()
+                self._gather_times.append((nbytes, start, stop))
 
     def _gather(self, state: _Out, sender, table: list[int], end: int) -> None:
         if end <= state.sent:
@@ -450,6 +463,19 @@ class MigrationMixin:
             delay = min(delay * 2, 0.001)
 
     # -- B: the destination ------------------------------------------------------------------
+
+    async def migration_timings(self) -> dict[str, list]:
+        """Where the copy stages' time went, per chunk since the last call: ``chunks`` (ms
+        waiting for room on the channel, ms gathering and queuing), ``gather`` (bytes, ms on
+        the copy stream), ``send`` (bytes, ms from the gather's end to the send's start, ms of
+        the send: the NCCL channel's own timings)."""
+        gathers, self._gather_times = list(self._gather_times), deque(maxlen=256)
+        chunks, self._chunk_times = list(self._chunk_times), deque(maxlen=256)
+        return {
+            "chunks": chunks,
+            "gather": [(n, a.elapsed_time(b)) for n, a, b in gathers if b.query()],
+            "send": self._connector.drain_timings() if self._connector is not None else [],
+        }
 
     async def migrate_in(
         self,

@@ -35,10 +35,10 @@ def test_scatter_waits_for_slot_upload_not_for_callers_stream() -> None:
         torch.cuda._sleep(20_000_000)  # the caller's stream: ~10 ms of queued work
         tid = f"t{rep}"
         rx.expect(tid, blocks, tokens)
-        kv = torch.randn(
-            2, spec.num_kv_heads, tokens, spec.head_dim, device="cuda", dtype=torch.bfloat16
-        )
-        with torch.cuda.stream(pair):
+        with torch.cuda.stream(pair):  # the payload arrives on the pair stream (NCCL's recv)
+            kv = torch.randn(
+                2, spec.num_kv_heads, tokens, spec.head_dim, device="cuda", dtype=torch.bfloat16
+            )
             rx.handle_layer(0, 0, [(tid, 0, tokens)], kv)
             rx.handle_layer(0, 1, [(tid, 0, tokens)], kv * 2)
         rx.cancel(tid)
