@@ -158,10 +158,14 @@ def chunk_breakdown(t: dict[str, list], chunk_bytes: int) -> dict[str, float | i
         return round(statistics.median(values), 3) if values else None
 
     big = chunk_bytes // 2
+    chunks = [c for c in t["chunks"] if c[0] >= 0]
     return {
-        "chunks": len(t["chunks"]),
-        "pace_ms": med([a for a, _ in t["chunks"]]),
-        "queue_ms": med([b for _, b in t["chunks"]]),
+        "stage_queue_ms": med([a for a, _ in t["stages"]]),
+        "stage_drain_ms": med([b for _, b in t["stages"]]),
+        "snapshot_ms": med([b for a, b in t["chunks"] if a < 0]),
+        "chunks": len(chunks),
+        "pace_ms": med([a for a, _ in chunks]),
+        "queue_ms": med([b for _, b in chunks]),
         "gather_ms": med([ms for n, ms in t["gather"] if n >= big]),
         "post_lag_ms": med([x[1] for x in t["send"] if x[0] >= big]),
         "send_ms": med([x[2] for x in t["send"] if x[0] >= big]),
@@ -264,8 +268,10 @@ async def main_async(cluster, args, home: str, peer: str, vocab: int) -> dict:
             rows.append(row)
             log(f"downtime {row}")
             await s.cancel()
-        breakdown[ctx] = chunk_breakdown(await timings(), args.chunk_bytes)
-        log(f"per chunk at {ctx}: {breakdown[ctx]}")
+        raw = await timings()
+        breakdown[ctx] = chunk_breakdown(raw, args.chunk_bytes)
+        breakdown[ctx]["raw"] = raw
+        log(f"per chunk at {ctx}: { {k: v for k, v in breakdown[ctx].items() if k != 'raw'} }")
     results["downtime"] = rows
     results["chunks"] = breakdown
 
@@ -381,7 +387,10 @@ def main() -> None:
               f"{r['copy_gb_s']!s:>9} {r['migration_ms']:>12} {r['pause_ms']:>8} "
               f"{r['median_gap_ms']:>9} {r['max_gap_ms']:>10} {r['downtime_ms']:>11}")  # fmt: skip
     for ctx, b in results["chunks"].items():
-        print(f"per chunk at {ctx}: {b}")
+        print(f"per chunk at {ctx}: { {k: v for k, v in b.items() if k != 'raw'} }")
+        print(
+            f"  raw stages {b['raw']['stages']}; chunks {[tuple(round(x, 1) for x in c) for c in b['raw']['chunks']]}"
+        )
     t = results["throughput"]
     b = t["back_to_back"]
     print(f"background decode tok/s while a {t['context']}-token request migrates: "
