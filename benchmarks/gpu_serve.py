@@ -11,9 +11,15 @@ keeps every run's JSON (per-request records included) under ``--out``:
 * ``two``: two colocated workers (GPU 0 and 1);
 * ``pd``: one prefill + one decode worker, KV streamed over NCCL.
 
-``two`` and ``pd`` run ShareGPT at ``inf`` (their saturation S) and at fractions of a reference
-rate (``--fracs`` of ``--ref-rate``, default: of this phase's own S), and the long-prompt workload
-likewise. Requests: ``sharegpt-ids`` (random ids of ShareGPT first-turn Llama-3 lengths from
+``two`` and ``pd`` run ShareGPT at ``inf`` (a burst: its request rate, and the rate it sustains,
+``steady_capacity``: the burst's output tokens per second in its middle half over the mean output
+of a request) and then at fractions of a reference rate (``--fracs`` of ``--ref-rate``, default:
+of this phase's own capacity), one client run per rate sized to last ``--rate-seconds``; the
+long-prompt workload likewise. ``report`` gives each topology's SLO attainment per rate and its
+goodput as DistServe defines it (the highest rate at which 90 % of requests meet both the TTFT
+and the TPOT SLO), per workload and SLO pair, with a plot. The burst must keep every decode
+batch full for its capacity to mean anything (requests >= 2 x max_num_seqs per decode worker);
+otherwise pass the reference rates. Requests: ``sharegpt-ids`` (random ids of ShareGPT first-turn Llama-3 lengths from
 benchmarks/data/sharegpt_llama3_lengths.json; the GPU machine has no dataset) and ``long``.
 
     python benchmarks/gpu_serve.py run --model DIR --phases offline,one --out $OUT
@@ -30,6 +36,7 @@ import argparse
 import contextlib
 import gzip
 import json
+import math
 import os
 import re
 import signal
@@ -276,12 +283,20 @@ class Profile:
 
 
 def drive(
-    args: argparse.Namespace, server: Server, name: str, workload: str, num: int, rates: list
+    args: argparse.Namespace,
+    server: Server,
+    name: str,
+    workload: str,
+    num: int,
+    rates: list,
+    label: str | None = None,
 ) -> list[dict[str, Any]]:
-    """``serve.py`` against ``server``; its JSON is kept gzipped as ``name.json.gz``."""
+    """``serve.py`` against ``server``; its JSON is kept gzipped as ``name.json.gz``, its runs
+    under ``label`` (default ``name``: runs of one label from several files are merged)."""
     path = Path(args.out) / f"{name}.json"
+    label = label or name
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--base-url", server.url]
-    cmd += ["--ignore-eos", "--save-requests", "--label", name, "--out", str(path)]
+    cmd += ["--ignore-eos", "--save-requests", "--label", label, "--out", str(path)]
     cmd += ["--goodput", *(f"{k}:{v:g}" for k, v in SLOS["chat"].items())]
     cmd += ["--rates", *(bench.format_rate(r) for r in rates)]
     cmd += workload_args(args, workload, num)
@@ -300,7 +315,31 @@ def drive(
     with gzip.open(f"{path}.gz", "wt") as f:
         json.dump(data, f)
     path.unlink()
-    return data["runs"][name]["results"]
+    return data["runs"][label]["results"]
+
+
+def steady_capacity(result: dict[str, Any]) -> float | None:
+    """Requests per second a topology sustains, from a burst (every request at once): output
+    tokens produced per second in the middle half of the run (each request's tokens spread
+    evenly from its first token to its end), over the mean output tokens of a request. A
+    burst's own requests/s is lower (its tail drains a shrinking batch) and its middle
+    completions/s higher (short requests finish first); the token rate in the middle is the
+    batch's full rate. None without per-request records."""
+    recs = [r for r in result.get("requests") or [] if r["success"] and r["output_tokens"]]
+    if not recs:
+        return None
+    t0 = min(r["start"] for r in recs)
+    span = max(r["end"] for r in recs) - t0
+    lo, hi = t0 + 0.25 * span, t0 + 0.75 * span
+    tokens = 0.0
+    for r in recs:
+        a, b = r["start"] + r["ttft"], r["end"]
+        if b <= a:
+            tokens += r["output_tokens"] if lo <= b < hi else 0.0
+        else:
+            tokens += r["output_tokens"] * max(0.0, min(b, hi) - max(a, lo)) / (b - a)
+    mean_out = sum(r["output_tokens"] for r in recs) / len(recs)
+    return tokens / (hi - lo) / mean_out
 
 
 def phase(args: argparse.Namespace, spec: str) -> dict[str, Any]:
@@ -313,16 +352,24 @@ def phase(args: argparse.Namespace, spec: str) -> dict[str, Any]:
             drive(args, server, f"{topo}-warmup", "sharegpt", args.warmup, [1e999])
         sat = drive(args, server, f"{topo}-sharegpt-inf", "sharegpt", args.num_prompts, [1e999])
         out["saturation"] = sat[0]["request_throughput"]
+        out["capacity"] = steady_capacity(sat[0])
         if topo.startswith("one") or args.inf_only:
             return out
-        ref = args.ref_rate or out["saturation"]
-        rates = [round(f * ref, 2) for f in args.fracs]
-        drive(args, server, f"{topo}-sharegpt-rates", "sharegpt", args.rate_prompts, rates)
-        long_sat = drive(args, server, f"{topo}-long-inf", "long", args.long_prompts, [1e999])
-        out["long_saturation"] = long_sat[0]["request_throughput"]
-        long_ref = args.long_ref_rate or out["long_saturation"]
-        long_rates = [round(f * long_ref, 2) for f in args.fracs]
-        drive(args, server, f"{topo}-long-rates", "long", args.long_rate_prompts, long_rates)
+        for workload, num, inf_num, ref in (
+            ("sharegpt", args.rate_prompts, None, args.ref_rate),
+            ("long", args.long_rate_prompts, args.long_prompts, args.long_ref_rate),
+        ):
+            if inf_num is not None:
+                burst = drive(args, server, f"{topo}-{workload}-inf", workload, inf_num, [1e999])
+                out[f"{workload}_saturation"] = burst[0]["request_throughput"]
+                out[f"{workload}_capacity"] = steady_capacity(burst[0])
+            key = "capacity" if workload == "sharegpt" else f"{workload}_capacity"
+            ref = ref or out[key] or out.get(f"{workload}_saturation") or out["saturation"]
+            for frac in args.fracs:  # one client run per rate, sized to last --rate-seconds
+                rate = round(frac * ref, 2)
+                n = max(num, math.ceil(rate * args.rate_seconds))
+                drive(args, server, f"{topo}-{workload}-r{frac:g}", workload, n, [rate],
+                      label=f"{topo}-{workload}-rates")  # fmt: skip
     finally:
         server.stop()
     return out
@@ -361,7 +408,7 @@ def load_runs(dirs: list[Path]) -> tuple[dict[str, list[dict]], dict[str, Any]]:
             with gzip.open(f, "rt") as fh:
                 data = json.load(fh)
             for label, entry in data["runs"].items():
-                runs[label] = entry["results"]
+                runs.setdefault(label, []).extend(entry["results"])
         if (d / "summary.json").exists():
             phases |= json.loads((d / "summary.json").read_text())["phases"]
     return runs, phases
@@ -417,7 +464,11 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
                 inf = runs.get(f"{topo}-{workload}-inf", [])
                 if not rates:
                     continue
-                sat = inf[0]["request_throughput"] if inf else float("nan")
+                sat = (
+                    (steady_capacity(inf[0]) or inf[0]["request_throughput"])
+                    if inf
+                    else float("nan")
+                )
                 pts = [(r["offered_rate"], attainment(r, slos)) for r in rates]
                 rows[label] = {"saturation": sat, "points": pts, "goodput": frontier(pts)}
             if not rows:
@@ -426,8 +477,8 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
             out[key] = rows
             slo = f"TTFT {slos['ttft']:g} ms, TPOT {slos['tpot']:g} ms"
             lines += ["", f"{workload}, SLO {slo_name} ({slo}): attainment per offered rate"]
-            lines += ["| topology | saturation req/s | rate: attainment | goodput req/s "
-                      "(measured / interpolated) | per GPU | / saturation |", "|---|---|---|---|---|---|"]  # fmt: skip
+            lines += ["| topology | capacity req/s | rate: attainment | goodput req/s "
+                      "(measured / interpolated) | per GPU | / capacity |", "|---|---|---|---|---|---|"]  # fmt: skip
             for label, row in rows.items():
                 g = row["goodput"]
                 cells = ", ".join(f"{r:g}: {a:.2f}" for r, a in row["points"])
@@ -576,6 +627,12 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--rate-prompts", type=int, default=400, help="ShareGPT at each finite rate")
     r.add_argument("--warmup", type=int, default=0, help="ShareGPT requests first, untimed")
+    r.add_argument(
+        "--rate-seconds",
+        type=float,
+        default=30.0,
+        help="each finite rate sends rate x this many requests (at least the --*rate-prompts)",
+    )
     r.add_argument("--long-prompts", type=int, default=200)
     r.add_argument("--long-rate-prompts", type=int, default=100)
     r.add_argument("--long-input", type=int, nargs=2, default=[2048, 7936])

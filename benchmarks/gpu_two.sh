@@ -84,10 +84,10 @@ for s in "$@"; do
             --kv-blocks 6000 --long-tokens 4096 --engine load_format=dummy \
             --engine max_model_len=8192 --json "$out/chaos/chaos_gpu.json" ;;
     goodput-two | goodput-pd)
-        section "$s" 330 python benchmarks/gpu_serve.py run --model "$model" \
+        section "$s" 590 python benchmarks/gpu_serve.py run --model "$model" \
             --phases "${s#goodput-}" --out "$out/$s" "${dummy[@]}" --requests-file "$sample" \
-            --warmup 64 --num-prompts 600 --rate-prompts 200 --long-prompts 100 \
-            --long-rate-prompts 48 --fracs "${fracs[@]}" --bench-timeout 300 ;;
+            --warmup 64 --num-prompts 1000 --rate-prompts 200 --long-prompts 200 \
+            --long-rate-prompts 60 --rate-seconds 30 --fracs "${fracs[@]}" --bench-timeout 300 ;;
     served)
         section served 420 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one --inf-only --requests-file "$sample" "${dummy[@]}" \

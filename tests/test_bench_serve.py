@@ -379,3 +379,20 @@ def test_goodput_frontier_is_the_last_rate_before_attainment_drops() -> None:
         rec(0.1, 0.2, False),
     ]
     assert attainment({"requests": reqs}, slos) == 0.25  # only the first meets both; failed miss
+
+
+def test_steady_capacity_is_the_middle_token_rate_over_a_requests_output() -> None:
+    """A burst whose tail drains slowly: its own requests/s understate what the batch sustains;
+    the tokens/s in the run's middle half over the mean output do not."""
+    from benchmarks.gpu_serve import steady_capacity
+
+    def rec(end: float, tokens: int) -> dict:
+        return vars(Record(prompt_len=8, output_len=tokens, success=True, start=0.0, ttft=0.0,
+                           end=end, latency=end, output_tokens=tokens))  # fmt: skip
+
+    # 8 requests of 100 tokens decode side by side for 8 s (100 tokens/s of the batch over
+    # [0, 8]), then one straggler of 100 tokens runs alone to 24 s: middle half = [6, 18] s
+    recs = [rec(8.0, 100) for _ in range(8)] + [rec(24.0, 100)]
+    tokens = 8 * 100 * 2 / 8 + 100 * 12 / 24  # the 8 between 6 and 8 s; the straggler's share
+    assert steady_capacity({"requests": recs}) == pytest.approx(tokens / 12 / 100)
+    assert steady_capacity({"requests": []}) is None
