@@ -57,7 +57,7 @@ class MigrationSettings(_Section):
         4, ge=0, description="Blocks reserved on the destination beyond the request's length."
     )
     chunk_tokens: int = Field(
-        4096, ge=1, description="KV positions gathered per engine-thread call (bounds buffers)."
+        4096, ge=1, description="KV positions per copy message (bounds the copy buffers)."
     )
     timeout_s: float = Field(
         30.0, gt=0, description="Seconds each wait on the other worker may take."
