@@ -4,7 +4,8 @@
 #     benchmarks/gpu_two.sh OUTDIR SECTION...
 #
 # Sections: tests (every 2-GPU test under tests/gpu/ and the KV receiver's stream test),
-# disagg (the layer-wise KV stream against NCCL point to point, benchmarks/gpu_disagg.py),
+# disagg (the layer-wise KV stream against NCCL point to point, benchmarks/gpu_disagg.py;
+# disagg-early: the same with TANDEM_KV_POST=early),
 # overlap (a send behind prefill kernels, benchmarks/gpu_overlap.py), migration
 # (benchmarks/gpu_migration.py), chaos (kill decode, kill prefill, hang decode under load, with
 # the resume breakdown), goodput-two / goodput-pd (benchmarks/gpu_serve.py, a topology's
@@ -64,6 +65,9 @@ for s in "$@"; do
             tests/gpu/test_kv_receiver_streams.py tests/gpu/test_migration_nccl.py ;;
     disagg)
         section disagg 240 python benchmarks/gpu_disagg.py --reps 3 --out "$out/disagg/gpu_disagg.json" ;;
+    disagg-early)  # the same with each layer's send posted at once, waiting on the GPU
+        section disagg-early 240 env TANDEM_KV_POST=early python benchmarks/gpu_disagg.py --reps 3 \
+            --out "$out/disagg-early/gpu_disagg.json" ;;
     overlap)
         section overlap 120 python benchmarks/gpu_overlap.py --carveouts 0 \
             --loads gemm attention triton layer triton-layer --out "$out/overlap/gpu_overlap.json" ;;

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import socket
 import threading
@@ -84,6 +85,15 @@ _IDLE_S = 0.1  # and while none is (async errors only; a post wakes it at once)
 _DRAIN_S = 5.0  # after an abort, how long a stream may take to run out
 _ABORT_WAIT_S = 1.0  # how long an abort waits for a post in progress
 _UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+# When a layer's send is posted (an experiment, chosen by measurement: benchmarks/NOTES.md, "On
+# 2 x H100"). "ready": once the layer's pack has run (the sender thread waits for its event), so
+# the receiver's recv never waits for data; the send then reaches a GPU busy with the next
+# layer's GEMMs and waits for one. "early": at once, with the pair stream waiting for the pack
+# on the GPU, so the send starts at the layer's end; the receiver's recv is posted up to a
+# layer early and occupies a few of its SMs until the data comes.
+_POST = os.environ.get("TANDEM_KV_POST", "ready")
+if _POST not in ("ready", "early"):
+    raise ValueError(f"TANDEM_KV_POST must be 'ready' or 'early', got {_POST!r}")
 
 
 def _nccl():
@@ -484,7 +494,9 @@ class NcclKVSender(TcpKVSender):
         if item[0] != "layer":
             return super()._send(item)
         _, layer, entries, (kv, ready), nbytes = item
-        ready.synchronize()  # the header goes out when the data is there: the recv is not early
+        early = _POST == "early"
+        if not early:
+            ready.synchronize()  # the header goes out when the data is there: the recv is not early
         trace(entries[0][0], f"send.layer{layer}")
         write_frame(self._sock, layer_header(layer, entries, kv, nbytes))
         trace(entries[0][0], f"send.header{layer}")
@@ -493,6 +505,8 @@ class NcclKVSender(TcpKVSender):
 
         def post() -> torch.cuda.Event:
             with torch.cuda.stream(pair.stream):
+                if early:
+                    pair.stream.wait_event(ready)  # the pack, on the GPU: no host wait
                 start.record()
                 pair.comm.send(kv.data_ptr(), nbytes, _uint8(), 1, pair.stream.cuda_stream)
                 end.record()
