@@ -8,8 +8,10 @@
 # disagg-early: the same with TANDEM_KV_POST=early),
 # overlap (a send behind prefill kernels, benchmarks/gpu_overlap.py), migration
 # (benchmarks/gpu_migration.py), chaos (kill decode, kill prefill, hang decode under load, with
-# the resume breakdown), goodput-two / goodput-pd (benchmarks/gpu_serve.py, a topology's
-# saturation and its SLO attainment at 0.6x..1.3x of it, vLLM-sampled ShareGPT and 2k-8k
+# the resume breakdown; chaos-trace: kill-decode with TANDEM_TRACE=1, each resumed attempt's
+# milestones laid out by benchmarks/trace_layout.py), goodput-two / goodput-pd
+# (benchmarks/gpu_serve.py, a topology's capacity and its SLO attainment at 0.6x..1.3x of it,
+# vLLM-sampled ShareGPT and 2k-8k
 # prompts), served (issue 23: one worker through the gateway against the offline engine).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
 # (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn.
@@ -87,6 +89,15 @@ for s in "$@"; do
             --requests 200 --concurrency 32 --max-tokens 256 --max-concurrent 64 --expect none \
             --kv-blocks 6000 --long-tokens 4096 --engine load_format=dummy \
             --engine max_model_len=8192 --json "$out/chaos/chaos_gpu.json" ;;
+    chaos-trace)  # kill-decode alone with every milestone traced, laid out per resumed attempt
+        section chaos-trace 200 env TANDEM_TRACE=1 python benchmarks/chaos.py --device cuda \
+            --model "$model" --num-prefill 2 --num-decode 2 --prefill-gpus 0.5 --decode-gpus 0.5 \
+            --workload sharegpt-ids --scenarios kill-decode --requests 150 --concurrency 32 \
+            --max-tokens 256 --max-concurrent 64 --expect none --kv-blocks 6000 \
+            --engine load_format=dummy --engine max_model_len=8192 \
+            --json "$out/chaos-trace/chaos_gpu.json"
+        python benchmarks/trace_layout.py "$out/chaos-trace/log.txt" >"$out/chaos-trace/layout.txt"
+        head -n 60 "$out/chaos-trace/layout.txt" ;;
     goodput-two | goodput-pd)
         section "$s" 590 python benchmarks/gpu_serve.py run --model "$model" \
             --phases "${s#goodput-}" --out "$out/$s" "${dummy[@]}" --requests-file "$sample" \
