@@ -238,6 +238,7 @@ def test_migrate_passes_arguments_and_returns_results(backend) -> None:
                 "bytes": 4096,
                 "pause_s": 0.0,
                 "seconds": 0.0,
+                "copy_s": 0.0,
             }
         ]
     }
