@@ -365,11 +365,23 @@ def phase(args: argparse.Namespace, spec: str) -> dict[str, Any]:
                 out[f"{workload}_capacity"] = steady_capacity(burst[0])
             key = "capacity" if workload == "sharegpt" else f"{workload}_capacity"
             ref = ref or out[key] or out.get(f"{workload}_saturation") or out["saturation"]
-            for frac in args.fracs:  # one client run per rate, sized to last --rate-seconds
+            fracs = list(args.fracs)
+            step = fracs[-1] - fracs[-2] if len(fracs) > 1 else 0.1
+            extra = 0
+            while fracs:  # one client run per rate, sized to last --rate-seconds
+                frac = round(fracs.pop(0), 3)
                 rate = round(frac * ref, 2)
                 n = max(num, math.ceil(rate * args.rate_seconds))
-                drive(args, server, f"{topo}-{workload}-r{frac:g}", workload, n, [rate],
-                      label=f"{topo}-{workload}-rates")  # fmt: skip
+                res = drive(args, server, f"{topo}-{workload}-r{frac:g}", workload, n, [rate],
+                            label=f"{topo}-{workload}-rates")  # fmt: skip
+                met = max(attainment(res[0], slos) for slos in SLOS.values())
+                if not fracs and met >= ATTAINMENT and extra < args.extend:
+                    # the last rate still met an SLO pair: the reference was low; go on up
+                    # until the frontier is bracketed (at most --extend more rates)
+                    fracs.append(frac + step)
+                    extra += 1
+                    log(f"{topo} {workload}: attainment {met:.2f} at {rate} req/s: one more rate")
+            out[f"{workload}_extra_rates"] = extra
     finally:
         server.stop()
     return out
@@ -469,7 +481,7 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
                     if inf
                     else float("nan")
                 )
-                pts = [(r["offered_rate"], attainment(r, slos)) for r in rates]
+                pts = sorted((r["offered_rate"], attainment(r, slos)) for r in rates)
                 rows[label] = {"saturation": sat, "points": pts, "goodput": frontier(pts)}
             if not rows:
                 continue
@@ -627,6 +639,12 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--rate-prompts", type=int, default=400, help="ShareGPT at each finite rate")
     r.add_argument("--warmup", type=int, default=0, help="ShareGPT requests first, untimed")
+    r.add_argument(
+        "--extend",
+        type=int,
+        default=4,
+        help="more rates, a step apart, while the last still meets an SLO pair (at most)",
+    )
     r.add_argument(
         "--rate-seconds",
         type=float,
