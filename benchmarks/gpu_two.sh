@@ -86,7 +86,7 @@ for s in "$@"; do
         section chaos 330 python benchmarks/chaos.py --device cuda --model "$model" \
             --num-prefill 2 --num-decode 2 --prefill-gpus 0.5 --decode-gpus 0.5 \
             --workload sharegpt-ids --scenarios kill-decode,kill-prefill,hang-decode \
-            --requests 200 --concurrency 32 --max-tokens 256 --max-concurrent 64 --expect none \
+            --requests 150 --concurrency 32 --max-tokens 256 --max-concurrent 64 --expect none \
             --kv-blocks 6000 --long-tokens 4096 --engine load_format=dummy \
             --engine max_model_len=8192 --json "$out/chaos/chaos_gpu.json" ;;
     chaos-trace)  # kill-decode alone with every milestone traced, laid out per resumed attempt
