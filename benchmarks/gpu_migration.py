@@ -158,11 +158,11 @@ def chunk_breakdown(t: dict[str, list], chunk_bytes: int) -> dict[str, float | i
         return round(statistics.median(values), 3) if values else None
 
     big = chunk_bytes // 2
-    chunks = [c for c in t["chunks"] if c[0] >= 0]
+    chunks = t["chunks"]
     return {
-        "stage_queue_ms": med([a for a, _ in t["stages"]]),
-        "stage_drain_ms": med([b for _, b in t["stages"]]),
-        "snapshot_ms": med([b for a, b in t["chunks"] if a < 0]),
+        "snapshot_ms": med([s[0] for s in t["stages"]]),
+        "stage_queue_ms": med([s[1] for s in t["stages"]]),
+        "stage_drain_ms": med([s[2] for s in t["stages"]]),
         "chunks": len(chunks),
         "pace_ms": med([a for a, _ in chunks]),
         "queue_ms": med([b for _, b in chunks]),

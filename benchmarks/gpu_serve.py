@@ -465,7 +465,7 @@ def frontier(points: list[tuple[float, float]], target: float = ATTAINMENT) -> d
 
 
 def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, Any]]:
-    """Per workload and SLO pair: each topology's saturation, its attainment at every offered
+    """Per workload and SLO pair: each topology's capacity, its attainment at every offered
     rate, and its goodput (``frontier``), as markdown lines and as JSON."""
     lines, out = [], {}
     for workload in ("sharegpt", "long"):
@@ -482,7 +482,7 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
                     else float("nan")
                 )
                 pts = sorted((r["offered_rate"], attainment(r, slos)) for r in rates)
-                rows[label] = {"saturation": sat, "points": pts, "goodput": frontier(pts)}
+                rows[label] = {"capacity": sat, "points": pts, "goodput": frontier(pts)}
             if not rows:
                 continue
             key = f"{workload}/{slo_name}"
@@ -496,9 +496,9 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
                 cells = ", ".join(f"{r:g}: {a:.2f}" for r, a in row["points"])
                 bound = {"below": " (missed at every rate)", "above": " (met at every rate)"}
                 lines.append(
-                    f"| {label} | {row['saturation']:.2f} | {cells} | {g['measured']:.2f} / "
+                    f"| {label} | {row['capacity']:.2f} | {cells} | {g['measured']:.2f} / "
                     f"{g['interpolated']:.2f}{bound.get(g['bound'], '')} | "
-                    f"{g['interpolated'] / 2:.2f} | {g['interpolated'] / row['saturation']:.2f} |"
+                    f"{g['interpolated'] / 2:.2f} | {g['interpolated'] / row['capacity']:.2f} |"
                 )
     return lines, out
 

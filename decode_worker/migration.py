@@ -162,7 +162,7 @@ class MigrationMixin:
         self._copy_stream: torch.cuda.Stream | None = None  # copy stages' gathers (CUDA)
         self._gather_times: deque = deque(maxlen=256)  # (bytes, start, end events) per chunk
         self._chunk_times: deque = deque(maxlen=256)  # (ms waiting for room, ms to queue it)
-        self._stage_times: deque = deque(maxlen=64)  # (ms queuing a stage's chunks, ms draining)
+        self._stage_times: deque = deque(maxlen=64)  # (ms: snapshot, queuing chunks, draining)
         self._out: dict[str, _Out] = {}
         self._in: dict[str, _In] = {}
         self._in_done: dict[str, str] = {}  # results kept for a late migrate_wait / cancel
@@ -244,13 +244,15 @@ class MigrationMixin:
             if upto is None:
                 break  # few enough left: the last stage
             t0 = time.monotonic()
-            await self._copy(state, sender, upto)
+            snapshot_s = await self._copy(state, sender, upto)
             t1 = time.monotonic()
             snap["stages"] += 1
             await self._drained(state, sender)
             t2 = time.monotonic()
             snap["copy_s"] = snap.get("copy_s", 0.0) + t2 - t0
-            self._stage_times.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
+            self._stage_times.append(
+                (snapshot_s * 1e3, (t1 - t0 - snapshot_s) * 1e3, (t2 - t1) * 1e3)
+            )
         # The last stage: pause, copy the rest, done with the snapshot.
         while (step := await self.call(lambda: self._out_last(state, sender))) != "done":
             if step == "grow":  # it outgrew its room on B: ask for more, still decoding
@@ -317,16 +319,17 @@ class MigrationMixin:
             return None
         return min(full, state.capacity)
 
-    async def _copy(self, state: _Out, sender, upto: int) -> None:
+    async def _copy(self, state: _Out, sender, upto: int) -> float:
         """Copy positions ``[sent, upto)``: full blocks, which no later step writes. Their
         block table, and an event after every step queued so far, are taken on the engine
         thread once per stage; the chunks are gathered off it (on CUDA on a stream of their
         own, behind that event) as fast as the channel takes them, never waiting for a step
         boundary. A request that ends meanwhile is caught by the next engine-thread check; what
-        was gathered for it goes to a transfer B then cancels."""
+        was gathered for it goes to a transfer B then cancels. Returns the seconds the snapshot
+        waited for the engine thread."""
         t0 = time.monotonic()
         table, ready = await self.call(lambda: self._out_table(state))
-        self._chunk_times.append((-1.0, (time.monotonic() - t0) * 1e3))  # the snapshot's call
+        snapshot_s = time.monotonic() - t0
         while state.sent < upto:
             t0 = time.monotonic()
             await self._pace(state, sender)
@@ -334,6 +337,7 @@ class MigrationMixin:
             end = min(upto, state.sent + self.migration.chunk_tokens)
             await asyncio.to_thread(self._gather_beside, state, sender, table, ready, end)
             self._chunk_times.append(((t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3))
+        return snapshot_s
 
     def _out_table(self, state: _Out) -> tuple[list[int], torch.cuda.Event | None]:
         """Engine thread: the request's block table and (CUDA) an event after its queued steps."""
@@ -471,11 +475,10 @@ class MigrationMixin:
     # -- B: the destination ------------------------------------------------------------------
 
     async def migration_timings(self) -> dict[str, list]:
-        """Where the copy stages' time went since the last call: ``stages`` (ms queuing every
-        chunk of a stage, ms until the channel drained), ``chunks`` (ms waiting for room on the
-        channel, ms gathering and queuing; -1 and the ms of the stage's snapshot call on the
-        engine thread, once per stage), ``gather`` (bytes, ms on
-        the copy stream), ``send`` (bytes, ms from the gather's end to the send's start, ms of
+        """Where the copy stages' time went since the last call: ``stages`` (ms of the stage's
+        snapshot call on the engine thread, ms queuing its chunks, ms until the channel drained),
+        ``chunks`` (ms waiting for room on the channel, ms gathering and queuing), ``gather``
+        (bytes, ms on the copy stream), ``send`` (bytes, ms from the gather's end to the send's start, ms of
         the send: the NCCL channel's own timings)."""
         gathers, self._gather_times = list(self._gather_times), deque(maxlen=256)
         chunks, self._chunk_times = list(self._chunk_times), deque(maxlen=256)

@@ -138,7 +138,7 @@ class PrefillMixin:
             loop, fut = entry
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-    def _on_done(self, request_id: str, token: dict, phases=None) -> None:
+    def _on_done(self, request_id: str, token: dict, phases: tuple[float, float, float]) -> None:
         first = token_from_dict(token)
         cached = int(token.get("num_cached_tokens", 0))
         self._resolve(request_id, PrefillDone(first, cached, phases))

@@ -348,7 +348,10 @@ class KVReceiver:
         self.limits = limits or KVLimits()
         self._lock = threading.Lock()
         self._transfers: dict[str, _Incoming] = {}
-        self._upload: torch.cuda.Stream | None = None  # the slots' uploads (CUDA only)
+        device = self.kv_caches[0].device
+        self._upload = (
+            torch.cuda.Stream(device) if device.type == "cuda" else None
+        )  # slots' uploads
         self.bytes_received = 0
         self.endpoint = ""
 
@@ -391,11 +394,8 @@ class KVReceiver:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
         slots = slot_array(block_table, 0, num_tokens, self.block_size)
         device = self.kv_caches[0].device
-        if device.type != "cuda":
+        if self._upload is None:
             return host_to_device(slots, device), None
-        with self._lock:
-            if self._upload is None:
-                self._upload = torch.cuda.Stream(device)
         with torch.cuda.stream(self._upload):
             slots_dev = host_to_device(slots, device)
             ready = torch.cuda.Event()
