@@ -159,6 +159,10 @@ class Server:
     def __init__(self, args: argparse.Namespace, spec: str) -> None:
         topo, _, variant = spec.partition("@")
         flags, gpus = TOPOLOGIES[topo]
+        if args.gpus:  # other cards of the machine (two topologies measured side by side)
+            if len(args.gpus.split(",")) != len(gpus.split(",")):
+                raise SystemExit(f"--gpus {args.gpus}: {topo} takes {len(gpus.split(','))}")
+            gpus = args.gpus
         flags = flags + VARIANTS[variant]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -350,21 +354,26 @@ def phase(args: argparse.Namespace, spec: str) -> dict[str, Any]:
         server.wait(args.start_timeout)
         if args.warmup:  # untimed: Triton compiles its kernels here, not in the saturation run
             drive(args, server, f"{topo}-warmup", "sharegpt", args.warmup, [1e999])
-        sat = drive(args, server, f"{topo}-sharegpt-inf", "sharegpt", args.num_prompts, [1e999])
-        out["saturation"] = sat[0]["request_throughput"]
-        out["capacity"] = steady_capacity(sat[0])
-        if topo.startswith("one") or args.inf_only:
+        workloads = args.workloads.split(",")
+        only_inf = topo.startswith("one") or args.inf_only
+        if only_inf or "sharegpt" in workloads:
+            sat = drive(args, server, f"{topo}-sharegpt-inf", "sharegpt", args.num_prompts, [1e999])
+            out["saturation"] = sat[0]["request_throughput"]
+            out["capacity"] = steady_capacity(sat[0])
+        if only_inf:
             return out
         for workload, num, inf_num, ref in (
             ("sharegpt", args.rate_prompts, None, args.ref_rate),
             ("long", args.long_rate_prompts, args.long_prompts, args.long_ref_rate),
         ):
+            if workload not in workloads:
+                continue
             if inf_num is not None:
                 burst = drive(args, server, f"{topo}-{workload}-inf", workload, inf_num, [1e999])
                 out[f"{workload}_saturation"] = burst[0]["request_throughput"]
                 out[f"{workload}_capacity"] = steady_capacity(burst[0])
             key = "capacity" if workload == "sharegpt" else f"{workload}_capacity"
-            ref = ref or out[key] or out.get(f"{workload}_saturation") or out["saturation"]
+            ref = ref or out[key] or out.get(f"{workload}_saturation") or out.get("saturation")
             fracs = list(args.fracs)
             step = fracs[-1] - fracs[-2] if len(fracs) > 1 else 0.1
             extra = 0
@@ -421,8 +430,9 @@ def load_runs(dirs: list[Path]) -> tuple[dict[str, list[dict]], dict[str, Any]]:
                 data = json.load(fh)
             for label, entry in data["runs"].items():
                 runs.setdefault(label, []).extend(entry["results"])
-        if (d / "summary.json").exists():
-            phases |= json.loads((d / "summary.json").read_text())["phases"]
+        if (d / "summary.json").exists():  # one topology's sweeps may come from several runs
+            for name, phase_out in json.loads((d / "summary.json").read_text())["phases"].items():
+                phases[name] = phases.get(name, {}) | phase_out
     return runs, phases
 
 
@@ -620,6 +630,17 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--model", required=True, help="HF folder (config + tokenizer)")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     r.add_argument("--phases", default="offline,one,two,pd")
+    r.add_argument(
+        "--workloads",
+        default="sharegpt,long",
+        help="the rate sweeps to run (comma-separated): sharegpt, long",
+    )
+    r.add_argument(
+        "--gpus",
+        default=None,
+        help="CUDA devices for the topology instead of its own (0 / 0,1): e.g. 2,3 to measure "
+        "two topologies side by side on a 4-GPU machine",
+    )
     r.add_argument("--out", required=True)
     r.add_argument(
         "--engine",

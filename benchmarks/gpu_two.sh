@@ -11,10 +11,12 @@
 # the resume breakdown; chaos-trace: kill-decode with TANDEM_TRACE=1, each resumed attempt's
 # milestones laid out by benchmarks/trace_layout.py), goodput-two / goodput-pd
 # (benchmarks/gpu_serve.py, a topology's capacity and its SLO attainment at 0.6x..1.3x of it,
-# vLLM-sampled ShareGPT and 2k-8k
-# prompts), served (issue 23: one worker through the gateway against the offline engine).
+# vLLM-sampled ShareGPT and 2k-8k prompts; goodput-sharegpt / goodput-long: one workload, 2
+# colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served (issue 23: one worker through the gateway against the offline engine).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
-# (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn.
+# (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn. Two runs can
+# share a 4-GPU machine, each on its own CUDA_VISIBLE_DEVICES pair, with GPU_TWO_SHARED=1 (no
+# `ray stop` between sections: it would stop the other's clusters too).
 #
 # The model folder is the Llama-3-8B shape (benchmarks/configs/llama3-8b, dummy bf16 weights)
 # with the Llama-3 tokenizer beside it: TOKENIZER_DIR (default .gpu_carry) holds tokenizer.json
@@ -51,8 +53,10 @@ section() {
     local rc=$?
     echo "== $name rc=$rc $(date +%T)"
     grep -v "Assertion\|IndexKernel" "$out/$name/log.txt" | tail -n "${TAIL:-25}"
-    ray stop --force >/dev/null 2>&1
-    pkill -f "cluster.cli serve" >/dev/null 2>&1
+    if [ -z "${GPU_TWO_SHARED:-}" ]; then  # set when another run shares the machine
+        ray stop --force >/dev/null 2>&1
+        pkill -f "cluster.cli serve" >/dev/null 2>&1
+    fi
     return 0
 }
 
@@ -103,6 +107,16 @@ for s in "$@"; do
             --phases "${s#goodput-}" --out "$out/$s" "${dummy[@]}" --requests-file "$sample" \
             --warmup 64 --num-prompts 1000 --rate-prompts 200 --long-prompts 200 \
             --long-rate-prompts 60 --rate-seconds 30 --fracs "${fracs[@]}" --bench-timeout 300 ;;
+    goodput-sharegpt | goodput-long)  # 4 GPUs: 2 colocated on 0,1 beside 1P1D on 2,3
+        w="${s#goodput-}"
+        section "$s" 590 bash -c "
+            run() { python benchmarks/gpu_serve.py run --model '$model' --phases \$1 --gpus \$2 \
+                --workloads $w --out '$out/$s/'\$1 ${dummy[*]} --requests-file $sample \
+                --warmup 64 --num-prompts 1000 --rate-prompts 200 --long-prompts 200 \
+                --long-rate-prompts 60 --rate-seconds \${RATE_SECONDS:-25} --fracs ${fracs[*]} \
+                --bench-timeout 300 >'$out/$s/'\$1.log 2>&1; }
+            run two 0,1 & run pd 2,3 & wait
+            tail -n 12 '$out/$s/two.log' '$out/$s/pd.log'" ;;
     served)
         section served 420 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one --inf-only --requests-file "$sample" "${dummy[@]}" \

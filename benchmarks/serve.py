@@ -505,20 +505,28 @@ def sharegpt_ids(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
 
 def file_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
     """The first ``--num-prompts`` requests of a benchmarks/workloads.py file (``--workload-file``,
-    e.g. vLLM's ShareGPT sample): its own prompt token ids and output lengths."""
+    e.g. vLLM's ShareGPT sample): its own prompt token ids and output lengths. Asked for more
+    than the file holds, it goes round again; each later round changes one early token of every
+    prompt (the second: the first is often BOS), so no prompt is a prefix-cache hit on an
+    earlier round's and the lengths stay the file's."""
     from benchmarks.workloads import read_workload
 
     if args.workload_file is None:
         raise SystemExit("--workload file needs --workload-file PATH")
-    items = read_workload(args.workload_file)[: args.num_prompts]
-    return [
-        Request(
-            list(i.prompt_token_ids),
-            len(i.prompt_token_ids),
-            clip_output(i.output_len, args.max_output),
-        )
-        for i in items
-    ]
+    items = read_workload(args.workload_file)
+    if not items:
+        raise SystemExit(f"{args.workload_file} holds no requests")
+    lo, hi = id_range(tokenizer)
+    out = []
+    for n in range(args.num_prompts):
+        item = items[n % len(items)]
+        ids = list(item.prompt_token_ids)
+        rnd = n // len(items)
+        if rnd and ids:
+            j = min(1, len(ids) - 1)
+            ids[j] = lo + (ids[j] - lo + rnd * 7919) % (hi - lo)
+        out.append(Request(ids, len(ids), clip_output(item.output_len, args.max_output)))
+    return out
 
 
 def random_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:

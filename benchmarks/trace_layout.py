@@ -6,7 +6,8 @@ Every process writes ``TRACE <request id> <milestone> <wall-clock s>`` (engine/t
 forwards workers' lines to the driver's log with a ``(Worker pid=N)`` prefix). For each request
 whose id contains ``--match`` (default ``~``: a resumed or retried attempt), this prints its
 milestones in time order, in ms from its first, with the process each came from; milestones
-logged without a request id (``-``) that fall inside the request's span are listed too, marked.
+logged without a request id (``-``) that fall inside the request's span (or up to ``--before``
+seconds ahead of it: a pair torn down by a peer's death) are listed too, marked.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def main() -> None:
     ap.add_argument("log")
     ap.add_argument("--match", default="~")
     ap.add_argument("--limit", type=int, default=8, help="requests shown at most")
+    ap.add_argument(
+        "--before",
+        type=float,
+        default=1.0,
+        help="s before a request's first milestone from which id-less ones are listed too",
+    )
     args = ap.parse_args()
     events = parse(args.log)
     by_rid: dict[str, list] = defaultdict(list)
@@ -46,7 +53,7 @@ def main() -> None:
     for rid in chosen:
         mine = by_rid[rid]
         t0, t1 = mine[0][0], mine[-1][0]
-        shared = [e for e in by_rid.get("-", []) if t0 <= e[0] <= t1]
+        shared = [e for e in by_rid.get("-", []) if t0 - args.before <= e[0] <= t1]
         print(f"\n{rid}: {len(mine)} milestones over {(t1 - t0) * 1e3:.1f} ms")
         for t, r, event, who in sorted(mine + shared):
             mark = "  (no id)" if r == "-" else ""

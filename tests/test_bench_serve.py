@@ -353,6 +353,28 @@ def test_file_workload_sends_the_files_own_requests():
         serve.build_requests(serve.parse_args(["--workload", "file"]))
 
 
+def test_file_workload_goes_round_without_prefix_hits(tmp_path) -> None:
+    """Asked for more requests than the file holds, ``--workload file`` repeats its lengths but
+    no later round's prompt shares its first block's tokens with an earlier one."""
+    from benchmarks.workloads import read_workload
+
+    path = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
+    items = read_workload(path)
+    n = 2 * len(items) + 5
+    args = serve.parse_args(["--workload", "file", "--workload-file", str(path)] + [
+        "--num-prompts", str(n)])  # fmt: skip
+    requests = serve.build_requests(args)
+    assert len(requests) == n
+    for k in (0, 3, 4):
+        first, again, third = requests[k], requests[k + len(items)], requests[k + 2 * len(items)]
+        assert first.prompt == list(items[k].prompt_token_ids)
+        assert first.prompt_len == again.prompt_len == third.prompt_len
+        assert first.output_len == again.output_len == third.output_len
+        heads = {tuple(r.prompt[:16]) for r in (first, again, third)}
+        assert len(heads) == 3  # three different first blocks: no prefix-cache hit
+        assert sum(a != b for a, b in zip(first.prompt, again.prompt, strict=True)) == 1
+
+
 def test_goodput_frontier_is_the_last_rate_before_attainment_drops() -> None:
     """DistServe's goodput: the highest rate at which 90 % of requests meet both SLOs (the last
     passing rate before the first miss, and the crossing interpolated between them)."""

@@ -309,6 +309,7 @@ class _Pair:
         self._comm_lock = threading.Lock()  # every call on the communicator
         self._stop = threading.Event()
         self._posted = threading.Event()  # wakes an idle watchdog
+        self.name = name
         threading.Thread(target=self._watch, name=name, daemon=True).start()
 
     @property
@@ -380,12 +381,14 @@ class _Pair:
             self.fault = f"{reason}: communicator aborted"
         self._stop.set()
         self._posted.set()
+        trace("-", f"pair.abort.start:{self.name}")
         locked = self._comm_lock.acquire(timeout=_ABORT_WAIT_S)  # else a post is stuck in NCCL:
         try:  # aborting is then the only way to free it
             _abort_quietly(self.comm)
         finally:
             if locked:
                 self._comm_lock.release()
+        trace("-", f"pair.abort.done:{self.name}")
         logger.warning("NCCL pair: %s", self.fault)
         self._on_fault(self.fault)
 
@@ -413,8 +416,10 @@ class _Pair:
 
     def close(self, timeout_s: float) -> None:
         """Let queued work finish (up to ``timeout_s``, else abort), then destroy."""
+        trace("-", f"pair.close.start:{self.name}")
         with contextlib.suppress(TransferError):
             self.quiesce(timeout_s)
+        trace("-", f"pair.close.quiet:{self.name}")
         self._stop.set()
         self._posted.set()
         with self._lock:
@@ -422,6 +427,7 @@ class _Pair:
         if not aborted:
             with self._comm_lock, contextlib.suppress(Exception):
                 self.comm.destroy()
+        trace("-", f"pair.close.done:{self.name}")
 
 
 class _Timings:
