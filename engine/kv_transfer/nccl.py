@@ -14,8 +14,9 @@ ends post matching send/recv calls in the same order. Per pair::
        thread waits for that event, sends the header, and posts ncclSend on the pair's own
        CUDA stream; the compute stream is already on layer L + 1
     3. the receiver thread reads the header, posts ncclRecv into a staging buffer on its pair
-       stream, and scatters it into the reserved blocks there (index_copy_: the unpack)
-    4. done: the receiver waits for its pair stream before reporting the transfer complete
+       stream, and scatters it into the reserved blocks on the pair's unpack stream, behind
+       that recv's end (index_copy_: the unpack); the next recv does not wait for it
+    4. done: the receiver waits for both streams before reporting the transfer complete
     5. a broken control socket or an NCCL error aborts the communicator, so a dead peer never
        leaves a stream waiting forever; transfers on the pair fail on both sides
 
@@ -85,6 +86,7 @@ _IDLE_S = 0.1  # and while none is (async errors only; a post wakes it at once)
 _DRAIN_S = 5.0  # after an abort, how long a stream may take to run out
 _ABORT_WAIT_S = 1.0  # how long an abort waits for a post in progress
 _UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+_UNPACKS_AHEAD = 2  # a receiver's unpacks queued and not done before its next recv waits
 # When a layer's send is posted (an experiment, chosen by measurement: benchmarks/NOTES.md, "On
 # 2 x H100"). "ready": once the layer's pack has run (the sender thread waits for its event), so
 # the receiver's recv never waits for data; the send then reaches a GPU busy with the next
@@ -299,8 +301,10 @@ class _Pair:
         on_fault: Callable[[str], None],
         on_complete: Callable[[int], None] = lambda nbytes: None,
         name: str = "nccl-watchdog",
+        unpack: torch.cuda.Stream | None = None,
     ) -> None:
         self.comm, self.stream, self.timeout_s = comm, stream, timeout_s
+        self.unpack = unpack  # the receiver's scatters, beside the recvs
         self.fault: str | None = None
         self._on_fault, self._on_complete = on_fault, on_complete
         self._work: deque[list] = deque()  # [posted at, end event or None, nbytes], oldest first
@@ -393,11 +397,15 @@ class _Pair:
         self._on_fault(self.fault)
 
     def quiesce(self, timeout_s: float) -> None:
-        """Block until what is queued on the stream so far has finished (the unpacks behind
-        an aborted recv too: none may land after this returns); past ``timeout_s`` abort.
-        TransferError if the communicator is (or gets) aborted."""
+        """Block until what is queued on the stream (and the unpack stream) so far has finished
+        (the unpacks behind an aborted recv too: none may land after this returns); past
+        ``timeout_s`` abort. TransferError if the communicator is (or gets) aborted."""
         event = torch.cuda.Event()
-        event.record(self.stream)
+        if self.unpack is not None:  # after the unpacks queued so far and the recvs before them
+            self.unpack.wait_stream(self.stream)
+            event.record(self.unpack)
+        else:
+            event.record(self.stream)
         deadline = time.monotonic() + timeout_s
         drained_by = None
         sleep = _POLL_S
@@ -540,6 +548,9 @@ class NcclKVReceiver(TcpKVReceiver):
     def __init__(self, *args, **kwargs) -> None:
         self.timings = _Timings()
         self._pairs: dict[int, _Pair] = {}
+        self._recv_end: dict[int, torch.cuda.Event] = {}  # per peer: its last recv's end
+        self._unpacks: dict[int, deque] = {}  # per peer: [message no., end of its unpacks]
+        self._messages: dict[int, int] = {}  # per peer: payloads received (numbers them)
         super().__init__(*args, **kwargs)
         self.device = self.kv_caches[0].device
 
@@ -569,10 +580,12 @@ class NcclKVReceiver(TcpKVReceiver):
             limits.nccl_watchdog_s,
             lambda reason: self.break_pair(peer, reason),
             name=f"nccl-watch-recv-{peer}",
+            unpack=transfer_stream(device),
         )
 
     def _read_payload(self, peer, conn, nbytes, entries, buf) -> torch.Tensor:
         pair = self._pairs[peer]
+        self._bound_unpacks(peer)
         total = sum(n for _, _, n in entries)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(pair.stream):
@@ -586,15 +599,47 @@ class NcclKVReceiver(TcpKVReceiver):
             return end
 
         pair.post(nbytes, post)
+        self._recv_end[peer] = end
+        self._messages[peer] = self._messages.get(peer, 0) + 1
         self.timings.add(nbytes, start, end)
         flat = staging.view(self.spec.torch_dtype)
         return flat.view(-1, self.spec.num_kv_heads, total, self.spec.head_dim)
 
     def handle_layer(self, peer, layer, entries, kv) -> None:
-        with torch.cuda.stream(self._pairs[peer].stream):
-            super().handle_layer(peer, layer, entries, kv)  # the unpack, on the pair stream
+        """The unpack goes on the pair's unpack stream behind its recv's end, so the next recv
+        is posted at once instead of queueing behind this scatter on the pair stream, where a
+        sender's next message waited for the receiver's scatter (benchmarks/NOTES.md, live
+        migration's copy on 2 x H100)."""
+        stream = self._pairs[peer].unpack
+        with torch.cuda.stream(stream):
+            stream.wait_event(self._recv_end[peer])
+            kv.record_stream(stream)  # the staging block is not reused before the scatter reads it
+            super().handle_layer(peer, layer, entries, kv)
+            done = torch.cuda.Event()
+            done.record(stream)
+        q = self._unpacks.setdefault(peer, deque())
+        number = self._messages[peer]
+        if q and q[-1][0] == number:  # another layer of the same message
+            q[-1][1] = done
+        else:
+            q.append([number, done])
         if layer in (0, 15, self.spec.num_layers - 1):
             trace(entries[0][0], f"recv.unpack_posted{layer}")
+
+    def _bound_unpacks(self, peer: int) -> None:
+        """Before a recv: wait while _UNPACKS_AHEAD messages' unpacks are still queued, so
+        staging buffers (a message's bytes each) stay bounded when scatters run slower than
+        recvs. An unpack waits only for its recv, which the watchdog bounds (aborted, the stream
+        runs out)."""
+        q = self._unpacks.setdefault(peer, deque())
+        while q and q[0][1].query():
+            q.popleft()
+        while len(q) >= _UNPACKS_AHEAD:
+            sleep = _POLL_S
+            while not q[0][1].query():
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
+            q.popleft()
 
     def _before_done(self, peer: int) -> None:
         trace("-", "recv.done_header")
@@ -620,6 +665,9 @@ class NcclKVReceiver(TcpKVReceiver):
         threading.Thread(target=wait_then_emit, name="kv-release", daemon=True).start()
 
     def _on_peer_closed(self, peer: int) -> None:
+        self._recv_end.pop(peer, None)
+        self._unpacks.pop(peer, None)
+        self._messages.pop(peer, None)
         pair = self._pairs.pop(peer, None)
         if pair is not None:
             pair.close(1.0)  # a half-received message never completes: aborted after 1 s
