@@ -59,6 +59,9 @@ class MigrationSettings(_Section):
     chunk_tokens: int = Field(
         4096, ge=1, description="KV positions per copy message (bounds the copy buffers)."
     )
+    chunks_ahead: int = Field(
+        2, ge=1, description="Copy messages that may be in flight when the next is gathered."
+    )
     timeout_s: float = Field(
         30.0, gt=0, description="Seconds each wait on the other worker may take."
     )

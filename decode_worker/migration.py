@@ -78,6 +78,11 @@ class MigrationConfig:
     chunk_tokens: int = 4096
     """KV positions gathered per engine-thread call (bounds the copy buffers: 512 MiB for the
     8B shape); the next chunk waits until the channel has room."""
+    chunks_ahead: int = 2
+    """Chunks that may still be queued or in flight on the channel when the next one is
+    gathered (each holds ``chunk_tokens`` of KV on this worker). With 1 a gather overlaps one
+    send, and the release of a finished send (the watchdog's poll, this loop's poll, the gather)
+    stood between sends: 5.6 ms a chunk against 2.2 ms of send on 2 x H100."""
     timeout_s: float = 30.0
     """Every wait on the other worker; B's deadline for a migration to complete."""
     max_out: int = 1
@@ -455,7 +460,7 @@ class MigrationMixin:
 
     async def _pace(self, state: _Out, sender) -> None:
         """Wait until the channel has room for another chunk (bounded by timeout_s)."""
-        limit = self._copy_bytes(self.migration.chunk_tokens)
+        limit = self._copy_bytes(self.migration.chunk_tokens) * self.migration.chunks_ahead
         await self._wait_channel(state, sender, lambda: sender.pending_bytes <= limit)
 
     async def _drained(self, state: _Out, sender) -> None:
