@@ -535,6 +535,16 @@ class NcclKVSender(TcpKVSender):
     def _sent(self, item) -> None:
         """The watchdog releases the layer's bytes once its send has completed."""
 
+    def _broken(self, reason: str, first=None) -> None:
+        """The channel failed (most often: the decode worker died mid-transfer). A send posted
+        to a peer that is gone never completes and its kernel spins on this GPU: abort at once,
+        not after the close's wait (5 s on 2 x H100 froze this worker's engine that long, and
+        the GPU's other processes ran at a fraction; benchmarks/NOTES.md, the resume stall)."""
+        pair = self._pair
+        if pair is not None and pair.posted:
+            pair.abort(reason)
+        super()._broken(reason, first)
+
     def _disconnect(self) -> None:
         super()._disconnect()
         pair, self._pair = self._pair, None
@@ -669,8 +679,8 @@ class NcclKVReceiver(TcpKVReceiver):
         self._unpacks.pop(peer, None)
         self._messages.pop(peer, None)
         pair = self._pairs.pop(peer, None)
-        if pair is not None:
-            pair.close(1.0)  # a half-received message never completes: aborted after 1 s
+        if pair is not None:  # a sender quiesces before it closes: what is still posted after
+            pair.close(0.1)  # this long is a half-received message that never completes
 
 
 def _closed_by_peer(conn: socket.socket) -> None:
