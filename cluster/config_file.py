@@ -60,7 +60,7 @@ class MigrationSettings(_Section):
         4096, ge=1, description="KV positions per copy message (bounds the copy buffers)."
     )
     chunks_ahead: int = Field(
-        2, ge=1, description="Copy messages that may be in flight when the next is gathered."
+        1, ge=1, description="Copy messages that may be in flight when the next is gathered."
     )
     timeout_s: float = Field(
         30.0, gt=0, description="Seconds each wait on the other worker may take."

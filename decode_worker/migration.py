@@ -78,11 +78,11 @@ class MigrationConfig:
     chunk_tokens: int = 4096
     """KV positions gathered per engine-thread call (bounds the copy buffers: 512 MiB for the
     8B shape); the next chunk waits until the channel has room."""
-    chunks_ahead: int = 2
+    chunks_ahead: int = 1
     """Chunks that may still be queued or in flight on the channel when the next one is
-    gathered (each holds ``chunk_tokens`` of KV on this worker). With 1 a gather overlaps one
-    send, and the release of a finished send (the watchdog's poll, this loop's poll, the gather)
-    stood between sends: 5.6 ms a chunk against 2.2 ms of send on 2 x H100."""
+    gathered (each holds ``chunk_tokens`` of KV on this worker); 1: a gather overlaps one send.
+    2 moved a 32k-token request no faster on 2 x H100 (57-72 against 66-75 GB/s; the gathers
+    then share HBM with the sends: benchmarks/NOTES.md)."""
     timeout_s: float = 30.0
     """Every wait on the other worker; B's deadline for a migration to complete."""
     max_out: int = 1
