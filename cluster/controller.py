@@ -47,6 +47,7 @@ from typing import Any
 
 from cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision, PoolSignals
 from cluster.migrations import Migrator
+from cluster.operations import DRAIN_DEADLINE_S, Refused, not_moved
 from engine.messages import (
     CONTROL_CONCURRENCY,
     CONTROL_GROUP,
@@ -111,14 +112,6 @@ ROLES = ("prefill", "decode", "colocated")
 EVENTS_KEPT = 4096  # the event log's length (older events are dropped; Watch says how many)
 STATS_TIMEOUT_S = 3.0  # status() and scale() wait this long for a worker's stats
 ROUTER_LOAD_TTL_S = 5.0  # a router's load report older than this no longer counts
-DRAIN_DEADLINE_S = 60.0
-
-
-class Refused(ValueError):
-    """The operator asked for something the controller will not do as things are (scaling
-    below one worker or below the running load without ``force``; a new pool that no router
-    would route to, or of a role the cluster was not started with, without ``force``; a second
-    scale of a role while one runs). The message says why and what would make it go through."""
 
 
 class _EventedMigrator(Migrator):
@@ -1210,9 +1203,3 @@ def _index(name: str) -> int:
     """The number in a worker's name ("decode-3" -> 3)."""
     tail = name.rpartition("-")[2]
     return int(tail) if tail.isdigit() else 0
-
-
-def not_moved(report: dict[str, Any]) -> int:
-    """Requests a drain report leaves on its worker (still running, or their moves failed)."""
-    counts = report.get("counts", {})
-    return sum(n for k, n in counts.items() if k not in ("migrated", "finished"))

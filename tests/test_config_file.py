@@ -13,14 +13,8 @@ import pytest
 pytest.importorskip("pydantic")
 pytest.importorskip("yaml")
 
-from cluster.config_file import (  # noqa: E402
-    REFERENCE_BEGIN,
-    REFERENCE_END,
-    ConfigError,
-    ServeConfig,
-    load_serve_config,
-    reference_markdown,
-)
+from cluster.config_file import ConfigError, ServeConfig, load_serve_config  # noqa: E402
+from cluster.config_reference import REFERENCE_BEGIN, REFERENCE_END, reference_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
@@ -325,7 +319,7 @@ def test_reference_in_docs_is_current():
     doc = (ROOT / "docs" / "config.md").read_text()
     start, end = doc.index(REFERENCE_BEGIN), doc.index(REFERENCE_END)
     assert doc[start + len(REFERENCE_BEGIN) : end].strip() == reference_markdown().strip(), (
-        "docs/config.md is stale: python -m cluster.config_file --write docs/config.md"
+        "docs/config.md is stale: python -m cluster.config_reference --write docs/config.md"
     )
     for name in ServeConfig.model_fields:
         assert f"\n| {name} |" in doc

@@ -17,9 +17,9 @@ import torch
 from test_kv_transport import BLOCK, SPEC, Events, Failures, caches, source
 
 from engine.kv_transfer import nccl
+from engine.kv_transfer.backends import KVConnector
 from engine.kv_transfer.transport import (
     InProcessKVReceiver,
-    KVConnector,
     KVLimits,
     KVSpec,
     TcpKVReceiver,

@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
+from engine.kv_transfer.backends import KVConnector
 from engine.kv_transfer.transport import (
     InProcessKVReceiver,
-    KVConnector,
     KVSpec,
     TcpKVReceiver,
     read_header,

@@ -65,3 +65,27 @@ def test_layer_contract_fails_on_a_planted_violation(tmp_path, where, source):
     assert res.returncode != 0, res.stdout
     module = where.removesuffix(".py").replace("/", ".")
     assert "BROKEN" in res.stdout and module in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        # the circle cut when the backend registry left transport.py (engine/kv_transfer/backends.py)
+        {"engine/kv_transfer/transport.py": "\ndef _nccl():\n    import engine.kv_transfer.nccl\n"},
+        # two modules of one folder, each importing the other (one inside a function)
+        {
+            "router/_planted_a.py": "import router._planted_b\n",
+            "router/_planted_b.py": "def f():\n    import router._planted_a\n",
+        },
+    ],
+)
+def test_a_circle_inside_a_folder_fails(tmp_path, planted):
+    """The acyclic-siblings contract: an import circle between modules (or subfolders) of one
+    folder fails ``lint-imports``, as the three circles cut from the tree would have."""
+    _copy_tree(tmp_path)
+    for where, source in planted.items():
+        path = tmp_path / where
+        path.write_text((path.read_text() if path.exists() else "") + source)
+    res = _lint(tmp_path)
+    assert res.returncode != 0, res.stdout
+    assert "no import circles inside a folder" in res.stdout and "BROKEN" in res.stdout, res.stdout

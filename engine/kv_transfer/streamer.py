@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.attention import host_to_device, slot_array
-from engine.kv_transfer.transport import KVConnector
+from engine.kv_transfer.backends import KVConnector
 from engine.outputs import SampledToken
 from engine.scheduler import SchedulerOutput
 from engine.tracing import trace

@@ -26,7 +26,8 @@ import torch
 from test_kv_transport import Events, Failures
 
 from engine.kv_transfer import nccl as kv_nccl
-from engine.kv_transfer.transport import KVConnector, KVLimits, KVSpec, read_header, write_frame
+from engine.kv_transfer.backends import KVConnector
+from engine.kv_transfer.transport import KVLimits, KVSpec, read_header, write_frame
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 cupy = pytest.importorskip("cupy")
