@@ -24,6 +24,7 @@ accepted (``ConfigError``), before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
@@ -32,7 +33,18 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from decode_worker.migration_config import MigrationConfig
+from engine.settings import bounds_of, help_of
 
 __all__ = ["ConfigError", "ServeConfig", "load_serve_config"]
 
@@ -45,27 +57,27 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-class MigrationSettings(_Section):
-    """Live migration on the decode workers (decode_worker/migration.py ``MigrationConfig``)."""
+def section_from(settings: type, doc: str) -> type[BaseModel]:
+    """The config file's section for a settings dataclass made with ``engine.settings.setting``:
+    one key per field, with its type, default, bounds and help; nothing is written twice."""
+    hints = typing.get_type_hints(settings)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        fields[f.name] = (
+            hints[f.name],
+            Field(f.default, description=help_of(f), **bounds_of(f)),
+        )
+    model = create_model(
+        settings.__name__.replace("Config", "Settings"), __base__=_Section, **fields
+    )
+    model.__doc__ = doc
+    return model
 
-    max_stages: int = Field(4, ge=1, description="KV copy rounds before the last, paused one.")
-    last_stage_blocks: int = Field(
-        16, ge=1, description="Pause the request once at most this many KV blocks are left."
-    )
-    headroom_blocks: int = Field(
-        4, ge=0, description="Blocks reserved on the destination beyond the request's length."
-    )
-    chunk_tokens: int = Field(
-        4096, ge=1, description="KV positions per copy message (bounds the copy buffers)."
-    )
-    chunks_ahead: int = Field(
-        1, ge=1, description="Copy messages that may be in flight when the next is gathered."
-    )
-    timeout_s: float = Field(
-        30.0, gt=0, description="Seconds each wait on the other worker may take."
-    )
-    max_out: int = Field(1, ge=1, description="Migrations out of one worker at once.")
-    max_in: int = Field(1, ge=1, description="Migrations into one worker at once.")
+
+MigrationSettings = section_from(
+    MigrationConfig,
+    "Live migration on the decode workers (decode_worker/migration.py ``MigrationConfig``).",
+)
 
 
 class RebalanceSettings(_Section):

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from decode_worker.migration_config import MigrationConfig
 from engine.attention import host_to_device, slot_array
 from engine.histogram import Buckets
 from engine.kv_transfer import KVConnector, TransferEvent, TransferOutcome
@@ -64,29 +65,6 @@ logger = logging.getLogger(__name__)
 
 SLOT_TAKEN = "a migration is already arriving here"
 PAUSE_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-
-
-@dataclass(frozen=True)
-class MigrationConfig:
-    max_stages: int = 4
-    """Copy stages before the last (paused) one at most."""
-    last_stage_blocks: int = 16
-    """Pause once at most this many blocks are left to copy (Llumnix's bound)."""
-    headroom_blocks: int = 4
-    """Reserved on B beyond the request's length when asked (it grows while copied; more is
-    asked for before the last stage if it outgrew them)."""
-    chunk_tokens: int = 4096
-    """KV positions gathered per engine-thread call (bounds the copy buffers: 512 MiB for the
-    8B shape); the next chunk waits until the channel has room."""
-    chunks_ahead: int = 1
-    """Chunks that may still be queued or in flight on the channel when the next one is
-    gathered (each holds ``chunk_tokens`` of KV on this worker); 1: a gather overlaps one send.
-    2 moved a 32k-token request no faster on 2 x H100 (57-72 against 66-75 GB/s; the gathers
-    then share HBM with the sends: benchmarks/NOTES.md)."""
-    timeout_s: float = 30.0
-    """Every wait on the other worker; B's deadline for a migration to complete."""
-    max_out: int = 1
-    max_in: int = 1
 
 
 class _Ended(Exception):

@@ -323,3 +323,39 @@ def test_reference_in_docs_is_current():
     )
     for name in ServeConfig.model_fields:
         assert f"\n| {name} |" in doc
+
+
+def test_migration_section_is_generated_from_its_dataclass():
+    """One definition (engine/settings.py): the file's ``migration`` keys, defaults, bounds and
+    help come from ``MigrationConfig``'s fields, and both reject the same values."""
+    import dataclasses
+
+    from pydantic import ValidationError
+
+    from cluster.config_file import MigrationSettings
+    from decode_worker.migration_config import MigrationConfig
+
+    for f in dataclasses.fields(MigrationConfig):
+        info = MigrationSettings.model_fields[f.name]
+        assert info.default == f.default and info.description == f.metadata["help"], f.name
+    assert list(MigrationSettings.model_fields) == [
+        f.name for f in dataclasses.fields(MigrationConfig)
+    ]
+    for bad in (
+        {"max_stages": 0},
+        {"headroom_blocks": -1},
+        {"timeout_s": 0.0},
+        {"chunks_ahead": 0},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            MigrationConfig(**bad)
+        with pytest.raises(ValidationError):
+            MigrationSettings(**bad)
+    with pytest.raises(ValueError, match="must be an integer"):
+        MigrationConfig(max_in=True)
+    with pytest.raises(ValueError, match="must be a number"):
+        MigrationConfig(timeout_s="30")
+    assert MigrationConfig(timeout_s=5).timeout_s == 5  # an int is a number
+    assert MigrationConfig(**MigrationSettings(max_out=2).model_dump()).max_out == 2
+    with pytest.raises(ValidationError, match="unknown_key|extra"):
+        MigrationSettings(unknown_key=1)

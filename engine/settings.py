@@ -1,0 +1,61 @@
+"""One definition per setting: a frozen dataclass field that carries its help and its bounds.
+
+A settings group is a frozen dataclass next to the code that owns it (``MigrationConfig`` beside
+live migration, ...). Each field is made with ``setting``, which records the default, a one-line
+help text and the bounds in the field's metadata. From that one definition:
+
+- ``check(obj)`` validates an instance (call it from ``__post_init__``): a value out of bounds
+  or of the wrong type raises ValueError naming the group, the field and what is accepted;
+- the serve config file's section (cluster/config_file.py) is generated from the dataclass, so a
+  file key, its type, default, bounds and the docs/config.md row cannot drift from the code.
+
+No pydantic here: this module sits in the engine layer, which every worker imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+_BOUNDS = ("ge", "gt", "le", "lt")
+
+
+def setting(default: Any, help: str, **bounds: float) -> Any:
+    """A dataclass field with ``default``, ``help`` (one line, for the config reference) and
+    bounds (``ge``, ``gt``, ``le``, ``lt``)."""
+    unknown = set(bounds) - set(_BOUNDS)
+    if unknown:
+        raise TypeError(f"unknown bounds {sorted(unknown)}; use {', '.join(_BOUNDS)}")
+    return dataclasses.field(default=default, metadata={"help": help, **bounds})
+
+
+def help_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
+
+
+def bounds_of(f: dataclasses.Field) -> dict[str, float]:
+    return {k: f.metadata[k] for k in _BOUNDS if k in f.metadata}
+
+
+def check(obj: Any) -> None:
+    """Raise ValueError if a field of the settings dataclass ``obj`` has the wrong type or lies
+    outside its bounds (an int field takes no bool; a float field takes an int)."""
+    hints = typing.get_type_hints(type(obj))
+    name = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        value, kind = getattr(obj, f.name), hints.get(f.name)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name}.{f.name} must be an integer, got {value!r}")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"{name}.{f.name} must be a number, got {value!r}")
+        for op, limit in bounds_of(f).items():
+            ok = {
+                "ge": value >= limit,
+                "gt": value > limit,
+                "le": value <= limit,
+                "lt": value < limit,
+            }[op]
+            if not ok:
+                sign = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
+                raise ValueError(f"{name}.{f.name} must be {sign} {limit:g}, got {value!r}")
