@@ -33,33 +33,53 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine.settings import check, setting
+
 ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass
 class PoolPolicy:
-    min_replicas: int = 1
-    max_replicas: int = 4
-    high: float = 0.85  # pressure above this for up_after_s: one step more
-    low: float = 0.5  # pressure with a worker fewer below this for down_after_s: one fewer
-    up_after_s: float = 10.0
-    down_after_s: float = 60.0
-    cooldown_s: float = 60.0  # after any decision of this pool, before the next
-    step: int = 1  # workers added per scale-out
-    slo_s: float | None = None  # latency target: TTFT p90 (prefill), ITL p90 (decode)
-    queue_tokens: float = 8192.0  # prefill: uncached prompt tokens waiting per worker at 1.0
+    """How the autoscaler sizes one pool. A pool's pressure is its largest signal over its
+    target (1.0 at target). One definition for the code, the serve config file's
+    ``autoscale.<role>`` sections and their rows in docs/config.md (engine/settings.py)."""
+
+    min_replicas: int = setting(1, "Workers the pool never goes below.", ge=1)
+    max_replicas: int = setting(4, "Workers the pool never goes above.", ge=1)
+    high: float = setting(0.85, "Pressure above which, for `up_after_s`, the pool grows.", gt=0)
+    low: float = setting(
+        0.5,
+        "Pressure (as if the pool had one worker fewer) below which, for `down_after_s`, it "
+        "shrinks by one, by a drain.",
+        gt=0,
+    )
+    up_after_s: float = setting(10.0, "Seconds over `high` before growing.", ge=0)
+    down_after_s: float = setting(60.0, "Seconds under `low` before shrinking.", ge=0)
+    cooldown_s: float = setting(
+        60.0, "Seconds after any decision of this pool before the next.", ge=0
+    )
+    step: int = setting(1, "Workers added per scale-out.", ge=1)
+    slo_s: float | None = setting(
+        None,
+        "Latency target: TTFT p90 (prefill, colocated) or ITL p90 (decode), over the workers' "
+        "last 30 s. Default: 2 s (prefill, colocated), 0.25 s (decode).",
+        gt=0,
+    )
+    queue_tokens: float = setting(
+        8192.0, "Prefill: prompt tokens waiting per worker that make a pressure of 1.0.", gt=0
+    )
+
+    def __post_init__(self) -> None:
+        self.check()
 
     def check(self) -> None:
-        if not 1 <= self.min_replicas <= self.max_replicas:
+        check(self)
+        if self.min_replicas > self.max_replicas:
             raise ValueError(
-                f"replicas need 1 <= min ({self.min_replicas}) <= max ({self.max_replicas})"
+                f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})"
             )
-        if not 0 < self.low < self.high:
-            raise ValueError(f"marks need 0 < low ({self.low}) < high ({self.high})")
-        if self.step < 1 or self.queue_tokens <= 0 or (self.slo_s is not None and self.slo_s <= 0):
-            raise ValueError("step >= 1, queue_tokens > 0 and slo_s > 0 (or None) are required")
-        if min(self.up_after_s, self.down_after_s, self.cooldown_s) < 0:
-            raise ValueError("up_after_s, down_after_s and cooldown_s must be >= 0")
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
 
 
 @dataclass

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +44,8 @@ from pydantic import (
     model_validator,
 )
 
+from cluster.autoscaler import PoolPolicy
+from cluster.migrations import RebalanceSettings as Rebalance
 from decode_worker.migration_config import MigrationConfig
 from engine.settings import bounds_of, help_of
 
@@ -57,9 +60,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-def section_from(settings: type, doc: str) -> type[BaseModel]:
+def section_from(
+    settings: type,
+    doc: str,
+    before: dict[str, Callable[[Any], Any]] | None = None,
+    name: str | None = None,
+) -> type[BaseModel]:
     """The config file's section for a settings dataclass made with ``engine.settings.setting``:
-    one key per field, with its type, default, bounds and help; nothing is written twice."""
+    one key per field, with its type, default, bounds and help, nothing written twice. A value
+    set is then checked by building the dataclass itself, so its own cross-field checks (its
+    ``__post_init__``) hold in a file too. ``before``: per field, a conversion of the raw value
+    (YAML's ``off`` is False)."""
     hints = typing.get_type_hints(settings)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
@@ -67,11 +78,27 @@ def section_from(settings: type, doc: str) -> type[BaseModel]:
             hints[f.name],
             Field(f.default, description=help_of(f), **bounds_of(f)),
         )
-    model = create_model(
-        settings.__name__.replace("Config", "Settings"), __base__=_Section, **fields
-    )
+
+    def _as_dataclass(self: BaseModel) -> BaseModel:
+        settings(**self.model_dump())  # ValueError: the dataclass's own checks
+        return self
+
+    validators: dict[str, Any] = {"_as_dataclass": model_validator(mode="after")(_as_dataclass)}
+    for name, convert in (before or {}).items():
+        validators[f"_before_{name}"] = field_validator(name, mode="before")(
+            classmethod(_converter(convert))
+        )
+    name = name or settings.__name__.replace("Config", "Settings")
+    model = create_model(name, __base__=_Section, __validators__=validators, **fields)
     model.__doc__ = doc
     return model
+
+
+def _converter(convert: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    def before(cls: Any, value: Any) -> Any:
+        return convert(value)
+
+    return before
 
 
 MigrationSettings = section_from(
@@ -80,76 +107,19 @@ MigrationSettings = section_from(
 )
 
 
-class RebalanceSettings(_Section):
-    """The controller's rebalancer, set at start (cluster/migrations.py ``RebalanceSettings``;
-    ``POST /admin/rebalance`` changes it later)."""
-
-    mode: Literal["off", "on", "dry-run"] = Field(
-        "off", description="`on` moves requests; `dry-run` only logs the moves it would make."
-    )
-    interval_s: float = Field(1.0, gt=0, description="Seconds between rebalance rounds.")
-    high: float = Field(
-        0.85, gt=0, le=1, description="Projected KV use above which a decode worker gives."
-    )
-    low: float = Field(
-        0.6, gt=0, le=1, description="Projected KV use below which a decode worker takes."
-    )
-    max_moves: int = Field(1, ge=1, description="Requests moved per source per round.")
-
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        return _on_off(value)
-
-    @model_validator(mode="after")
-    def _marks(self) -> RebalanceSettings:
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
-        return self
+RebalanceSettings = section_from(
+    Rebalance,
+    "The controller's rebalancer, set at start (cluster/migrations.py ``RebalanceSettings``; "
+    "``POST /admin/rebalance`` changes it later).",
+    before={"mode": lambda value: _on_off(value)},
+)
 
 
-class PoolSettings(_Section):
-    """How the autoscaler sizes one pool (cluster/autoscaler.py ``PoolPolicy``). A pool's
-    pressure is its largest signal over its target (1.0 at target)."""
-
-    min_replicas: int = Field(1, ge=1, description="Workers the pool never goes below.")
-    max_replicas: int = Field(4, ge=1, description="Workers the pool never goes above.")
-    high: float = Field(
-        0.85, gt=0, description="Pressure above which, for `up_after_s`, the pool grows."
-    )
-    low: float = Field(
-        0.5,
-        gt=0,
-        description="Pressure (as if the pool had one worker fewer) below which, for "
-        "`down_after_s`, it shrinks by one, by a drain.",
-    )
-    up_after_s: float = Field(10.0, ge=0, description="Seconds over `high` before growing.")
-    down_after_s: float = Field(60.0, ge=0, description="Seconds under `low` before shrinking.")
-    cooldown_s: float = Field(
-        60.0, ge=0, description="Seconds after any decision of this pool before the next."
-    )
-    step: int = Field(1, ge=1, description="Workers added per scale-out.")
-    slo_s: float | None = Field(
-        None,
-        gt=0,
-        description="Latency target: TTFT p90 (prefill, colocated) or ITL p90 (decode), over "
-        "the workers' last 30 s. Default: 2 s (prefill, colocated), 0.25 s (decode).",
-    )
-    queue_tokens: float = Field(
-        8192.0,
-        gt=0,
-        description="Prefill: prompt tokens waiting per worker that make a pressure of 1.0.",
-    )
-
-    @model_validator(mode="after")
-    def _bounds(self) -> PoolSettings:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})"
-            )
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
-        return self
+PoolSettings = section_from(
+    PoolPolicy,
+    "How the autoscaler sizes one pool (cluster/autoscaler.py ``PoolPolicy``).",
+    name="PoolSettings",
+)
 
 
 class AutoscaleSettings(_Section):

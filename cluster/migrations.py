@@ -30,30 +30,35 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from engine.messages import MigrationResult, WorkerState, control
+from engine.settings import check, setting
 
 logger = logging.getLogger(__name__)
-
-MODES = ("off", "on", "dry-run")
 
 
 @dataclass
 class RebalanceSettings:
-    mode: str = "off"
-    interval_s: float = 1.0
-    high: float = 0.85  # projected KV use above this: a source
-    low: float = 0.6  # below this: a destination
-    max_moves: int = 1  # per source per round
+    """The rebalancer's settings; one definition for the code, the serve config file's
+    ``rebalance`` section and its rows in docs/config.md (engine/settings.py). Changed live by
+    ``POST /admin/rebalance`` (the controller checks a changed copy before it takes it)."""
+
+    mode: Literal["off", "on", "dry-run"] = setting(
+        "off", "`on` moves requests; `dry-run` only logs the moves it would make."
+    )
+    interval_s: float = setting(1.0, "Seconds between rebalance rounds.", gt=0)
+    high: float = setting(0.85, "Projected KV use above which a decode worker gives.", gt=0, le=1)
+    low: float = setting(0.6, "Projected KV use below which a decode worker takes.", gt=0, le=1)
+    max_moves: int = setting(1, "Requests moved per source per round.", ge=1)
+
+    def __post_init__(self) -> None:
+        self.check()
 
     def check(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"rebalance mode must be one of {MODES}, got {self.mode!r}")
-        if not 0 < self.low < self.high:
-            raise ValueError(f"rebalance marks need 0 < low < high, got {self.low}, {self.high}")
-        if self.interval_s <= 0 or self.max_moves < 1:
-            raise ValueError("interval_s must be > 0 and max_moves >= 1")
+        check(self)
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
 
 
 @dataclass

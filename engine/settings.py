@@ -15,6 +15,7 @@ No pydantic here: this module sits in the engine layer, which every worker impor
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -40,11 +41,22 @@ def bounds_of(f: dataclasses.Field) -> dict[str, float]:
 
 def check(obj: Any) -> None:
     """Raise ValueError if a field of the settings dataclass ``obj`` has the wrong type or lies
-    outside its bounds (an int field takes no bool; a float field takes an int)."""
+    outside its bounds (an int field takes no bool; a float field takes an int; a ``Literal``
+    field one of its values; an optional field None, unchecked)."""
     hints = typing.get_type_hints(type(obj))
     name = type(obj).__name__
     for f in dataclasses.fields(obj):
         value, kind = getattr(obj, f.name), hints.get(f.name)
+        args = typing.get_args(kind)
+        if value is None and type(None) in args:
+            continue
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in args if a is not type(None))
+        if typing.get_origin(kind) is typing.Literal:
+            if value not in typing.get_args(kind):
+                choices = ", ".join(map(str, typing.get_args(kind)))
+                raise ValueError(f"{name}.{f.name} must be one of {choices}, got {value!r}")
+            continue
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{name}.{f.name} must be an integer, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):

@@ -325,22 +325,38 @@ def test_reference_in_docs_is_current():
         assert f"\n| {name} |" in doc
 
 
-def test_migration_section_is_generated_from_its_dataclass():
-    """One definition (engine/settings.py): the file's ``migration`` keys, defaults, bounds and
-    help come from ``MigrationConfig``'s fields, and both reject the same values."""
+def test_sections_are_generated_from_their_dataclasses():
+    """One definition (engine/settings.py): a file section's keys, defaults, bounds and help come
+    from its settings dataclass's fields, and both reject the same values."""
     import dataclasses
 
     from pydantic import ValidationError
 
-    from cluster.config_file import MigrationSettings
+    from cluster.autoscaler import PoolPolicy
+    from cluster.config_file import MigrationSettings, PoolSettings, RebalanceSettings
+    from cluster.migrations import RebalanceSettings as Rebalance
     from decode_worker.migration_config import MigrationConfig
 
-    for f in dataclasses.fields(MigrationConfig):
-        info = MigrationSettings.model_fields[f.name]
-        assert info.default == f.default and info.description == f.metadata["help"], f.name
-    assert list(MigrationSettings.model_fields) == [
-        f.name for f in dataclasses.fields(MigrationConfig)
-    ]
+    pairs = ((MigrationSettings, MigrationConfig), (RebalanceSettings, Rebalance))
+    for section, settings in (*pairs, (PoolSettings, PoolPolicy)):
+        names = [f.name for f in dataclasses.fields(settings)]
+        assert list(section.model_fields) == names, settings.__name__
+        for f in dataclasses.fields(settings):
+            info = section.model_fields[f.name]
+            assert info.default == f.default and info.description == f.metadata["help"], f.name
+    # cross-field checks live on the dataclass and hold in a file's section too
+    for section, settings, bad in (
+        (RebalanceSettings, Rebalance, {"low": 0.9, "high": 0.5}),
+        (PoolSettings, PoolPolicy, {"min_replicas": 5, "max_replicas": 2}),
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            settings(**bad)
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            section(**bad)
+    with pytest.raises(ValueError, match="must be one of off, on, dry-run"):
+        Rebalance(mode="sometimes")
+    assert RebalanceSettings(mode=False).mode == "off"  # YAML's off
+    assert PoolPolicy(slo_s=None).slo_s is None and PoolSettings(slo_s=None).slo_s is None
     for bad in (
         {"max_stages": 0},
         {"headroom_blocks": -1},
