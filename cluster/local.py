@@ -203,6 +203,36 @@ def _use_role_resources(mode: str, resources: dict[str, float]) -> bool:
     return mode == "on"
 
 
+def _init_ray(cfg: ClusterConfig, workers: int) -> None:
+    """Start (or, with ``ray_address``, join) the Ray this cluster runs on. The job's
+    runtime_env is stored in Ray's job table and shown by its dashboard: settings only, never a
+    secret."""
+    import ray
+
+    env = {"NCCL_NVLS_ENABLE": "0"}
+    env.update(
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("TANDEM_", "TRITON_", "NCCL_")) and k not in SECRET_ENV
+        }
+    )
+    options = {
+        "include_dashboard": False,
+        "runtime_env": {"env_vars": env},
+        "logging_level": logging.WARNING,
+        "log_to_driver": os.environ.get("TANDEM_WORKER_LOGS", "1") != "0",
+        "namespace": cfg.namespace,
+    }
+    if cfg.ray_address:  # the operator's cluster: its binding and its auth
+        with _loopback_stays_loopback():
+            ray.init(address=cfg.ray_address, **options)
+    else:
+        # one logical CPU per worker actor, and room for `tandem scale` to add some
+        cpus = max(os.cpu_count() or 1, workers) + SCALE_HEADROOM
+        init_local_ray(num_cpus=cpus, **options)
+
+
 class LocalCluster:
     def __init__(self, config: ClusterConfig | None = None, **kwargs: Any) -> None:
         import ray
@@ -213,34 +243,11 @@ class LocalCluster:
         # Actor names are "<cluster id>/<name>": unique per cluster, so clusters sharing a Ray
         # namespace or a prefix index never mix; a gateway attaches by the id.
         self.cluster_id = secrets.token_hex(3)
-        # The job's runtime_env is stored in Ray's job table and shown by its dashboard: settings
-        # only, never a secret.
-        env = {"NCCL_NVLS_ENABLE": "0"}
-        env.update(
-            {
-                k: v
-                for k, v in os.environ.items()
-                if k.startswith(("TANDEM_", "TRITON_", "NCCL_")) and k not in SECRET_ENV
-            }
-        )
         workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
         self._owns_ray = not ray.is_initialized()
         self._owns_workers = True
         if self._owns_ray:
-            options = {
-                "include_dashboard": False,
-                "runtime_env": {"env_vars": env},
-                "logging_level": logging.WARNING,
-                "log_to_driver": os.environ.get("TANDEM_WORKER_LOGS", "1") != "0",
-                "namespace": cfg.namespace,
-            }
-            if cfg.ray_address:  # the operator's cluster: its binding and its auth
-                with _loopback_stays_loopback():
-                    ray.init(address=cfg.ray_address, **options)
-            else:
-                # one logical CPU per worker actor, and room for `tandem scale` to add some
-                cpus = max(os.cpu_count() or 1, workers) + SCALE_HEADROOM
-                init_local_ray(num_cpus=cpus, **options)
+            _init_ray(cfg, workers)
         resources = ray.cluster_resources()
         spec = WorkerSpec(
             model_dir=self.model_dir,

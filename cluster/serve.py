@@ -67,6 +67,15 @@ logger = logging.getLogger("tandem.serve")
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's flags (`tandem serve` and `tandem gateway`), in --help's order."""
+    _add_listen_and_key_args(p)
+    _add_routing_args(p)
+    _add_limit_args(p)
+    _add_server_args(p)
+
+
+def _add_listen_and_key_args(p: argparse.ArgumentParser) -> None:
+    """Where the gateway listens and who may call it."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the OpenAI API's port")
     p.add_argument(
@@ -90,6 +99,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "mode 0600 (or TANDEM_ADMIN_KEY); none: the API keys guard them, or with no keys at "
         "all only clients on this machine may call them",
     )
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Where requests go and how they wait for a slot."""
     p.add_argument(
         "--policy", default="cache_aware", help="cache_aware | least_loaded | round_robin"
     )
@@ -145,6 +158,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         help="refuse (429 + Retry-After) a request whose projected wait for a slot exceeds "
         "this many seconds (default: 0, off)",
     )
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Sizes, resumes and timeouts."""
     p.add_argument(
         "--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413"
     )
@@ -192,6 +209,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=16 << 10,
         help="request headers larger than this get 431 (default: 16384)",
     )
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP server itself."""
     p.add_argument("--served-model-name", default=None, help="the model id clients send")
     p.add_argument(
         "--log-level", default="warning", help="debug, info, warning or error (tandem's loggers)"
@@ -549,6 +570,74 @@ def _has_password(url: str) -> bool:
     return bool(urlsplit(url).password)
 
 
+def _uvicorn_server(app, args: argparse.Namespace):
+    """uvicorn's server for ``app`` with the gateway's flags; the signals are ours
+    (``_ShutdownSignals``): uvicorn's own handler re-raises the signal at exit."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=args.http,
+        lifespan="off",
+        use_colors=sys.stderr.isatty(),  # no ANSI codes in a log file (--detach)
+        h11_max_incomplete_event_size=args.max_header_bytes,
+        timeout_graceful_shutdown=5,  # the drain already ended every request
+    )
+    return Server(config)
+
+
+class _ShutdownSignals:
+    """SIGTERM / SIGINT for a gateway: the first drains (``--shutdown-timeout``), the second
+    ends what is in flight and stops, the third exits the process on the spot. ``group``'s
+    child gateways get each signal first."""
+
+    def __init__(self, server, gateway, args: argparse.Namespace, group, who: str) -> None:
+        self.server, self.gateway, self.args = server, gateway, args
+        self.group, self.who = group, who
+        self.loop = asyncio.get_running_loop()
+        self.count = 0
+        self.drain: asyncio.Task | None = None
+
+    async def _stop(self, timeout_s: float) -> None:
+        left = await self.gateway.drain(timeout_s)
+        if left:
+            logger.warning("shutdown: %d request(s) ended before they finished", left)
+        self.server.should_exit = True
+
+    def __call__(self, sig: signal.Signals) -> None:
+        self.count += 1
+        if self.group is not None:
+            self.group.signal(self.count)
+        if self.count == 1:
+            print(
+                f"{self.who}{sig.name}: draining (up to {self.args.shutdown_timeout:g} s; again "
+                "to stop now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.drain = self.loop.create_task(self._stop(self.args.shutdown_timeout))
+        elif self.count == 2:
+            print(
+                f"{self.who}{sig.name}: stopping now (again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+            if self.drain is not None:
+                self.drain.cancel()
+            self.loop.create_task(self._stop(0.0))
+            self.server.force_exit = True
+        else:
+            os._exit(128 + sig.value)
+
+
 async def _serve_http(
     app,
     args: argparse.Namespace,
@@ -567,62 +656,11 @@ async def _serve_http(
 
     ``group``'s children get each signal first. A child gateway (``child``) drains as on a
     SIGTERM once its ``tandem serve`` is gone."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # ours below: uvicorn's re-raises the signal at exit
-            yield
-
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        http=args.http,
-        lifespan="off",
-        use_colors=sys.stderr.isatty(),  # no ANSI codes in a log file (--detach)
-        h11_max_incomplete_event_size=args.max_header_bytes,
-        timeout_graceful_shutdown=5,  # the drain already ended every request
-    )
-    server = Server(config)
-    gateway = app.state.gateway
+    server = _uvicorn_server(app, args)
     loop = asyncio.get_running_loop()
-    who = child.label if child is not None else ""
-    signals = 0
-    drain: asyncio.Task | None = None
-
-    async def stop(timeout_s: float) -> None:
-        left = await gateway.drain(timeout_s)
-        if left:
-            logger.warning("shutdown: %d request(s) ended before they finished", left)
-        server.should_exit = True
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal signals, drain
-        signals += 1
-        if group is not None:
-            group.signal(signals)
-        if signals == 1:
-            print(
-                f"{who}{sig.name}: draining (up to {args.shutdown_timeout:g} s; again to stop now)",
-                file=sys.stderr,
-                flush=True,
-            )
-            drain = loop.create_task(stop(args.shutdown_timeout))
-        elif signals == 2:
-            print(
-                f"{who}{sig.name}: stopping now (again to exit at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-            if drain is not None:
-                drain.cancel()
-            loop.create_task(stop(0.0))
-            server.force_exit = True
-        else:
-            os._exit(128 + sig.value)
-
+    on_signal = _ShutdownSignals(
+        server, app.state.gateway, args, group, child.label if child is not None else ""
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     sockets = [reuse_port_socket(args.host, args.port)] if args.reuse_port else None
@@ -677,12 +715,10 @@ def run_serve(args: argparse.Namespace) -> int:
         # gateway` assumes too); a driver must ask for it before ray is imported
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
-    import torch
 
-    from cluster.local import ClusterConfig, LocalCluster
+    from cluster.local import LocalCluster
     from engine.prefix_index import PrefixIndex
     from router.redis_server import RedisServer
-    from router.service import ClusterBackend
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     _api_keys(args)  # before any child process starts (and a bad key file stops us here)
@@ -691,70 +727,38 @@ def run_serve(args: argparse.Namespace) -> int:
         _operator_token(args)
     else:
         _operator_env_token(args)  # unused, but it leaves the environment all the same
-    redis_url = _redis_url(args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    num_p, num_d, num_c = _topology(args, device)
-    engine = {"dtype": dtype, **_engine_overrides(args.engine)}
+    config = _cluster_config(args)
     ports = gateway_ports(args.port, args.gateways, args.reuse_port)
     check_ports_free(args.host, sorted(set(ports)))  # before a minute of starting workers
-    # checked before anything starts (a GPU topology without cupy, a bad autoscale section)
-    config = ClusterConfig(
-        model=args.model,
-        num_prefill=num_p,
-        num_decode=num_d,
-        num_colocated=num_c,
-        device=device,
-        engine=engine,
-        ray_address=args.ray_address,
-        index_url=redis_url,
-        stall_timeout_s=args.stall_timeout,
-        hang_timeout_s=args.hang_timeout,
-        **_cluster_options(args),
-    )
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        if redis_url is None:
+        if config.index_url is None:
             redis = stack.enter_context(RedisServer())
-            redis_url = redis.url
-            config = dataclasses.replace(config, index_url=redis_url)
+            config = dataclasses.replace(config, index_url=redis.url)
             print(f"started redis-server on 127.0.0.1:{redis.port}", file=sys.stderr, flush=True)
         print(
-            f"starting {num_p} prefill + {num_d} decode + {num_c} colocated worker(s) of "
-            f"{args.model} on {device} ({dtype}) ...",
+            f"starting {config.num_prefill} prefill + {config.num_decode} decode + "
+            f"{config.num_colocated} colocated worker(s) of {args.model} on {config.device} "
+            f"({config.engine['dtype']}) ...",
             file=sys.stderr,
             flush=True,
         )
         cluster = LocalCluster(config)
         stack.callback(cluster.shutdown)
         _start_rebalancer(cluster, args)
-        operator = None
+        lines: list[str] = []
         if not args.no_operator:
             operator, connection = _start_operator(cluster, args)
             stack.callback(connection.unlink, missing_ok=True)
-        index = PrefixIndex(redis_url, cluster.index_namespace)
+            lines.append(f"operator: {operator} (token in {connection}; `tandem status`)")
+        index = PrefixIndex(config.index_url, cluster.index_namespace)
         stack.callback(index.close)
-        options = backend_options(args)
-        slots = gateway_slots(
-            args.slots_per_worker,
-            [w.max_num_seqs for w in cluster.members.token_pool],
-            args.gateways,
-        )
-        options["queue"] = replace(options["queue"], slots_per_worker=slots)
-        backend = ClusterBackend(
-            cluster.members,
-            tokenizer=cluster.tokenizer,
-            index=index,
-            model_name=args.served_model_name or args.model,
-            **options,
-        )
+        backend, slots = _cluster_backend(cluster, index, args)
         gcs = ray.get_runtime_context().gcs_address
         group = None
         if args.gateways > 1:
             group = _gateway_group(
-                args, cluster, gcs, ports[1:], backend.model_name, slots, redis_url
+                args, cluster, gcs, ports[1:], backend.model_name, slots, config.index_url
             )
             stack.callback(group.stop)  # before the cluster's shutdown (callbacks run last first)
             group.start()
@@ -763,11 +767,7 @@ def run_serve(args: argparse.Namespace) -> int:
             url = gateway_url(args.host, args.port)
             return [
                 f"ray: {gcs} (cluster {cluster.cluster_id})",
-                *(
-                    [f"operator: {operator} (token in {connection}; `tandem status`)"]
-                    if operator
-                    else []
-                ),
+                *lines,
                 *([group.banner(url, args.reuse_port)] if group is not None else []),
                 f"serving {url} (model {backend.model_name!r}, ready in "
                 f"{time.monotonic() - t0:.0f} s)",
@@ -783,6 +783,56 @@ def run_serve(args: argparse.Namespace) -> int:
             code = 0
     print("stopped", file=sys.stderr, flush=True)
     return code
+
+
+def _cluster_config(args: argparse.Namespace):
+    """The cluster ``tandem serve`` starts, from its flags (checked before anything starts: a
+    GPU topology without cupy, a bad autoscale section). ``index_url`` None: start a local
+    Redis."""
+    import torch
+
+    from cluster.local import ClusterConfig
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    num_p, num_d, num_c = _topology(args, device)
+    return ClusterConfig(
+        model=args.model,
+        num_prefill=num_p,
+        num_decode=num_d,
+        num_colocated=num_c,
+        device=device,
+        engine={"dtype": dtype, **_engine_overrides(args.engine)},
+        ray_address=args.ray_address,
+        index_url=_redis_url(args),
+        stall_timeout_s=args.stall_timeout,
+        hang_timeout_s=args.hang_timeout,
+        **_cluster_options(args),
+    )
+
+
+def _cluster_backend(cluster, index, args: argparse.Namespace):
+    """The router over ``cluster``'s workers, and the slots each decode worker gets from this
+    gateway (its share when ``--gateways N`` split them)."""
+    from router.service import ClusterBackend
+
+    options = backend_options(args)
+    slots = gateway_slots(
+        args.slots_per_worker,
+        [w.max_num_seqs for w in cluster.members.token_pool],
+        args.gateways,
+    )
+    options["queue"] = replace(options["queue"], slots_per_worker=slots)
+    backend = ClusterBackend(
+        cluster.members,
+        tokenizer=cluster.tokenizer,
+        index=index,
+        model_name=args.served_model_name or args.model,
+        **options,
+    )
+    return backend, slots
 
 
 def _gateway_group(args, cluster, ray_address, ports, model_name, slots, redis_url) -> GatewayGroup:
