@@ -60,7 +60,13 @@ TOPOLOGIES = {
     "pd": (["--prefill", "1", "--decode", "1"], "0,1"),
 }
 # ``topo@variant`` phases: the same topology with other gateway flags (the gateway's own cost).
-VARIANTS = {"": [], "asyncio": ["--loop", "asyncio", "--http", "h11"]}
+VARIANTS = {
+    "": [],
+    "asyncio": ["--loop", "asyncio", "--http", "h11"],
+    # two gateway processes sharing the port (SO_REUSEPORT): the gateway's CPU per streamed
+    # token split across two cores (issue 23's served gap)
+    "gw2": ["--gateways", "2", "--reuse-port"],
+}
 # Goodput SLO pairs (ms). The first is the issue's interactive-chat pair. The second is a
 # document-reading pair for long prompts: a reader accepts a couple of seconds before the answer
 # starts on an 8k-token document, then wants it faster than reading speed (100 ms/token is about

@@ -12,7 +12,9 @@
 # milestones laid out by benchmarks/trace_layout.py), goodput-two / goodput-pd
 # (benchmarks/gpu_serve.py, a topology's capacity and its SLO attainment at 0.6x..1.3x of it,
 # vLLM-sampled ShareGPT and 2k-8k prompts; goodput-sharegpt / goodput-long: one workload, 2
-# colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served (issue 23: one worker through the gateway against the offline engine).
+# colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served
+# (issue 23: one worker through the gateway against the offline engine; served-gateways: the
+# same and through two gateway processes sharing the port, with CPU per process; 1 GPU).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
 # (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn. Two runs can
 # share a 4-GPU machine, each on its own CUDA_VISIBLE_DEVICES pair, with GPU_TWO_SHARED=1 (no
@@ -121,6 +123,10 @@ for s in "$@"; do
         section served 420 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one --inf-only --requests-file "$sample" "${dummy[@]}" \
             --out "$out/served" ;;
+    served-gateways)  # the same, through one gateway and through two sharing the port
+        section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
+            --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \
+            --profile --out "$out/served-gateways" ;;
     *) echo "unknown section $s" ;;
     esac
 done
