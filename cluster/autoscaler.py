@@ -82,19 +82,25 @@ class PoolPolicy:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
 
 
+# Each role's latency target unless set: TTFT p90 (prefill, colocated), ITL p90 (decode).
+DEFAULT_SLO_S = {"prefill": 2.0, "decode": 0.25, "colocated": 2.0}
+
+
 @dataclass
 class AutoscalerConfig:
     enabled: bool = False
     interval_s: float = 5.0  # between looks at the signals
-    prefill: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=2.0))
-    decode: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=0.25))
-    colocated: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=2.0))
+    prefill: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["prefill"]))
+    decode: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["decode"]))
+    colocated: PoolPolicy = field(
+        default_factory=lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["colocated"])
+    )
 
     def __post_init__(self) -> None:
         for role in ROLES:
             policy = getattr(self, role)
-            if isinstance(policy, Mapping):
-                setattr(self, role, PoolPolicy(**policy))
+            if isinstance(policy, Mapping):  # the fields it sets, over the role's defaults
+                setattr(self, role, PoolPolicy(**{"slo_s": DEFAULT_SLO_S[role], **policy}))
             getattr(self, role).check()
         if self.interval_s <= 0:
             raise ValueError("interval_s must be > 0")

@@ -188,6 +188,11 @@ def test_settings_without_flags_reach_the_cluster(tmp_path):
 
     config = AutoscalerConfig(**options["autoscale"])
     assert config.decode.max_replicas == 3 and config.prefill.slo_s == 2.0
+    # a pool section that sets other fields keeps its role's latency target (it fell to None,
+    # turning the decode pool's ITL signal off, before 2026-11-26); null turns it off
+    kept = AutoscalerConfig(decode={"max_replicas": 8}, prefill={"slo_s": None})
+    assert (kept.decode.slo_s, kept.decode.max_replicas) == (0.25, 8)
+    assert kept.prefill.slo_s is None and kept.colocated.slo_s == 2.0
     from cluster.local import ClusterConfig
 
     cluster = ClusterConfig(num_prefill=1, num_decode=1, **options)
