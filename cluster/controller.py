@@ -58,6 +58,7 @@ from engine.messages import (
     brief,
     control,
 )
+from engine.settings import check, setting
 
 logger = logging.getLogger(__name__)
 
@@ -94,18 +95,23 @@ class WorkerSpec:
 
 @dataclass
 class HealthConfig:
-    interval_s: float = 1.0  # between checks of every worker
-    timeout_s: float = 2.0  # a check not answered within this is a miss
-    suspect_after: int = 2  # misses in a row that make a worker SUSPECT
-    hang_after_s: float = 30.0  # an engine step running this long: SUSPECT (a hung thread)
-    dead_after_s: float = 60.0  # SUSPECT this long: DEAD, and its actor is killed
+    """The controller's health checks (engine/settings.py: one definition, bounds checked)."""
+
+    interval_s: float = setting(1.0, "Seconds between checks of every worker.", gt=0)
+    timeout_s: float = setting(
+        2.0, "A check not answered within this many seconds is a miss.", gt=0
+    )
+    suspect_after: int = setting(2, "Misses in a row that make a worker SUSPECT.", ge=1)
+    hang_after_s: float = setting(
+        30.0, "An engine step running this long makes its worker SUSPECT (a hung thread).", gt=0
+    )
+    dead_after_s: float = setting(60.0, "SUSPECT this long: DEAD, and its actor is killed.", gt=0)
+
+    def __post_init__(self) -> None:
+        self.check()
 
     def check(self) -> None:
-        for name in ("interval_s", "timeout_s", "hang_after_s", "dead_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"health {name} must be > 0, got {getattr(self, name)}")
-        if self.suspect_after < 1:
-            raise ValueError(f"health suspect_after must be >= 1, got {self.suspect_after}")
+        check(self)
 
 
 ROLES = ("prefill", "decode", "colocated")
