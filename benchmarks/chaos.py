@@ -422,6 +422,11 @@ class GatewayThread:
     def prefill_names(self) -> set[str]:
         return {w.name for w in self.backend.members.prefill}
 
+    def routed_names(self) -> set[str]:
+        """The workers this gateway places requests on now (ACTIVE and not suspected by it)."""
+        m = self.backend.members
+        return {w.name for w in (*m.prefill, *m.decode, *m.colocated)}
+
 
 @dataclass
 class WorkerIdle:
@@ -533,6 +538,23 @@ class Harness:
             if name not in {w.name for w in self.cluster.workers}:
                 return
             time.sleep(0.2)
+
+    def wait_routed(self, timeout_s: float = 60.0) -> bool:
+        """Until the gateway routes to every live worker again (a worker hung and then resumed
+        is suspected until it answers; a scenario that starts before then finds one worker
+        fewer than it assumes). False past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.cluster.refresh()
+            live = {w.name for w in self.cluster.workers}
+            if live <= self.gateway.routed_names():
+                return True
+            if time.monotonic() > deadline:
+                log(
+                    f"not routed to again after {timeout_s:g} s: {sorted(live - self.gateway.routed_names())}"
+                )
+                return False
+            time.sleep(0.1)
 
     # -- idle checks -------------------------------------------------------------------------
 
@@ -1058,6 +1080,7 @@ async def run_scenario(name: str, h: Harness, client: Any, jobs: Jobs, long_ttft
     if h.killed and h.cfg.replace:
         run.notes["replaced_by"] = await asyncio.to_thread(h.replace_killed)
     idle = await asyncio.to_thread(h.settle)
+    await asyncio.to_thread(h.wait_routed)  # the next scenario starts with every worker routed
     resumes = {k: v - resumes0.get(k, 0) for k, v in h.gateway.backend.dispatcher.resumes.items()}
     run.notes["resumes"] = {k: v for k, v in resumes.items() if v}
     timelines = list(h.gateway.backend.dispatcher.resume_log)[log0:]
