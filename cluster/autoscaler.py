@@ -30,10 +30,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.settings import check, setting
+from engine.settings import check, nested, setting
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -88,12 +88,24 @@ DEFAULT_SLO_S = {"prefill": 2.0, "decode": 0.25, "colocated": 2.0}
 
 @dataclass
 class AutoscalerConfig:
-    enabled: bool = False
-    interval_s: float = 5.0  # between looks at the signals
-    prefill: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["prefill"]))
-    decode: PoolPolicy = field(default_factory=lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["decode"]))
-    colocated: PoolPolicy = field(
-        default_factory=lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["colocated"])
+    """The controller's autoscaler; one definition for the code, the serve config file's
+    ``autoscale`` section and its rows in docs/config.md (engine/settings.py). A pool given as
+    a mapping (a file's section, ``tandem policy --pool``) sets its fields over the role's
+    defaults."""
+
+    enabled: bool = setting(False, "Size the pools from their measured signals.")
+    interval_s: float = setting(5.0, "Seconds between looks at the signals.", gt=0)
+    prefill: PoolPolicy = nested(
+        lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["prefill"]),
+        "How the autoscaler sizes this pool (fields left out: defaults).",
+    )
+    decode: PoolPolicy = nested(
+        lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["decode"]),
+        "How the autoscaler sizes this pool (fields left out: defaults).",
+    )
+    colocated: PoolPolicy = nested(
+        lambda: PoolPolicy(slo_s=DEFAULT_SLO_S["colocated"]),
+        "How the autoscaler sizes this pool (fields left out: defaults).",
     )
 
     def __post_init__(self) -> None:
@@ -102,8 +114,7 @@ class AutoscalerConfig:
             if isinstance(policy, Mapping):  # the fields it sets, over the role's defaults
                 setattr(self, role, PoolPolicy(**{"slo_s": DEFAULT_SLO_S[role], **policy}))
             getattr(self, role).check()
-        if self.interval_s <= 0:
-            raise ValueError("interval_s must be > 0")
+        check(self)
 
 
 @dataclass

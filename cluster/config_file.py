@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.autoscaler import PoolPolicy
+from cluster.autoscaler import AutoscalerConfig, PoolPolicy
 from cluster.migrations import RebalanceSettings as Rebalance
 from decode_worker.migration_config import MigrationConfig
 from engine.settings import bounds_of, help_of
@@ -65,6 +65,8 @@ def section_from(
     doc: str,
     before: dict[str, Callable[[Any], Any]] | None = None,
     name: str | None = None,
+    base: type[BaseModel] | None = None,
+    sections: dict[type, type[BaseModel]] | None = None,
 ) -> type[BaseModel]:
     """The config file's section for a settings dataclass made with ``engine.settings.setting``:
     one key per field, with its type, default, bounds and help, nothing written twice. A value
@@ -74,10 +76,12 @@ def section_from(
     hints = typing.get_type_hints(settings)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
-        fields[f.name] = (
-            hints[f.name],
-            Field(f.default, description=help_of(f), **bounds_of(f)),
-        )
+        kind = hints[f.name]
+        if kind in (sections or {}):  # another group (``nested``): its own section, defaults
+            section = sections[kind]
+            fields[f.name] = (section, Field(default_factory=section, description=help_of(f)))
+            continue
+        fields[f.name] = (kind, Field(f.default, description=help_of(f), **bounds_of(f)))
 
     def _as_dataclass(self: BaseModel) -> BaseModel:
         settings(**self.model_dump())  # ValueError: the dataclass's own checks
@@ -89,7 +93,7 @@ def section_from(
             classmethod(_converter(convert))
         )
     name = name or settings.__name__.replace("Config", "Settings")
-    model = create_model(name, __base__=_Section, __validators__=validators, **fields)
+    model = create_model(name, __base__=base or _Section, __validators__=validators, **fields)
     model.__doc__ = doc
     return model
 
@@ -122,25 +126,7 @@ PoolSettings = section_from(
 )
 
 
-class AutoscaleSettings(_Section):
-    """The controller's autoscaler, set at start (cluster/autoscaler.py ``AutoscalerConfig``;
-    ``tandem policy --autoscale ... --pool ...`` changes it later)."""
-
-    enabled: bool = Field(False, description="Size the pools from their measured signals.")
-    interval_s: float = Field(5.0, gt=0, description="Seconds between looks at the signals.")
-    prefill: PoolSettings = Field(
-        default_factory=PoolSettings,
-        description="How the autoscaler sizes this pool (fields left out: defaults).",
-    )
-    decode: PoolSettings = Field(
-        default_factory=PoolSettings,
-        description="How the autoscaler sizes this pool (fields left out: defaults).",
-    )
-    colocated: PoolSettings = Field(
-        default_factory=PoolSettings,
-        description="How the autoscaler sizes this pool (fields left out: defaults).",
-    )
-
+class _AutoscaleSection(_Section):
     def controller_config(self) -> dict[str, Any]:
         """As ``AutoscalerConfig(**...)`` takes it: pools left out keep their defaults (their
         own ``slo_s`` included); a pool's fields left out too."""
@@ -150,6 +136,16 @@ class AutoscaleSettings(_Section):
             if pool.model_fields_set:
                 out[role] = pool.model_dump(exclude_unset=True)
         return out
+
+
+AutoscaleSettings = section_from(
+    AutoscalerConfig,
+    "The controller's autoscaler, set at start (cluster/autoscaler.py ``AutoscalerConfig``; "
+    "``tandem policy --autoscale ... --pool ...`` changes it later).",
+    name="AutoscaleSettings",
+    base=_AutoscaleSection,
+    sections={PoolPolicy: PoolSettings},
+)
 
 
 class GpuShare(_Section):

@@ -1,8 +1,9 @@
 """One definition per setting: a frozen dataclass field that carries its help and its bounds.
 
-A settings group is a frozen dataclass next to the code that owns it (``MigrationConfig`` beside
-live migration, ...). Each field is made with ``setting``, which records the default, a one-line
-help text and the bounds in the field's metadata. From that one definition:
+A settings group is a dataclass next to the code that owns it (``MigrationConfig`` beside live
+migration, ...). Each field is made with ``setting``, which records the default, a one-line help
+text and the bounds in the field's metadata (``nested`` for a field that holds another group).
+From that one definition:
 
 - ``check(obj)`` validates an instance (call it from ``__post_init__``): a value out of bounds
   or of the wrong type raises ValueError naming the group, the field and what is accepted;
@@ -31,6 +32,12 @@ def setting(default: Any, help: str, **bounds: float) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
+def nested(factory: Any, help: str) -> Any:
+    """A field holding another settings group (made by ``factory``), with ``help``. Its file
+    section is that group's own section; keys left out keep the group's defaults."""
+    return dataclasses.field(default_factory=factory, metadata={"help": help})
+
+
 def help_of(f: dataclasses.Field) -> str:
     return f.metadata.get("help", "")
 
@@ -57,6 +64,8 @@ def check(obj: Any) -> None:
                 choices = ", ".join(map(str, typing.get_args(kind)))
                 raise ValueError(f"{name}.{f.name} must be one of {choices}, got {value!r}")
             continue
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{name}.{f.name} must be true or false, got {value!r}")
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{name}.{f.name} must be an integer, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
