@@ -98,6 +98,15 @@ def section_from(
     return model
 
 
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare ``on`` / ``off`` as true / false: take them back."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
 def _converter(convert: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     def before(cls: Any, value: Any) -> Any:
         return convert(value)
@@ -115,7 +124,7 @@ RebalanceSettings = section_from(
     Rebalance,
     "The controller's rebalancer, set at start (cluster/migrations.py ``RebalanceSettings``; "
     "``POST /admin/rebalance`` changes it later).",
-    before={"mode": lambda value: _on_off(value)},
+    before={"mode": _on_off},
 )
 
 
@@ -436,15 +445,6 @@ def engine_override_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineConfig)} - {"model_dir", "device"} | {
         "cpu_threads"
     }
-
-
-def _on_off(value: Any) -> Any:
-    """YAML 1.1 reads a bare ``on`` / ``off`` as true / false: take them back."""
-    if value is True:
-        return "on"
-    if value is False:
-        return "off"
-    return value
 
 
 def _did_you_mean(key: str, choices: typing.Iterable[str]) -> str:

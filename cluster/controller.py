@@ -108,9 +108,6 @@ class HealthConfig:
     dead_after_s: float = setting(60.0, "SUSPECT this long: DEAD, and its actor is killed.", gt=0)
 
     def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
         check(self)
 
 
@@ -603,7 +600,7 @@ class Controller:
         rebalance, health, autoscale = rebalance or {}, health or {}, autoscale or {}
         try:
             new_health = replace(self.health, **health)
-            replace(self.migrator.rebalance_state.settings, **rebalance).check()
+            replace(self.migrator.rebalance_state.settings, **rebalance)  # checks it
             current = asdict(self.autoscaler.config)
             for key, value in autoscale.items():
                 if isinstance(value, dict) and isinstance(current.get(key), dict):
@@ -613,7 +610,6 @@ class Controller:
             new_autoscale = AutoscalerConfig(**current)
         except TypeError as exc:  # an unknown field
             raise ValueError(str(exc)) from None
-        new_health.check()
         if rebalance:
             self.migrator.configure(**rebalance)
         self.health = new_health

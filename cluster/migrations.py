@@ -53,9 +53,6 @@ class RebalanceSettings:
     max_moves: int = setting(1, "Requests moved per source per round.", ge=1)
 
     def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
         check(self)
         if not self.low < self.high:
             raise ValueError(f"low ({self.low}) must be below high ({self.high})")
@@ -265,8 +262,7 @@ class Migrator:
     # -- rebalance ---------------------------------------------------------------------------
 
     def configure(self, **settings: Any) -> dict[str, Any]:
-        s = replace(self.rebalance_state.settings, **settings)
-        s.check()
+        s = replace(self.rebalance_state.settings, **settings)  # checked as it is built
         self.rebalance_state.settings = s
         if s.mode != "off" and (self._loop is None or self._loop.done()):
             self._loop = asyncio.ensure_future(self._rebalance_forever())

@@ -16,11 +16,17 @@ No pydantic here: this module sits in the engine layer, which every worker impor
 from __future__ import annotations
 
 import dataclasses
+import operator
 import types
 import typing
 from typing import Any
 
-_BOUNDS = ("ge", "gt", "le", "lt")
+_BOUNDS = {
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
+}
 
 
 def setting(default: Any, help: str, **bounds: float) -> Any:
@@ -71,12 +77,6 @@ def check(obj: Any) -> None:
         if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise ValueError(f"{name}.{f.name} must be a number, got {value!r}")
         for op, limit in bounds_of(f).items():
-            ok = {
-                "ge": value >= limit,
-                "gt": value > limit,
-                "le": value <= limit,
-                "lt": value < limit,
-            }[op]
-            if not ok:
-                sign = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}[op]
+            holds, sign = _BOUNDS[op]
+            if not holds(value, limit):
                 raise ValueError(f"{name}.{f.name} must be {sign} {limit:g}, got {value!r}")

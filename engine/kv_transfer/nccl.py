@@ -559,8 +559,7 @@ class NcclKVReceiver(TcpKVReceiver):
         self.timings = _Timings()
         self._pairs: dict[int, _Pair] = {}
         self._recv_end: dict[int, torch.cuda.Event] = {}  # per peer: its last recv's end
-        self._unpacks: dict[int, deque] = {}  # per peer: [message no., end of its unpacks]
-        self._messages: dict[int, int] = {}  # per peer: payloads received (numbers them)
+        self._unpacks: dict[int, deque] = {}  # per peer: [its recv's end, end of its unpacks]
         super().__init__(*args, **kwargs)
         self.device = self.kv_caches[0].device
 
@@ -610,7 +609,6 @@ class NcclKVReceiver(TcpKVReceiver):
 
         pair.post(nbytes, post)
         self._recv_end[peer] = end
-        self._messages[peer] = self._messages.get(peer, 0) + 1
         self.timings.add(nbytes, start, end)
         flat = staging.view(self.spec.torch_dtype)
         return flat.view(-1, self.spec.num_kv_heads, total, self.spec.head_dim)
@@ -628,11 +626,11 @@ class NcclKVReceiver(TcpKVReceiver):
             done = torch.cuda.Event()
             done.record(stream)
         q = self._unpacks.setdefault(peer, deque())
-        number = self._messages[peer]
-        if q and q[-1][0] == number:  # another layer of the same message
+        recv = self._recv_end[peer]
+        if q and q[-1][0] is recv:  # another layer of the same message
             q[-1][1] = done
         else:
-            q.append([number, done])
+            q.append([recv, done])
         if layer in (0, 15, self.spec.num_layers - 1):
             trace(entries[0][0], f"recv.unpack_posted{layer}")
 
@@ -677,7 +675,6 @@ class NcclKVReceiver(TcpKVReceiver):
     def _on_peer_closed(self, peer: int) -> None:
         self._recv_end.pop(peer, None)
         self._unpacks.pop(peer, None)
-        self._messages.pop(peer, None)
         pair = self._pairs.pop(peer, None)
         if pair is not None:  # a sender quiesces before it closes: what is still posted after
             pair.close(0.1)  # this long is a half-received message that never completes
