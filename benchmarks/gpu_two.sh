@@ -9,7 +9,9 @@
 # overlap (a send behind prefill kernels, benchmarks/gpu_overlap.py), migration
 # (benchmarks/gpu_migration.py), chaos (kill decode, kill prefill, hang decode under load, with
 # the resume breakdown; chaos-trace: kill-decode with TANDEM_TRACE=1, each resumed attempt's
-# milestones laid out by benchmarks/trace_layout.py), goodput-two / goodput-pd
+# milestones laid out by benchmarks/trace_layout.py), kill-stall (a SIGKILLed CUDA process with an
+# NCCL pair into GPU 0, and the CUDA calls of GPU 0's other processes, benchmarks/gpu_kill_stall.py),
+# goodput-two / goodput-pd
 # (benchmarks/gpu_serve.py, a topology's capacity and its SLO attainment at 0.6x..1.3x of it,
 # vLLM-sampled ShareGPT and 2k-8k prompts; goodput-sharegpt / goodput-long: one workload, 2
 # colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served
@@ -82,6 +84,8 @@ for s in "$@"; do
     overlap-channels)  # fewer NCCL channels, cuBLAS leaving SMs: can a send run beside GEMMs?
         section overlap-channels 120 env NCCL_MAX_P2P_NCHANNELS=4 python benchmarks/gpu_overlap.py \
             --carveouts 0 16 --loads gemm layer --out "$out/overlap-channels/gpu_overlap.json" ;;
+    kill-stall)  # does a SIGKILLed process with an NCCL pair into GPU 0 stall GPU 0's others?
+        section kill-stall 240 python benchmarks/gpu_kill_stall.py --out "$out/kill-stall/gpu_kill_stall.json" ;;
     migration-32k)  # the copy's per-chunk breakdown at 32k only
         section migration-32k 150 python benchmarks/gpu_migration.py --contexts 32768 \
             --repeats 2 --moves 2 --window 1 --out "$out/migration-32k/gpu_migration.json" ;;
@@ -103,6 +107,7 @@ for s in "$@"; do
             --engine load_format=dummy --engine max_model_len=8192 \
             --json "$out/chaos-trace/chaos_gpu.json"
         python benchmarks/trace_layout.py "$out/chaos-trace/log.txt" >"$out/chaos-trace/layout.txt"
+        grep -a "stall:" "$out/chaos-trace/log.txt" >"$out/chaos-trace/stalls.txt"  # StallWatch
         head -n 60 "$out/chaos-trace/layout.txt" ;;
     goodput-two | goodput-pd)
         section "$s" 590 python benchmarks/gpu_serve.py run --model "$model" \

@@ -229,7 +229,39 @@ class Controller:
             self._health = asyncio.ensure_future(self._check_health())
         self._roles |= {self._workers[n].role for n in names}
         self._sync_autoscaler()
+        await self._connect_kv_pairs()
         return self._table()
+
+    async def _connect_kv_pairs(self) -> None:
+        """Every active prefill worker forms its KV channels to every active decode worker now
+        (``connect_kv``), so that no request waits for a channel to form: at start, and in the
+        background when workers join or switch roles. Failures are logged, never raised: a
+        channel that did not form is formed again by the first request that needs it."""
+        active = [w for w in self._workers.values() if w.state == WorkerState.ACTIVE]
+        endpoints = [w.endpoint for w in active if w.role == "decode" and w.endpoint]
+        prefill = [w for w in active if w.role == "prefill"]
+        if not endpoints or not prefill:
+            return
+        t0 = time.monotonic()
+
+        async def connect(w: WorkerInfo) -> dict[str, str]:
+            return await asyncio.wait_for(w.handle.connect_kv.remote(endpoints), 90.0)
+
+        outcomes = await asyncio.gather(*(connect(w) for w in prefill), return_exceptions=True)
+        for w, out in zip(prefill, outcomes, strict=True):
+            bad = (
+                {"call": brief(out)}
+                if isinstance(out, BaseException)
+                else {ep: why for ep, why in out.items() if why != "ok"}
+            )
+            if bad:
+                logger.warning("KV channels of %s not formed: %s", w.name, bad)
+        logger.info(
+            "KV channels formed: %d prefill x %d decode workers in %.2f s",
+            len(prefill),
+            len(endpoints),
+            time.monotonic() - t0,
+        )
 
     def _activate(self, name: str, info: dict[str, Any]) -> None:
         """``name`` answered ``ready()`` with ``info``: ACTIVE (the caller publishes)."""
@@ -817,6 +849,7 @@ class Controller:
         self._publish()
         if self._health is None:
             self._health = asyncio.ensure_future(self._check_health())
+        self._background(self._connect_kv_pairs())
         return {"failed": failed}
 
     async def _pick_for_removal(
@@ -941,6 +974,7 @@ class Controller:
             self.transitions.append((time.time(), worker, "ACTIVE", why))
             self._worker_event("switched", worker, why)
             self._publish()
+            self._background(self._connect_kv_pairs())
         finally:
             for r in (old, role):
                 self._scaling.pop(r, None)

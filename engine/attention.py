@@ -219,6 +219,45 @@ class TritonAttentionBackend(AttentionBackend):
         self._write, self._decode_kernel = write_kv_cache, paged_decode_attention
         self._extend = extend_attention
 
+    @torch.inference_mode()
+    def warm_up(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int
+    ):
+        """Launch every variant of the three kernels that serving can meet, once, on dummy rows
+        (nothing is written to the cache: every slot is -1, and extends read no prefix), so
+        Triton compiles them now (or loads them from its disk cache) and not in a live step. A
+        variant compiled by a live step held that step 1-2 s on an H100; on 2 GPUs both prefill
+        workers did so under the first requests, and a resume that landed then waited for it
+        (benchmarks/NOTES.md, the resume stall). Variants: the extend with and without TMA
+        loads (chunks of 1024 tokens or more use them), the decode in one split (written
+        directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits).
+        Integer arguments that vary per step (table widths, split counts) are not specialised
+        on (``do_not_specialize`` in kernels/), so these are all there are."""
+        from kernels.paged_decode_attention import _MAX_SPLITS
+
+        kv_heads, _, head_dim = k_cache.shape
+        device, dtype = k_cache.device, k_cache.dtype
+        for t in (16, 1024):
+            q = torch.zeros(t, num_heads, head_dim, dtype=dtype, device=device)
+            k = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
+            skip = torch.full((t,), -1, dtype=torch.int64, device=device)
+            self._write(k, k, k_cache, v_cache, skip)
+            width = -(-t // block_size)
+            table = torch.zeros(1, width, dtype=torch.int32, device=device)
+            cu = torch.tensor([0, t], dtype=torch.int32, device=device)
+            prefix = torch.zeros(1, dtype=torch.int32, device=device)
+            self._extend(q, k, k, k_cache, v_cache, table, cu, prefix, t, block_size, 1.0)
+        splits = 1
+        while splits <= _MAX_SPLITS:
+            q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+            table = torch.zeros(1, splits, dtype=torch.int32, device=device)
+            lens = torch.full((1,), splits * block_size, dtype=torch.int32, device=device)
+            self._decode_kernel(
+                q, k_cache, v_cache, table, lens, block_size, 1.0, num_splits=splits
+            )
+            splits *= 2
+        torch.cuda.synchronize(device)
+
     def build(
         self, chunks: list[ChunkSpec], block_size: int, device: torch.device
     ) -> AttentionMetadata:

@@ -55,6 +55,11 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            t0 = time.perf_counter()
+            kv = self.kv_caches[0]
+            self.backend.warm_up(kv[0], kv[1], model_cfg.num_heads, cfg.block_size)
+            logger.info("attention kernels warmed up in %.1f s", time.perf_counter() - t0)
         # Hidden states kept at each new prompt's last token (``take_prompt_hidden``): layer i's
         # output (before the final norm), or -1: after the final norm, what feeds the LM head.
         self.capture_layers: tuple[int, ...] = ()

@@ -40,6 +40,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import Delta, StreamBatch, aborted
+from engine.tracing import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +150,14 @@ class EngineWorker:
 
     def _run(self) -> None:
         last_end: float | None = None  # the previous step's end, while steps follow each other
+        watch = StallWatch(self.name)  # TANDEM_TRACE=1: where this loop is when it stalls
         while not self._closed:
             try:
                 idle = not self._has_work()
+                if idle:
+                    watch.idle()
                 self._drain_inbox(block=idle)
+                watch.beat()
                 if idle:
                     last_end = None
                 self._on_tick()
@@ -177,6 +182,7 @@ class EngineWorker:
                 )
                 self._fail_everything(f"{type(exc).__name__}, error id {error_id}")
                 time.sleep(0.1)  # a persistent fault must not flood the log
+        watch.stop()
 
     def _drain_inbox(self, block: bool) -> None:
         try:

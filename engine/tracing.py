@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import time
 
 logger = logging.getLogger("tandem.trace")
@@ -15,3 +17,53 @@ def trace(request_id: str, event: str) -> None:
     on one host shares the clock, so a request's path can be laid out across workers)."""
     if _TRACE:
         logger.warning("TRACE %s %s %.6f", request_id, event, time.time())
+
+
+class StallWatch:
+    """With TANDEM_TRACE=1: a thread that logs where a loop is when it has not come round for
+    ``threshold_s`` (a milestone ``stall:NAME:AGE_MS:frame<frame<...``, innermost first, once per
+    threshold while it lasts). The loop calls ``beat()`` each time round and ``idle()`` before
+    it blocks waiting for work, which is not a stall. Without TANDEM_TRACE both are no-ops."""
+
+    def __init__(self, name: str, threshold_s: float | None = None) -> None:
+        self.name = name
+        if threshold_s is None:
+            threshold_s = float(os.environ.get("TANDEM_TRACE_STALL_MS", "150")) / 1e3
+        self.threshold_s = threshold_s
+        self._ident: int | None = None
+        self._last: float | None = None  # monotonic time of the last beat; None: idle
+        self._stop = threading.Event()
+        if _TRACE:
+            threading.Thread(target=self._watch, name=f"stall-watch-{name}", daemon=True).start()
+
+    def beat(self) -> None:
+        if _TRACE:
+            self._ident = threading.get_ident()
+            self._last = time.monotonic()
+
+    def idle(self) -> None:
+        self._last = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        logged = 0.0  # the age last logged, of the stall now in progress
+        while not self._stop.wait(self.threshold_s / 3):
+            last, ident = self._last, self._ident
+            age = time.monotonic() - last if last is not None else 0.0
+            if age < self.threshold_s:
+                logged = 0.0
+                continue
+            if age - logged < self.threshold_s:
+                continue
+            logged = age
+            frame = sys._current_frames().get(ident) if ident is not None else None
+            stack = []
+            while frame is not None and len(stack) < 8:
+                code = frame.f_code
+                stack.append(
+                    f"{os.path.basename(code.co_filename)}:{frame.f_lineno}:{code.co_name}"
+                )
+                frame = frame.f_back
+            trace("-", f"stall:{self.name}:{age * 1e3:.0f}:{'<'.join(stack) or '?'}")

@@ -211,7 +211,7 @@ def _chunk_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the table's width varies per step
 def _extend_attention_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, table_ptr, cu_seqlens_ptr, prefix_lens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -47,7 +47,7 @@ _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "table_width"])  # the width varies per step
 def _split_kernel(
     q_ptr,  # [B, H, D]
     k_ptr,  # [KVH, slots, D]
@@ -139,7 +139,7 @@ def _split_kernel(
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     ws_ptr,  # fp32: acc [B, H, S, D] then ml [B, H, S, 2], as the split kernel wrote them
     out_ptr,  # [B, H, D]

@@ -32,7 +32,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # elements a program holds when rows are short: ROWS = _TILE // BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # varies per step: one variant for every count
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

@@ -120,6 +120,23 @@ class PrefillMixin:
             return PrefillFailed(str(exc))
         return await fut
 
+    async def connect_kv(self, endpoints: list[str], timeout_s: float = 60.0) -> dict[str, str]:
+        """Form the KV channels to these decode workers now rather than on the first request
+        to each (the controller calls this when workers join). An NCCL channel's communicator
+        takes ~1 s to form on 2 x H100, and a request on a channel still forming waits for it:
+        a resume after a decode worker's death waited ~0.9 s behind one (benchmarks/NOTES.md,
+        the resume stall). Returns each endpoint's outcome: "ok", "forming" (past
+        ``timeout_s``) or the channel's error."""
+        senders = await self.call(lambda: self.connector.connect(endpoints))
+        deadline = time.monotonic() + timeout_s
+
+        def wait() -> None:
+            for sender in senders:
+                sender.formed.wait(max(0.0, deadline - time.monotonic()))
+
+        await asyncio.get_running_loop().run_in_executor(None, wait)
+        return {s.endpoint: (s.error or "ok") if s.formed.is_set() else "forming" for s in senders}
+
     async def release(self, request_id: str) -> None:
         """The decode worker has reserved: a gated request's KV may leave."""
         trace(request_id, "prefill.release")

@@ -122,6 +122,21 @@ async def stats(cluster, name):
     return await worker(cluster, name).handle.stats.remote()
 
 
+def test_kv_channels_are_formed_when_the_cluster_starts(cluster) -> None:
+    """Before any request, every prefill worker has its channel to every decode worker up
+    (the controller's connect_kv at start), so no first request waits for one to form."""
+
+    async def check():
+        prefill = [w.name for w in cluster.workers if w.role == "prefill"]
+        assert len(prefill) == 2
+        for name in prefill:
+            s = await stats(cluster, name)
+            assert s["kv_bytes_sent"] == 0  # nothing was sent: no request formed them
+            assert s["kv_channels"] == 2, s
+
+    run(check())
+
+
 def test_greedy_matches_colocated_and_transformers(cluster, prompts, hf) -> None:
     assert max(len(p) for p in prompts) > 2 * CHUNK  # several prefill chunks
     expected = [hf_greedy_ids(hf, p, MAX_TOKENS, stop_at_eos=True) for p in prompts]

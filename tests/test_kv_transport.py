@@ -283,6 +283,21 @@ def test_connector_keeps_at_most_max_channels_idle(tcp) -> None:
             r.close()
 
 
+def test_connect_forms_channels_before_any_layer(tcp) -> None:
+    rx, _, _ = tcp
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+    conn = KVConnector(SPEC, Failures(), token="secret", max_channels=2)
+    try:
+        up, down = conn.connect([rx.endpoint, dead, rx.endpoint])  # the repeat is one channel
+        assert up.formed.wait(10) and up.error is None
+        assert down.formed.wait(10) and "cannot open KV channel" in down.error
+        assert conn.sender(rx.endpoint) is up  # the first request finds it open
+    finally:
+        conn.close()
+
+
 def test_held_transfer_waits_for_its_gate_and_keeps_order(pair) -> None:
     rx, conn, events, _, kv = pair
     gate = threading.Event()

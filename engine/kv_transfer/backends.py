@@ -106,6 +106,12 @@ class KVConnector:
         self._evict()
         return sender
 
+    def connect(self, endpoints: list[str]) -> list[KVSender]:
+        """Open channels to these endpoints now (each forms in its own thread), up to
+        ``max_channels``, so no request waits for one to form; ``formed`` is set on each when it
+        is up or has failed. Channels already open are kept."""
+        return [self.sender(ep) for ep in list(dict.fromkeys(endpoints))[: self.max_channels]]
+
     def drain_timings(self) -> list[tuple[float, ...]]:
         """Per layer message sent since the last call, over every channel that times its sends
         (NCCL: (bytes, ms from the layer's pack to the send's start, ms of the send))."""

@@ -749,6 +749,7 @@ class KVSender:
         self._gates: dict[str, tuple[threading.Event, float]] = {}
         self._lock = threading.Lock()
         self._queue: SimpleQueue = SimpleQueue()
+        self.formed = threading.Event()  # the channel is up, or failed to come up (``error``)
         self._thread = threading.Thread(target=self._run, name="kv-send", daemon=True)
         self._thread.start()
 
@@ -858,7 +859,9 @@ class KVSender:
             self._connect()
         except Exception as exc:  # noqa: BLE001 - every failure becomes the channel's error
             self._broken(f"cannot open KV channel to {self.endpoint}: {exc}")
+            self.formed.set()
             return
+        self.formed.set()
         while True:
             item = self._queue.get()
             if item is None:
