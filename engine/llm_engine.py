@@ -125,8 +125,6 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
-        self._remote: dict[str, Request] = {}  # reserved for a remote prefill, KV not yet here
-        self._paused: dict[str, Request] = {}  # out of the batch, blocks held (migrating out)
         self.step_observer: StepObserver | None = None
         # Async scheduling (EngineConfig.async_scheduling): the step queued on the device while
         # the next is prepared, and outputs the next ``step`` call hands out.
@@ -229,7 +227,11 @@ class LLMEngine:
         )
         for token in output_token_ids:
             request.append_output_token(token)
-        busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._remote)
+        busy = (
+            len(self.scheduler.running)
+            + len(self.scheduler.waiting)
+            + self._count(RequestStatus.WAITING_FOR_REMOTE_KV)
+        )
         if busy >= self.cfg.max_num_seqs:
             return None
         # The prompt's KV plus room for the first decode step, so admission never preempts.
@@ -243,7 +245,7 @@ class LLMEngine:
         group.seqs.append(seq)
         self._groups[request_id] = group
         self._seq_owner[request_id] = (group, seq)
-        self._remote[request_id] = request
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         return table
 
     def admit_remote(
@@ -252,7 +254,7 @@ class LLMEngine:
         """The prompt's KV is in the reserved blocks and ``first`` is the token the prefill
         worker sampled (``num_cached_tokens`` of the prompt came from its prefix cache): the
         request runs from the next step. Returns its first output."""
-        request = self._remote.pop(request_id)
+        request = self._held(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         group, seq = self._seq_owner[request_id]
         request.num_computed_tokens = request.num_tokens  # the prompt (+ carried output)
         request.num_cached_tokens = int(num_cached_tokens)
@@ -271,8 +273,7 @@ class LLMEngine:
     def grow_remote(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Room for ``num_tokens`` in a reservation still waiting for its KV (a migration whose
         request grew while its KV was being copied): the whole block table, or None."""
-        if request_id not in self._remote:
-            raise KeyError(request_id)
+        self._held(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         return self.block_manager.extend_reservation(request_id, num_tokens)
 
     def admit_migrated(
@@ -281,13 +282,12 @@ class LLMEngine:
         """A migrated request's KV is in its reserved blocks up to ``num_computed`` positions
         and ``output_token_ids`` is everything it produced (on other workers): it runs from the
         next step, and its outputs here start after those tokens (they were streamed there)."""
-        request = self._remote[request_id]
+        request = self._held(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
         have = request.output_token_ids
         if list(output_token_ids[: len(have)]) != have or num_computed != (
             request.num_prompt_tokens + len(output_token_ids) - 1
         ):
             raise ValueError(f"migration snapshot of {request_id!r} does not continue its request")
-        del self._remote[request_id]
         for token in output_token_ids[len(have) :]:
             request.append_output_token(token)
         request.num_computed_tokens = num_computed
@@ -305,7 +305,19 @@ class LLMEngine:
         return group.seqs[0].request if group is not None and len(group.seqs) == 1 else None
 
     def paused_request(self, request_id: str) -> Request | None:
-        return self._paused.get(request_id)
+        owner = self._seq_owner.get(request_id)
+        request = owner[1].request if owner is not None else None
+        return request if request is not None and request.status == RequestStatus.PAUSED else None
+
+    def _held(self, request_id: str, status: RequestStatus) -> Request:
+        """The request ``request_id`` in ``status`` (held outside the scheduler), or KeyError."""
+        owner = self._seq_owner.get(request_id)
+        if owner is None or owner[1].request.status != status:
+            raise KeyError(request_id)
+        return owner[1].request
+
+    def _count(self, status: RequestStatus) -> int:
+        return sum(1 for _, seq in self._seq_owner.values() if seq.request.status == status)
 
     def not_decoding(self, request_id: str) -> str | None:
         """Why ``request_id`` is not a running, decoding request of one sequence (None: it is)."""
@@ -315,7 +327,7 @@ class LLMEngine:
         if len(group.seqs) != 1:
             return "a request with n > 1 cannot migrate"
         request = group.seqs[0].request
-        if request_id in self._remote or request.status != RequestStatus.RUNNING:
+        if request.status != RequestStatus.RUNNING:
             return f"request {request_id!r} is not decoding here (it waits)"
         if request.num_computed_tokens != request.num_tokens_with_pending - 1:
             return f"request {request_id!r} is mid-prefill"
@@ -335,18 +347,17 @@ class LLMEngine:
         or call ``drain`` before), so every token of the request is known."""
         self._drain()
         request = self.migratable(request_id)
-        self.scheduler.detach(request_id)
-        self._paused[request_id] = request
+        self.scheduler.detach(request_id)  # PAUSED
         return request
 
     def resume_paused(self, request_id: str) -> None:
-        request = self._paused.pop(request_id, None)
+        request = self.paused_request(request_id)
         if request is not None:
             self.scheduler.add_running(request)
 
     def release_paused(self, request_id: str) -> None:
         """The request continues elsewhere: free its blocks here, emit nothing."""
-        request = self._paused.pop(request_id)
+        request = self._held(request_id, RequestStatus.PAUSED)
         request.status = RequestStatus.FINISHED_ABORTED
         self.block_manager.free(request)
         group = self._groups.get(request_id)
@@ -357,19 +368,23 @@ class LLMEngine:
         return request_id in self._groups
 
     def num_remote_pending(self) -> int:
-        return len(self._remote)
+        return self._count(RequestStatus.WAITING_FOR_REMOTE_KV)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self._groups.get(rid)
             if group is None:
                 continue
-            held = self._remote.pop(rid, None) or self._paused.pop(rid, None)
-            if held is not None:
-                held.status = RequestStatus.FINISHED_ABORTED
-                self.block_manager.free(held)
-            child_ids = [s.request.request_id for s in group.seqs]
-            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            for seq in group.seqs:
+                request = seq.request
+                match request.status:
+                    case RequestStatus.WAITING_FOR_REMOTE_KV | RequestStatus.PAUSED:
+                        request.status = RequestStatus.FINISHED_ABORTED  # held outside the
+                        self.block_manager.free(request)  # scheduler: free its blocks here
+                    case status if not status.finished:
+                        self.scheduler.finish_requests(
+                            [request.request_id], RequestStatus.FINISHED_ABORTED
+                        )
             for seq in group.seqs:
                 if seq.output.finish_reason is None:
                     seq.output.finish_reason = "abort"

@@ -27,10 +27,18 @@ from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered: every status after ``PREEMPTED`` is a finished one."""
+    """Where a request is. Ordered: every status after ``PREEMPTED`` is a finished one.
+
+    ``WAITING`` / ``RUNNING`` / ``PREEMPTED``: in the scheduler's queue or batch.
+    ``WAITING_FOR_REMOTE_KV``: blocks reserved on a decode worker, its KV still coming (a
+    prefill worker streams it, or a migration copies it); not in the scheduler until admitted.
+    ``PAUSED``: taken out of the batch with its blocks held (a migration's last stage); put
+    back, or released when it continues elsewhere."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
+    PAUSED = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()

@@ -111,6 +111,7 @@ class Scheduler:
         stage: its KV is being copied out); ``add_running`` puts it back."""
         request = self.requests.pop(request_id)
         self.running.remove(request)
+        request.status = RequestStatus.PAUSED
         return request
 
     def has_unfinished_requests(self) -> bool:

@@ -197,6 +197,33 @@ def test_pause_waits_for_the_running_step(tiny, prompts):
     engine.block_manager.check_invariant(expect_idle=True)
 
 
+def test_reserved_and_paused_requests_have_their_own_status_and_abort_frees_them(tiny, prompts):
+    """A reservation waiting for remote KV and a request paused for migration each read their
+    own status (not WAITING / RUNNING), are counted as such, and abort frees their blocks."""
+    from engine.request import RequestStatus
+
+    _, path = tiny
+    engine = LLM(path, block_size=4, async_scheduling=True).engine
+    engine.output_kind = "delta"
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    assert engine.reserve_remote("r", prompts[0], params) is not None
+    reserved = engine._seq_owner["r"][1].request
+    assert reserved.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert engine.num_remote_pending() == 1 and engine.not_decoding("r") is not None
+    engine.add_request("m", prompts[3], params)
+    while engine.single_request("m").num_output_tokens < 3:
+        engine.step()
+    engine.drain()
+    paused = engine.pause("m")
+    assert paused.status == RequestStatus.PAUSED and engine.paused_request("m") is paused
+    with pytest.raises(KeyError):
+        engine.grow_remote("m", 64)  # paused, not waiting for KV
+    engine.abort_request(["r", "m"])
+    assert reserved.status == paused.status == RequestStatus.FINISHED_ABORTED
+    assert engine.num_remote_pending() == 0 and not engine.has_request("m")
+    engine.block_manager.check_invariant(expect_idle=True)
+
+
 def test_a_step_whose_read_fails_is_not_read_again(tiny, prompts):
     """The device faults under a running step: reading its tokens raises, from ``step``, once.
     The worker then ends every request (EngineWorker._fail_everything); the engine goes on with
