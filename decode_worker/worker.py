@@ -65,7 +65,7 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         # projected KV demand counts instead of max_tokens (rebalancing reads it)
         self._predicted: dict[str, int] = {}
         self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
-        super().__init__(engine_config, name, index)  # starts the engine thread: state first
+        super().__init__(engine_config, name, index)
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
             import ray
 

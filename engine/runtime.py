@@ -25,6 +25,7 @@ requests are aborted (their blocks are freed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -129,8 +130,15 @@ class EngineWorker:
                 PrefixIndex(index["url"], index["namespace"]), index["worker"]
             )
             self.engine.block_manager.record_events = True
+        # Started by ``start()`` once every role has set its state (``ready()`` calls it: the
+        # first call the controller makes), so no constructor races the engine thread.
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        """Start the engine thread (once; later calls do nothing)."""
+        if not self._thread.is_alive() and not self._closed:
+            with contextlib.suppress(RuntimeError):  # started already, and ended
+                self._thread.start()
 
     def kv_spec(self):
         """This worker's per-layer KV shape and dtype, as pair channels compare them."""
@@ -355,6 +363,8 @@ class EngineWorker:
     # -- operator / test surface -----------------------------------------------------------------
 
     async def ready(self) -> dict[str, Any]:
+        """What this worker is; starts its engine thread (the controller calls this first)."""
+        self.start()
         cfg = self.engine.cfg
         return {
             "name": self.name,

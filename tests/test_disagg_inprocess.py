@@ -38,6 +38,7 @@ def workers(tiny, request):
     cfg = {"model_dir": tiny, **ENGINE, "async_scheduling": request.param}
     p = PrefillWorker(cfg, "p")
     d = DecodeWorker(cfg, "d", transport="inproc")
+    p.start(), d.start()
     yield p, d
     p.shutdown()
     d.shutdown()

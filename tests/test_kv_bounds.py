@@ -139,6 +139,7 @@ def tiny_workers(tmp_path_factory, tiny_cfg):
     }
     p = PrefillWorker(cfg, "p", kv_limits={"max_pending_bytes": 1})
     d = DecodeWorker(cfg, "d", transport="inproc")
+    p.start(), d.start()
     yield p, d
     p.shutdown()
     d.shutdown()

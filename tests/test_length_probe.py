@@ -193,6 +193,7 @@ def test_disaggregated_first_delta_carries_the_prefill_estimate(tiny, prompts, p
     cfg = {"model_dir": tiny, **ENGINE}
     p = PrefillWorker({**cfg, "length_probe": probe_path}, "p")
     d = DecodeWorker(cfg, "d", transport="inproc")  # the decode side has no probe
+    p.start(), d.start()
 
     async def one(rid: str, prompt: list[int]):
         res = await d.reserve(rid, prompt, GREEDY, rid)
@@ -228,6 +229,7 @@ def test_colocated_first_delta_carries_the_estimate(tiny, prompts, probe_path):
 
     expected = LLM(tiny, length_probe=probe_path, **ENGINE).generate(prompts[2:], GREEDY)[0]
     w = ColocatedWorker({"model_dir": tiny, "length_probe": probe_path, **ENGINE}, "c")
+    w.start()
 
     async def scenario() -> list[Delta]:
         await w.generate("c0", prompts[2], GREEDY, "router")

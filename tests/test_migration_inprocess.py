@@ -40,6 +40,8 @@ def workers(tiny, request):
     p = PrefillWorker(cfg, "p")
     a = DecodeWorker(cfg, "a", transport="inproc", migration=MIGRATION)
     b = DecodeWorker(cfg, "b", transport="inproc", migration=MIGRATION)
+    for w in (p, a, b):
+        w.start()
     yield p, a, b
     for w in (p, a, b):
         w.shutdown()

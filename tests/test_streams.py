@@ -73,7 +73,9 @@ def tiny_worker(tmp_path, tiny_cfg, request):
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(tmp_path)
     cfg = {"model_dir": str(tmp_path), "num_kv_blocks": 32, "block_size": 4}
-    return ColocatedWorker({**cfg, "async_scheduling": request.param}, "c")
+    w = ColocatedWorker({**cfg, "async_scheduling": request.param}, "c")
+    w.start()  # as ready() does
+    return w
 
 
 def test_a_readers_requests_are_aborted_when_it_goes_away(tiny_worker) -> None:
@@ -172,3 +174,20 @@ def test_an_idle_stream_sends_heartbeats(tiny_worker) -> None:
     assert all(b.deltas == [] and b.worker == "c" for b in beats)
     assert 0.1 <= took < 2.0
     assert batch.deltas[0].request_id == "one"
+
+
+def test_the_engine_thread_starts_with_ready_not_in_the_constructor(tmp_path, tiny_cfg) -> None:
+    """Roles set their state after the base constructor without racing the engine thread:
+    it starts on ``ready()`` (the controller's first call), once."""
+    from decode_worker.colocated import ColocatedWorker
+
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(tmp_path)
+    w = ColocatedWorker({"model_dir": str(tmp_path), "num_kv_blocks": 16, "block_size": 4}, "c")
+    try:
+        assert not w._thread.is_alive()
+        info = asyncio.run(w.ready())
+        assert info["name"] == "c" and w._thread.is_alive()
+        w.start()  # again: nothing happens
+        assert w._thread.is_alive()
+    finally:
+        w.shutdown()
