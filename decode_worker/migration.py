@@ -55,6 +55,7 @@ from engine.messages import (
     Full,
     MigrationResult,
     Rejected,
+    RequestSnapshot,
     Reserved,
     ReserveResult,
     brief,
@@ -87,6 +88,9 @@ class _Out:
     need: int = 0  # positions the last stage needs room for on B
     failed: str | None = None  # the channel broke (from a sender thread)
     paused_at: float | None = None
+    stages: int = 0  # copy stages done (the last one included once it is)
+    copy_s: float = 0.0  # seconds the stages before the last one took
+    pause_s: float | None = None  # paused until B answered (set once it has)
 
 
 @dataclass
@@ -183,12 +187,12 @@ class MigrationMixin:
             self.name,
             dest_name,
             why,
-            stages=snap["stages"],
+            stages=state.stages,
             tokens=state.sent,
             bytes=self._copy_bytes(state.sent),
-            pause_s=snap.get("pause_s", pause),
+            pause_s=state.pause_s if state.pause_s is not None else pause,
             seconds=time.monotonic() - t0,
-            copy_s=snap.get("copy_s", 0.0),
+            copy_s=state.copy_s,
         )
         self.migration_stats.record(result, reason)
         if outcome != "migrated":
@@ -196,21 +200,21 @@ class MigrationMixin:
                         outcome, why)  # fmt: skip
         return result
 
-    async def _migrate(self, state: _Out, snap: dict, dest: Any) -> tuple[str, str]:
+    async def _migrate(self, state: _Out, snap: RequestSnapshot, dest: Any) -> tuple[str, str]:
         cfg, bs = self.migration, self.engine.cfg.block_size
-        reserve = snap["num_tokens"] + cfg.headroom_blocks * bs
+        reserve = snap.num_tokens + cfg.headroom_blocks * bs
         try:
             res = await _ask(
                 dest.migrate_in,
                 state.request_id,
-                snap["prompt"],
-                snap["params"],
-                snap["client"],
-                output_token_ids=snap["outputs"],
+                snap.prompt_token_ids,
+                snap.params,
+                snap.client,
+                output_token_ids=snap.output_token_ids,
                 reserve_tokens=reserve,
                 source=self.name,
-                priority=snap["priority"],
-                cache_salt=snap["cache_salt"],
+                priority=snap.priority,
+                cache_salt=snap.cache_salt,
                 timeout=cfg.timeout_s,
             )
         except Exception as exc:  # noqa: BLE001 - B died or did not answer
@@ -222,17 +226,17 @@ class MigrationMixin:
         state.capacity = -(-reserve // bs) * bs
         sender = self._sender(res.endpoint)
         while True:
-            last = snap["stages"] >= cfg.max_stages
+            last = state.stages >= cfg.max_stages
             upto = await self.call(lambda last=last: self._out_plan(state, last))
             if upto is None:
                 break  # few enough left: the last stage
             t0 = time.monotonic()
             snapshot_s = await self._copy(state, sender, upto)
             t1 = time.monotonic()
-            snap["stages"] += 1
+            state.stages += 1
             await self._drained(state, sender)
             t2 = time.monotonic()
-            snap["copy_s"] = snap.get("copy_s", 0.0) + t2 - t0
+            state.copy_s += t2 - t0
             self._stage_times.append(
                 (snapshot_s * 1e3, (t1 - t0 - snapshot_s) * 1e3, (t2 - t1) * 1e3)
             )
@@ -247,13 +251,13 @@ class MigrationMixin:
                 state.capacity = grown
             else:
                 await self._pace(state, sender)  # (a long rest: copied in chunks, still paused)
-        snap["stages"] += 1
+        state.stages += 1
         try:
             answer = await _ask(dest.migrate_wait, state.request_id, timeout=cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - dead or silent: did it take the request?
             answer = await _ask(dest.migrate_cancel, state.request_id, timeout=cfg.timeout_s,
                                 default=f"unreachable: {brief(exc)}")  # fmt: skip
-        snap["pause_s"] = time.monotonic() - (state.paused_at or time.monotonic())
+        state.pause_s = time.monotonic() - (state.paused_at or time.monotonic())
         if answer == "admitted":
             still_here = await self.call(lambda: self._out_finish(state))
             if not still_here:  # aborted while paused: B runs it for nobody
@@ -262,23 +266,22 @@ class MigrationMixin:
             return "migrated", ""
         return "dest_failed", str(answer)
 
-    def _out_begin(self, request_id: str, dest: str) -> dict:
+    def _out_begin(self, request_id: str, dest: str) -> RequestSnapshot:
         """Engine thread: check and snapshot the request; registers the migration."""
         request = self.engine.migratable(request_id)
         client = self._owner.get(request_id)
         if client is None:
             raise ValueError(f"request {request_id!r} has no stream here")
         self._out[request_id] = _Out(request_id, dest, request.num_preemptions)
-        return {
-            "prompt": list(request.prompt_token_ids),
-            "params": request.params,
-            "outputs": list(request.output_token_ids),
-            "num_tokens": request.num_tokens,
-            "priority": request.priority,
-            "cache_salt": request.cache_salt,
-            "client": client,
-            "stages": 0,
-        }
+        return RequestSnapshot(
+            request_id,
+            list(request.prompt_token_ids),
+            list(request.output_token_ids),
+            request.params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            client=client,
+        )
 
     def _out_request(self, state: _Out):
         """Engine thread: the request, still decoding here with its KV, or _Ended."""

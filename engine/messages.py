@@ -198,6 +198,7 @@ class RequestSnapshot:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    client: str = ""  # the router stream its tokens go to (a live migration keeps it)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
