@@ -94,6 +94,18 @@ class _Out:
 
 
 @dataclass
+class Arrival:
+    """A request whose KV is still coming in (from a prefill worker, or a migration's source):
+    until when it may take, and why it was cancelled ("" for the caller's abort) once it was.
+    The receiver's event for it ends it, in one place (DecodeWorker._handle_transfer_event)."""
+
+    deadline: float  # monotonic
+    migration: bool = False
+    reserved_at: float = field(default_factory=time.monotonic)
+    cancel_reason: str | None = None
+
+
+@dataclass
 class _In:
     """One migration arriving (engine thread)."""
 
@@ -510,7 +522,8 @@ class MigrationMixin:
                 return Full()
             capacity = len(table) * self.engine.cfg.block_size
             self.receiver.expect(request_id, table, capacity, exact=False)
-            self._deadlines[request_id] = time.monotonic() + self.migration.timeout_s
+            deadline = time.monotonic() + self.migration.timeout_s
+            self._arriving[request_id] = Arrival(deadline, migration=True)
             self._in[request_id] = _In(client, source, capacity)
             self._in_done.pop(request_id, None)
             return Reserved(self.receiver.endpoint)

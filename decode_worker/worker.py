@@ -26,7 +26,7 @@ import math
 import time
 from typing import Any
 
-from decode_worker.migration import MigrationConfig, MigrationMixin
+from decode_worker.migration import Arrival, MigrationConfig, MigrationMixin
 from engine.kv_transfer import KVLimits, TransferEvent, TransferOutcome, make_receiver
 from engine.kv_transfer.streamer import token_from_dict
 from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
@@ -58,9 +58,7 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         self.token = token
         self.kv_limits = KVLimits(**(kv_limits or {}))
         self._init_migration(MigrationConfig(**(migration or {})))
-        self._deadlines: dict[str, float] = {}  # transfer id -> monotonic deadline
-        self._cancel_reasons: dict[str, str] = {}  # "" for the caller's abort
-        self._reserved_at: dict[str, float] = {}
+        self._arriving: dict[str, Arrival] = {}  # transfer id -> its KV still coming in
         # request id -> the router's predicted output length (its 90th percentile): what the
         # projected KV demand counts instead of max_tokens (rebalancing reads it)
         self._predicted: dict[str, int] = {}
@@ -116,8 +114,7 @@ class DecodeWorker(MigrationMixin, EngineWorker):
                 self._predicted[request_id] = int(predicted_tokens)
             carried = len(kwargs.get("output_token_ids") or ())
             self.receiver.expect(request_id, table, len(prompt) + carried)
-            self._deadlines[request_id] = time.monotonic() + self.transfer_timeout_s
-            self._reserved_at[request_id] = time.monotonic()
+            self._arriving[request_id] = Arrival(time.monotonic() + self.transfer_timeout_s)
             return Reserved(self.receiver.endpoint)
 
         return await self.call(reserve)
@@ -134,12 +131,11 @@ class DecodeWorker(MigrationMixin, EngineWorker):
 
     def _handle_transfer_event(self, event: TransferEvent) -> None:
         rid = event.transfer_id
-        self._deadlines.pop(rid, None)
-        reserved_at = self._reserved_at.pop(rid, None)
+        arrival = self._arriving.pop(rid, None)
         complete = event.kind is TransferOutcome.COMPLETE
-        if complete and reserved_at is not None:
-            self.kv_transfer_seconds += time.monotonic() - reserved_at
-        cancelled = self._cancel_reasons.pop(rid, None)
+        if complete and arrival is not None and not arrival.migration:
+            self.kv_transfer_seconds += time.monotonic() - arrival.reserved_at
+        cancelled = arrival.cancel_reason if arrival is not None else None
         if rid in self._in:
             self._migration_event(event, cancelled)
             return
@@ -163,25 +159,26 @@ class DecodeWorker(MigrationMixin, EngineWorker):
     def _cancel(self, request_id: str, reason: str | None) -> None:
         """Stop a transfer still arriving. Exactly one receiver event follows (``released``, or
         a ``complete``/``failed`` already on its way); its handler frees the blocks."""
-        if request_id in self._deadlines and request_id not in self._cancel_reasons:
-            self._cancel_reasons[request_id] = reason or ""
-            self._deadlines[request_id] = math.inf
+        arrival = self._arriving.get(request_id)
+        if arrival is not None and arrival.cancel_reason is None:
+            arrival.cancel_reason = reason or ""
+            arrival.deadline = math.inf
             self.receiver.cancel(request_id)
 
     def _abort(self, request_id: str) -> None:
-        if request_id in self._deadlines:
+        if request_id in self._arriving:
             self._cancel(request_id, None)
         else:
             super()._abort(request_id)
 
     def _wait_timeout(self) -> float | None:
-        deadline = min(self._deadlines.values(), default=math.inf)
+        deadline = min((a.deadline for a in self._arriving.values()), default=math.inf)
         return None if deadline == math.inf else max(0.0, deadline - time.monotonic())
 
     def _on_tick(self) -> None:
         now = time.monotonic()
-        for rid, deadline in list(self._deadlines.items()):
-            if deadline <= now:
+        for rid, arrival in list(self._arriving.items()):
+            if arrival.deadline <= now:
                 self._cancel(rid, f"no KV after {self.transfer_timeout_s:.0f} s")
 
     async def kv_timings(self) -> list[tuple[int, float]]:
