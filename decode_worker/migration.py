@@ -281,9 +281,10 @@ class MigrationMixin:
     def _out_begin(self, request_id: str, dest: str) -> RequestSnapshot:
         """Engine thread: check and snapshot the request; registers the migration."""
         request = self.engine.migratable(request_id)
-        client = self._owner.get(request_id)
-        if client is None:
+        tracked = self._requests.get(request_id)
+        if tracked is None or not tracked.client:
             raise ValueError(f"request {request_id!r} has no stream here")
+        client = tracked.client
         self._out[request_id] = _Out(request_id, dest, request.num_preemptions)
         return RequestSnapshot(
             request_id,
@@ -425,9 +426,10 @@ class MigrationMixin:
         request = self.engine.paused_request(rid)
         if request is None:
             return False
-        client = self._owner.pop(rid, None)
+        tracked = self._retire(rid)
+        client = tracked.client if tracked is not None else ""
         self.engine.release_paused(rid)
-        if client is not None:
+        if client:
             moved = Delta(rid, start=request.num_output_tokens, moved_to=state.dest)
             self._send_to_loop(self._deliver, {client: [moved]})
         return True
@@ -607,14 +609,16 @@ class MigrationMixin:
     def _migration_candidates(self) -> list[dict[str, Any]]:
         """Engine thread: every request here, for drain and rebalance to pick from."""
         out = []
-        for rid in list(self._owner):
+        for rid, tracked in list(self._requests.items()):
+            if not tracked.client:
+                continue
             request = self.engine.single_request(rid)
             if request is None:
                 continue
             max_tokens = request.params.max_tokens or self.engine.max_model_len
             produced = request.num_output_tokens
             remaining = max(0, max_tokens - produced)
-            predicted = self._predicted.get(rid)
+            predicted = tracked.predicted
             if predicted is not None and predicted > produced:  # past it: max_tokens again
                 remaining = min(remaining, predicted - produced)
             out.append(

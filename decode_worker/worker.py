@@ -59,9 +59,6 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         self.kv_limits = KVLimits(**(kv_limits or {}))
         self._init_migration(MigrationConfig(**(migration or {})))
         self._arriving: dict[str, Arrival] = {}  # transfer id -> its KV still coming in
-        # request id -> the router's predicted output length (its 90th percentile): what the
-        # projected KV demand counts instead of max_tokens (rebalancing reads it)
-        self._predicted: dict[str, int] = {}
         self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
         super().__init__(engine_config, name, index)
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
@@ -107,11 +104,9 @@ class DecodeWorker(MigrationMixin, EngineWorker):
                 return Rejected(str(exc))
             if table is None:
                 return Full()
-            self._register(request_id, client)
-            if predicted_tokens:
-                if len(self._predicted) > 2 * len(self._owner) + 64:  # drop ended requests'
-                    self._predicted = {r: n for r, n in self._predicted.items() if r in self._owner}
-                self._predicted[request_id] = int(predicted_tokens)
+            tracked = self._register(request_id, client)
+            if predicted_tokens:  # (its 90th percentile): what projections count, not max_tokens
+                tracked.predicted = int(predicted_tokens)
             carried = len(kwargs.get("output_token_ids") or ())
             self.receiver.expect(request_id, table, len(prompt) + carried)
             self._arriving[request_id] = Arrival(time.monotonic() + self.transfer_timeout_s)

@@ -36,6 +36,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
@@ -51,6 +52,17 @@ LATENCY_WINDOW = 256  # latency samples a worker keeps (its stats() report their
 # stats()["latency_recent"]: the kept samples of the last this many seconds only (the
 # autoscaler's view: a worker that has gone quiet has no recent latency, not its old one)
 LATENCY_RECENT_S = 30.0
+
+
+@dataclass
+class Tracked:
+    """What a worker keeps of one request beside its engine's own state, from ``_register``
+    to ``_retire``: where its deltas go, when it arrived (until its first token: the TTFT),
+    and the router's estimate of its output (a decode worker's projections)."""
+
+    client: str  # "": not streamed (a prefill worker's request: the call returns its token)
+    arrived: float | None  # monotonic, until its first token
+    predicted: int | None = None
 
 
 class _Channel:
@@ -110,7 +122,9 @@ class EngineWorker:
         self.engine.output_kind = "delta"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._owner: dict[str, str] = {}  # request id -> client (engine thread only)
+        self._requests: dict[
+            str, Tracked
+        ] = {}  # what this worker keeps per request (engine thread)
         self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
         self._closed = False
         self.steps = 0
@@ -121,7 +135,6 @@ class EngineWorker:
         # sample is (monotonic time it was taken, seconds).
         self._step_gaps: deque[tuple[float, float]] = deque(maxlen=LATENCY_WINDOW)
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=LATENCY_WINDOW)
-        self._arrived: dict[str, float] = {}  # request id -> arrival, until its first token
         self._publisher = None
         if index is not None:
             from engine.prefix_index import IndexPublisher, PrefixIndex
@@ -218,47 +231,47 @@ class EngineWorker:
     def _on_tick(self) -> None:
         """Hook run once per loop iteration in the engine thread (deadlines)."""
 
-    def _register(self, request_id: str, client: str) -> None:
-        """Engine thread: the request's deltas go to ``client``'s channel ("": nowhere); its
-        first token's delay is counted from now (the TTFT in ``stats()``)."""
-        if len(self._arrived) >= 4 * LATENCY_WINDOW:  # some ended without a token (aborts)
-            self._arrived = {r: t for r, t in self._arrived.items() if self.engine.has_request(r)}
-        self._arrived[request_id] = time.monotonic()
-        if client:
-            self._owner[request_id] = client
+    def _register(self, request_id: str, client: str) -> Tracked:
+        """Engine thread: start keeping ``request_id``: its deltas go to ``client``'s channel
+        ("": nowhere); its first token's delay is counted from now (the TTFT in ``stats()``).
+        Retired by ``_retire`` when it ends, whichever way."""
+        tracked = self._requests[request_id] = Tracked(client, time.monotonic())
+        return tracked
+
+    def _retire(self, request_id: str) -> Tracked | None:
+        """Engine thread: forget ``request_id`` (it ended here, or continues elsewhere)."""
+        return self._requests.pop(request_id, None)
+
+    def _streams(self) -> dict[str, str]:
+        """Request id -> client of every request whose deltas go to a client."""
+        return {rid: t.client for rid, t in self._requests.items() if t.client}
 
     def _emit(self, deltas: list[Delta]) -> None:
         """Engine thread: hand a step's deltas to the event loop, grouped by client, in one
         call (the channels and their readers live there)."""
-        if self._arrived and deltas:
-            self._first_tokens(deltas)
-        if not deltas or self._loop is None:
+        if not deltas:
             return
+        now = time.monotonic()
         by_client: dict[str, list[Delta]] = {}
         ended: set[str] = set()
         for d in deltas:
-            client = self._owner.get(d.request_id)
-            if client is None:
-                continue  # not streamed (a prefill worker's one-token requests)
-            by_client.setdefault(client, []).append(d)
+            tracked = self._requests.get(d.request_id)
+            if tracked is None:
+                continue
+            if tracked.arrived is not None and (d.token_ids or d.finished):
+                if d.token_ids and d.start == 0:  # (continued from elsewhere: no TTFT here)
+                    self._ttfts.append((now, now - tracked.arrived))
+                tracked.arrived = None
+            if tracked.client:
+                by_client.setdefault(tracked.client, []).append(d)
             if d.finished and self._all_finished(d):
                 ended.add(d.request_id)
-        # forgotten only after the whole step: the n sequences of a request that end in one
+        # retired only after the whole step: the n sequences of a request that end in one
         # step each have a delta here, and the first one's end must not drop the others
         for rid in ended:
-            del self._owner[rid]
-        if by_client:
+            self._retire(rid)
+        if by_client and self._loop is not None:
             self._send_to_loop(self._deliver, by_client)
-
-    def _first_tokens(self, deltas: list[Delta]) -> None:
-        """Engine thread: a TTFT sample for each request whose first output token is in
-        ``deltas`` (a request continued here from elsewhere, ``start`` > 0, gives none)."""
-        now = time.monotonic()
-        for d in deltas:
-            if d.token_ids or d.finished:
-                arrived = self._arrived.pop(d.request_id, None)
-                if arrived is not None and d.token_ids and d.start == 0:
-                    self._ttfts.append((now, now - arrived))
 
     def _send_to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -282,13 +295,13 @@ class EngineWorker:
     def _fail(self, request_id: str, message: str, retryable: bool = False) -> None:
         """Engine thread: end a request's stream with an error."""
         self._emit([Delta(request_id, error=message, retryable=retryable)])
-        self._owner.pop(request_id, None)
+        self._retire(request_id)
 
     def _fail_everything(self, message: str) -> None:
         """Last resort after an engine fault that is not one request's (the engine isolates
         those: LLMEngine._isolate): end every request with an error. ``message`` names the
         error id the traceback is logged under; no traceback goes to a client."""
-        for rid in list(self._owner):
+        for rid in list(self._requests):
             self.engine.abort_request(rid)
             self._fail(rid, f"engine failure in {self.name}: {message}")
 
@@ -350,7 +363,7 @@ class EngineWorker:
         del self._channels[client]
 
         def abort_orphans() -> None:
-            orphans = [rid for rid, c in self._owner.items() if c == client]
+            orphans = [rid for rid, c in self._streams().items() if c == client]
             if orphans:
                 logger.warning(
                     "%s: client %s went away, aborting %d", self.name, client, len(orphans)
@@ -431,14 +444,15 @@ class EngineWorker:
             ),
             "preemptions": sched.num_preemptions,
             "remote_pending": self.engine.num_remote_pending(),
-            "open_streams": len(self._owner),
+            "open_streams": len(self._streams()),
             "steps": self.steps,
             "prefix_queries_tokens": bm.prefix_queries,
             "prefix_hit_tokens": bm.prefix_hits,
         }
 
     async def check_idle(self) -> str | None:
-        """None when idle with free + cached + in-use == total and nothing in use; else why not."""
+        """None when idle (free + cached + in-use == total, nothing in use, no request still
+        tracked here); else why not."""
 
         def check() -> str | None:
             try:
@@ -447,6 +461,8 @@ class EngineWorker:
                 return str(exc)
             if self.engine.has_unfinished_requests():
                 return f"{self.engine.num_unfinished_requests} requests unfinished"
+            if self._requests:  # ended in the engine, still kept here: a leak
+                return f"{len(self._requests)} requests still tracked: {sorted(self._requests)[:4]}"
             return None
 
         return await self.call(check, control=True)
@@ -458,7 +474,7 @@ class EngineWorker:
         if self.engine.has_request(request_id):
             self.engine.abort_request(request_id)
             self._emit([aborted(request_id)])
-        self._owner.pop(request_id, None)
+        self._retire(request_id)
 
     def shutdown(self) -> None:
         self._closed = True

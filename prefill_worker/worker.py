@@ -167,6 +167,7 @@ class PrefillMixin:
             for tid in transfer_ids:
                 self.streamer.transfers.pop(tid, None)
                 self.engine.abort_request(tid)
+                self._retire(tid)
                 self._resolve(tid, PrefillFailed(reason))
 
         self.post(fail)
@@ -174,6 +175,7 @@ class PrefillMixin:
     def _abort(self, request_id: str) -> None:
         self.streamer.drop(request_id, "aborted by the caller")
         self.engine.abort_request(request_id)
+        self._retire(request_id)
         self._resolve(request_id, PrefillFailed("aborted"))
 
     def _fail_everything(self, message: str) -> None:
