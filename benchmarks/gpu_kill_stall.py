@@ -54,6 +54,23 @@ def _use_gpu(index: int) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
 
 
+def _paired(uid, rank: int):
+    """Join the 2-rank communicator as ``rank`` and exchange a few messages both ways (rank 1
+    sends first), so NCCL's peer buffers are mapped in both processes: (comm, buf, stream)."""
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    comm = nccl.NcclCommunicator(2, uid, rank)
+    buf = cp.ones(MESSAGE, dtype=cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    peer = 1 - rank
+    for _ in range(3):
+        for op in (comm.send, comm.recv) if rank == 1 else (comm.recv, comm.send):
+            op(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, peer, stream.ptr)
+    stream.synchronize()
+    return comm, buf, stream
+
+
 def victim(uid, big_gb: float, pair: bool, inflight: bool, ready) -> None:
     _use_gpu(1)
     import cupy as cp
@@ -62,13 +79,7 @@ def victim(uid, big_gb: float, pair: bool, inflight: bool, ready) -> None:
     held = [cp.empty(1 << 30, dtype=cp.uint8) for _ in range(max(1, int(big_gb)))]
     held[-1].fill(1)
     if pair:
-        comm = nccl.NcclCommunicator(2, uid, 1)
-        buf = cp.ones(MESSAGE, dtype=cp.uint8)
-        stream = cp.cuda.Stream(non_blocking=True)
-        for _ in range(3):
-            comm.send(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, 0, stream.ptr)
-            comm.recv(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, 0, stream.ptr)
-        stream.synchronize()
+        comm, buf, stream = _paired(uid, 1)
         if inflight:  # a recv that A never matches: its kernel spins on GPU 1 until the kill
             comm.recv(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, 0, stream.ptr)
     ready.put(("victim", len(held)))
@@ -132,13 +143,7 @@ def observer(
     if join is not None:
         threading.Thread(target=_join_later, args=(join, joined), daemon=True).start()
     if pair:
-        comm = nccl.NcclCommunicator(2, uid, 0)
-        buf = cp.ones(MESSAGE, dtype=cp.uint8)
-        stream = cp.cuda.Stream(non_blocking=True)
-        for _ in range(3):
-            comm.recv(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, 1, stream.ptr)
-            comm.send(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, 1, stream.ptr)
-        stream.synchronize()
+        comm, buf, stream = _paired(uid, 0)
     if spin:  # a send the victim never receives: its kernel spins on GPU 0 until the abort
         comm.send(buf.data.ptr, MESSAGE, nccl.NCCL_UINT8, 1, stream.ptr)
     work = cp.cuda.Stream(non_blocking=True)  # the loop's own stream: never waits for the pair's

@@ -100,7 +100,6 @@ class Arrival:
     The receiver's event for it ends it, in one place (DecodeWorker._handle_transfer_event)."""
 
     deadline: float  # monotonic
-    migration: bool = False
     reserved_at: float = field(default_factory=time.monotonic)
     cancel_reason: str | None = None
 
@@ -525,7 +524,7 @@ class MigrationMixin:
             capacity = len(table) * self.engine.cfg.block_size
             self.receiver.expect(request_id, table, capacity, exact=False)
             deadline = time.monotonic() + self.migration.timeout_s
-            self._arriving[request_id] = Arrival(deadline, migration=True)
+            self._arriving[request_id] = Arrival(deadline)
             self._in[request_id] = _In(client, source, capacity)
             self._in_done.pop(request_id, None)
             return Reserved(self.receiver.endpoint)

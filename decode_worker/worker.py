@@ -128,12 +128,12 @@ class DecodeWorker(MigrationMixin, EngineWorker):
         rid = event.transfer_id
         arrival = self._arriving.pop(rid, None)
         complete = event.kind is TransferOutcome.COMPLETE
-        if complete and arrival is not None and not arrival.migration:
-            self.kv_transfer_seconds += time.monotonic() - arrival.reserved_at
         cancelled = arrival.cancel_reason if arrival is not None else None
-        if rid in self._in:
+        if rid in self._in:  # a migration's copy (not counted in kv_transfer_seconds)
             self._migration_event(event, cancelled)
             return
+        if complete and arrival is not None:
+            self.kv_transfer_seconds += time.monotonic() - arrival.reserved_at
         if complete and cancelled is None:
             trace(rid, "decode.admit")
             try:

@@ -305,16 +305,19 @@ class LLMEngine:
         return group.seqs[0].request if group is not None and len(group.seqs) == 1 else None
 
     def paused_request(self, request_id: str) -> Request | None:
+        return self._in_status(request_id, RequestStatus.PAUSED)
+
+    def _in_status(self, request_id: str, status: RequestStatus) -> Request | None:
+        """The request ``request_id`` if it is in ``status``, else None."""
         owner = self._seq_owner.get(request_id)
-        request = owner[1].request if owner is not None else None
-        return request if request is not None and request.status == RequestStatus.PAUSED else None
+        return owner[1].request if owner is not None and owner[1].request.status == status else None
 
     def _held(self, request_id: str, status: RequestStatus) -> Request:
         """The request ``request_id`` in ``status`` (held outside the scheduler), or KeyError."""
-        owner = self._seq_owner.get(request_id)
-        if owner is None or owner[1].request.status != status:
+        request = self._in_status(request_id, status)
+        if request is None:
             raise KeyError(request_id)
-        return owner[1].request
+        return request
 
     def _count(self, status: RequestStatus) -> int:
         return sum(1 for _, seq in self._seq_owner.values() if seq.request.status == status)

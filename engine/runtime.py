@@ -122,9 +122,8 @@ class EngineWorker:
         self.engine.output_kind = "delta"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._requests: dict[
-            str, Tracked
-        ] = {}  # what this worker keeps per request (engine thread)
+        # What this worker keeps per request beside the engine (engine thread only).
+        self._requests: dict[str, Tracked] = {}
         self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
         self._closed = False
         self.steps = 0

@@ -859,9 +859,9 @@ class KVSender:
             self._connect()
         except Exception as exc:  # noqa: BLE001 - every failure becomes the channel's error
             self._broken(f"cannot open KV channel to {self.endpoint}: {exc}")
-            self.formed.set()
             return
-        self.formed.set()
+        finally:
+            self.formed.set()
         while True:
             item = self._queue.get()
             if item is None:
