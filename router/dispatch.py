@@ -7,18 +7,21 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
        D.reserve(rid, prompt, client)                 ┘ reserves; its KV waits at the channel
          Reserved -> P.release(rid)                      until released
          Full     -> P.abort(rid); the next decode worker, or back off until reserve_timeout_s
+         (no answer while D turns suspect or dead: as Full, and D.abort(rid); no call into a
+         worker waits on one the router has given up on)
          Rejected -> RequestError (bad input: no retry)
     3. P's result: PrefillFailed -> D.fail_transfer(rid) (D ends the request retryably)
     4. D's deltas arrive on this router's one stream from D (``outputs(client_id)``, a batch
        per engine step for every request of this router on D); the request's queue takes its
        own, the text is built here (detokenization and stop strings: off the engine thread)
     5. a retryable failure (transfer failed, worker died, worker silent for ``stall_timeout_s``:
-       no delta and no heartbeat, or one engine step older than ``hang_timeout_s``) -> run again on other workers. Before any token that is a
-       new attempt, up to ``max_attempts``; after tokens it is a *resume*, up to
-       ``max_resumes``: the request continues from its snapshot (prompt + the tokens it
-       produced, carried as output and recomputed there), and its client's stream goes on with
-       the next token, no gap, no duplicate (the old attempt's id is dropped). Seeded draws are
-       a function of (seed, output position), so greedy and seeded requests continue exactly
+       no delta and no heartbeat, or one engine step older than ``hang_timeout_s``) -> run
+       again on other workers. Before any token that is a new attempt, up to
+       ``max_attempts``; after tokens it is a *resume*, up to ``max_resumes``: the request
+       continues from its snapshot (prompt + the tokens it produced, carried as output and
+       recomputed there), and its client's stream goes on with the next token, no gap, no
+       duplicate (the old attempt's id is dropped). Seeded draws are a function of (seed,
+       output position), so greedy and seeded requests continue exactly
     6. finish, stop string (the worker is told to abort) or client gone: abort everywhere
     7. a live migration moves the request to another decode worker (decode_worker/migration.py):
        the old worker's last word on it is a ``moved_to`` delta; the attempt then follows the
@@ -233,6 +236,8 @@ class Dispatcher:
         self.max_resumes = max_resumes
         self.stall_timeout_s = stall_timeout_s
         self.hang_timeout_s = hang_timeout_s
+        # how often a call waiting on a worker looks whether the router gave up on it
+        self.watch_s = min(0.25, stall_timeout_s / 4)
         self._inflight: dict[str, _Inflight] = {}
         self._streams: dict[str, asyncio.Task] = {}
         self._seen: dict[str, float] = {}  # worker -> when its stream last delivered anything
@@ -373,13 +378,16 @@ class Dispatcher:
     async def _start_colocated(self, irid, ids, params, kwargs, worker: WorkerRef) -> _Inflight:
         kwargs = _for_prefill(kwargs)
         inflight = self._expect(irid, worker, _carried(kwargs))
+        call = worker.handle.generate.remote(irid, ids, params, self.client_id, **kwargs)
         try:
-            await worker.handle.generate.remote(irid, ids, params, self.client_id, **kwargs)
+            res = await self._answer_of(worker, call)
         except ValueError as exc:
             raise RequestError(str(exc).splitlines()[-1]) from None
         except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
             self._worker_failed(worker, exc)
             raise _Retry(f"worker {worker.name} failed: {brief(exc)}", "worker_died") from None
+        if res is _UNRESPONSIVE:
+            raise _Retry(f"worker {worker.name} is unresponsive", "stalled")
         return inflight
 
     async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef, timeline):
@@ -406,14 +414,38 @@ class Dispatcher:
         return inflight, d, irid
 
     async def _reserve_on(self, d: WorkerRef, irid, ids, params, kwargs):
+        """``d``'s answer to a reservation; a dead or unresponsive ``d`` is as if full (the
+        caller tries the others), its reservation aborted in case it ever wakes up."""
+        call = d.handle.reserve.remote(irid, ids, params, self.client_id, **kwargs)
         try:
-            res = await d.handle.reserve.remote(irid, ids, params, self.client_id, **kwargs)
+            res = await self._answer_of(d, call)
         except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
             self._worker_failed(d, exc)
             return Full(str(exc))
+        if res is _UNRESPONSIVE:
+            _quietly(control(d.handle.abort), irid)
+            return Full(f"decode worker {d.name} is unresponsive")
         if isinstance(res, Rejected):
             raise RequestError(res.message)
         return res
+
+    async def _answer_of(self, worker: WorkerRef, call) -> Any:
+        """What ``call`` (a call into ``worker``) returns or raises, or ``_UNRESPONSIVE`` as
+        soon as this router holds ``worker`` suspect or dead: a hung process answers nothing,
+        so a request must not wait on it past the moment the router knows (health polls
+        missed, a silent stream, a stuck step). A late answer is dropped."""
+
+        async def answer():
+            return await call
+
+        waiting = asyncio.ensure_future(answer())
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=self.watch_s)
+            if done:
+                return waiting.result()
+            if self.members.state_of(worker.name) in ("suspect", "dead"):
+                waiting.cancel()
+                return _UNRESPONSIVE
 
     async def _reserve_anywhere(self, irid, ids, params, kwargs, avoid: set[str]) -> WorkerRef:
         """The first decode worker with room (least loaded first), backing off while all are
@@ -443,22 +475,13 @@ class Dispatcher:
         worker that hangs (this router or the controller holds it suspect: health polls
         missed, a stuck step) fails its prefills at once, not after the transfer timeout."""
 
-        async def result():
-            try:
-                return await pref
-            except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
-                return PrefillFailed(f"prefill worker failed: {brief(exc)}")
-
-        waiting = asyncio.ensure_future(result())
-        res = None
-        while res is None:
-            try:
-                res = await asyncio.wait_for(asyncio.shield(waiting), self.stall_timeout_s / 4)
-            except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
-                if self.members.state_of(p.name) in ("suspect", "dead"):
-                    waiting.cancel()
-                    _quietly(control(p.handle.abort), irid)
-                    res = PrefillFailed(f"prefill worker {p.name} is unresponsive")
+        try:
+            res = await self._answer_of(p, pref)
+        except Exception as exc:  # noqa: BLE001 - the prefill worker died or raised
+            res = PrefillFailed(f"prefill worker failed: {brief(exc)}")
+        if res is _UNRESPONSIVE:
+            _quietly(control(p.handle.abort), irid)
+            res = PrefillFailed(f"prefill worker {p.name} is unresponsive")
         trace(irid, "router.prefilled")
         if timeline is not None:
             timeline["prefilled"] = time.time()
@@ -569,6 +592,9 @@ class Dispatcher:
             self.members.clear(name, "stream")
         self._streams.clear()
         self._watchdog = None
+
+
+_UNRESPONSIVE = object()  # _answer_of: the worker went suspect or dead before it answered
 
 
 def _carried(kwargs: dict[str, Any]) -> int:

@@ -1,0 +1,171 @@
+"""A call into a worker the router has given up on must not hold a request: a reservation on
+a hung decode worker moves to another as soon as the router suspects it, a colocated start on
+a hung worker fails retryably, and a prefill on a hung prefill worker fails. Stand-in handles
+(no Ray): a hung worker's calls never answer, as a SIGSTOPped process's do not. The
+end-to-end run with a SIGSTOPped process is benchmarks/chaos.py's hang-decode scenario and
+tests/test_disagg_cluster.py's hung prefill worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.messages import Membership, Reserved, WorkerInfo
+from engine.sampling_params import SamplingParams
+from router.dispatch import Dispatcher, _Retry
+from router.membership import MembershipView
+
+
+class Method:
+    def __init__(self, owner: Handle, name: str, answer) -> None:
+        self.owner, self.name, self.answer = owner, name, answer
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args, **kwargs):
+        self.owner.calls.append((self.name, args))
+        answer = asyncio.get_running_loop().create_future()
+        if not self.owner.hung:  # a hung worker's never answers
+            value = self.answer(*args, **kwargs)
+            asyncio.get_running_loop().call_later(self.owner.delay_s, answer.set_result, value)
+        return answer
+
+
+class _Silent:
+    """An output stream that delivers nothing (the tests end before it would matter)."""
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *_):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+
+class Handle:
+    def __init__(self, name: str, hung: bool = False) -> None:
+        self.name, self.hung = name, hung
+        self.delay_s = 0.0  # how long each call takes to answer
+        self.calls: list[tuple[str, tuple]] = []
+        self.reserve = Method(self, "reserve", lambda *a, **k: Reserved(f"ep-{name}"))
+        self.generate = Method(self, "generate", lambda *a, **k: None)
+        self.prefill = Method(self, "prefill", lambda *a, **k: "prefilled")
+        self.release = Method(self, "release", lambda *a: None)
+        self.abort = Method(self, "abort", lambda *a: None)
+        self.fail_transfer = Method(self, "fail_transfer", lambda *a: None)
+        self.outputs = _Silent()
+
+    def called(self, method: str) -> list:
+        """The request id of each call of ``method`` (its first argument)."""
+        return [args[0] for m, args in self.calls if m == method]
+
+
+def _view(*infos: tuple[str, str, bool]) -> MembershipView:
+    workers = [
+        WorkerInfo(name, role, Handle(name, hung), endpoint=f"ep-{name}")
+        for name, role, hung in infos
+    ]
+    return MembershipView(Membership(1, workers, model_dir="", block_size=4, max_model_len=64))
+
+
+def _dispatcher(view: MembershipView) -> Dispatcher:
+    return Dispatcher(view, tokenizer=None, client_id="test", stall_timeout_s=0.4)
+
+
+def _suspect_soon(view: MembershipView, name: str, after_s: float = 0.05) -> None:
+    """What the health poller or the stream watchdog does when a worker goes silent."""
+    asyncio.get_running_loop().call_later(after_s, view.suspect, name, "stats", "test")
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_a_reservation_on_a_hung_decode_worker_moves_on_when_it_is_suspected() -> None:
+    view = _view(("prefill-0", "prefill", False), ("decode-0", "decode", True))
+    view.apply(
+        Membership(
+            2,
+            [*view.table.workers, WorkerInfo("decode-1", "decode", Handle("decode-1"))],
+            model_dir="",
+            block_size=4,
+            max_model_len=64,
+        )
+    )
+    p, d0, d1 = view.get("prefill-0"), view.get("decode-0"), view.get("decode-1")
+    dispatcher = _dispatcher(view)
+
+    async def scenario():
+        _suspect_soon(view, "decode-0")
+        params = SamplingParams(max_tokens=4)
+        _, placed, irid = await dispatcher._start_disagg("r", [1, 2, 3], params, {}, p, d0, None)
+        await asyncio.sleep(0)  # the prefill watcher's first look
+        await dispatcher.aclose()
+        return placed, irid
+
+    placed, irid = _run(scenario())
+    assert placed is d1 and irid == "r~r"
+    assert d0.handle.called("abort") == ["r"]  # in case it wakes up holding blocks
+    assert p.handle.called("abort") == ["r"]  # the gated prefill for decode-0 dropped
+    assert d1.handle.called("reserve") == ["r~r"] and p.handle.called("prefill") == ["r", "r~r"]
+
+
+def test_a_reservation_waits_for_a_slow_worker_the_router_still_trusts() -> None:
+    """The other side: no suspicion, no giving up (a slow answer is still an answer)."""
+    view = _view(("prefill-0", "prefill", False), ("decode-0", "decode", False))
+    p, d0 = view.get("prefill-0"), view.get("decode-0")
+    d0.handle.delay_s = 0.3  # several of the dispatcher's watch intervals (0.1 s here)
+    dispatcher = _dispatcher(view)
+
+    async def scenario():
+        params = SamplingParams()
+        _, placed, irid = await dispatcher._start_disagg("r", [1, 2], params, {}, p, d0, None)
+        await dispatcher.aclose()
+        return placed, irid
+
+    placed, irid = _run(scenario())
+    assert placed is d0 and irid == "r"
+    assert d0.handle.called("abort") == [] and p.handle.called("release") == ["r"]
+
+
+def test_a_colocated_start_on_a_hung_worker_fails_retryably() -> None:
+    view = _view(("worker-0", "colocated", True))
+    w = view.get("worker-0")
+    dispatcher = _dispatcher(view)
+
+    async def scenario():
+        _suspect_soon(view, "worker-0")
+        try:
+            with pytest.raises(_Retry) as info:
+                await dispatcher._start_colocated("r", [1, 2], SamplingParams(), {}, w)
+        finally:
+            await dispatcher.aclose()
+        return info.value
+
+    retry = _run(scenario())
+    assert retry.reason == "stalled" and "unresponsive" in str(retry)
+
+
+def test_a_prefill_on_a_hung_prefill_worker_fails_the_transfer() -> None:
+    view = _view(("prefill-0", "prefill", True), ("decode-0", "decode", False))
+    p, d = view.get("prefill-0"), view.get("decode-0")
+    dispatcher = _dispatcher(view)
+    timeline: dict = {}
+
+    async def scenario():
+        _suspect_soon(view, "prefill-0")
+        pref = p.handle.prefill.remote("r", [1], SamplingParams(), d.endpoint)
+        await dispatcher._watch_prefill(pref, p, d, "r", timeline)
+
+    _run(scenario())
+    assert p.handle.called("abort") == ["r"]
+    ((_, args),) = [c for c in d.handle.calls if c[0] == "fail_transfer"]
+    assert args == ("r", "prefill worker prefill-0 is unresponsive")
+    assert "prefilled" in timeline
