@@ -1,0 +1,250 @@
+"""Every kernel of an engine step against its own floor, on one GPU (issue 23, item 3).
+
+Llama-3-8B shape, dummy bf16 weights, the engine defaults. Three steps built by hand as in
+benchmarks/gpu_step.py (disjoint block tables, zeros in the KV cache, which cost the same to
+read):
+
+    decode-256   256 decodes, 512 tokens of context each
+    decode-1     one decode, 512 tokens of context (the ITL case)
+    mixed        the 256 decodes + one 2048-token prefill chunk
+
+For each step: its wall time under the engine's graphs (``ModelRunner.execute``, decode graphs
+or piecewise), then one eager run under torch.profiler, whose kernels are the same kernels the
+graphs replay (a graph removes launch gaps, not kernel time). Kernels are summed per step by
+what they compute:
+
+* each linear layer by shape (``aten::linear`` with its input shapes, the cuBLAS kernel under
+  it): floor = max(bytes of weight + activations over the HBM copy rate, FLOPs over the bf16
+  matmul rate), both measured in this run;
+* the Triton kernels by name: decode attention (split + reduce: the KV of every decode row),
+  extend attention (causal FLOPs of the chunk over its prefix), the KV write, rms_norm,
+  silu_and_mul, rotary: floor = their bytes (or FLOPs) by arithmetic over the same rates;
+* the rest (embedding, sampling, copies) by kernel name, without a floor.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py --out results/gpu_kernels.json
+
+Prints one table per step (time per step, share, floor, time / floor) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_ceilings import bf16_matmul_flops, hbm_copy_bandwidth  # noqa: E402
+from benchmarks.gpu_engine import log, make_llm  # noqa: E402
+from benchmarks.gpu_step import (  # noqa: E402
+    StepFactory,
+    attention_flops,
+    time_step,
+    with_graphs,
+)
+
+CONTEXT, CHUNK, BATCH = 512, 2048, 256
+
+
+def _kernel_kind(name: str) -> str:
+    """What a CUDA kernel computes, from its name (Triton kernels keep their function's)."""
+    for key, kind in (
+        ("_split_kernel", "decode attention (split)"),
+        ("_reduce_kernel", "decode attention (reduce)"),
+        ("_extend_attention", "extend attention"),
+        ("_write_kv_cache", "KV write"),
+        ("_rms_norm", "rms_norm"),
+        ("_silu_and_mul", "silu_and_mul"),
+        ("_rotary", "rotary"),
+        ("_gemv", "gemv"),
+    ):
+        if key in name:
+            return kind
+    if any(k in name for k in ("gemm", "nvjet", "sm90_xmma", "cutlass", "cublas")):
+        return "GEMM"
+    return "other: " + name[:60]
+
+
+class Step:
+    """The byte and FLOP arithmetic of one step: ``decodes`` rows at ``context`` tokens of
+    context plus one prefill chunk of ``chunk`` tokens (0: none)."""
+
+    def __init__(self, cfg, decodes: int, context: int, chunk: int) -> None:
+        self.cfg, self.decodes, self.context, self.chunk = cfg, decodes, context, chunk
+        self.tokens = decodes + chunk
+        self.sampled = decodes + (1 if chunk else 0)
+
+    def floors(self, bw: float, flops: float) -> dict[str, float]:
+        c, t, e = self.cfg, self.tokens, 2  # bf16
+        kv_row = c.num_kv_heads * c.head_dim * e  # one token's K (or V) in one layer
+        q_row = c.num_heads * c.head_dim * e
+        decode_kv = 2 * kv_row * self.decodes * (self.context + 1) * c.num_layers
+        extend_flops = attention_flops(c, self.chunk) if self.chunk else 0.0
+        extend_bytes = (2 * kv_row + 2 * q_row) * self.chunk * c.num_layers
+        inter = c.intermediate_size
+        return {
+            "decode attention (split)": (decode_kv + q_row * self.decodes * c.num_layers) / bw,
+            "extend attention": max(extend_flops / flops, extend_bytes / bw),
+            # k and v of each new token read and written once
+            "KV write": 2 * 2 * kv_row * t * c.num_layers / bw,
+            # in, residual in, out, residual out: 2 norms a layer and the final one
+            "rms_norm": 4 * c.hidden_size * e * t * (2 * c.num_layers + 1) / bw,
+            "silu_and_mul": 3 * inter * e * t * c.num_layers / bw,
+            # q and k rotated in place: read and written
+            "rotary": 2 * (q_row + kv_row) * t * c.num_layers / bw,
+        }
+
+
+def linear_floor(m: int, k: int, n: int, bw: float, flops: float) -> float:
+    return max(2 * (k * n + m * k + m * n) / bw, 2.0 * m * k * n / flops)
+
+
+def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
+    """One eager run profiled ``reps`` times: (linear shapes -> (seconds per step, calls per
+    step)), (kernel kind -> (seconds per step, launches per step))."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with with_graphs(runner, False, False):
+        for _ in range(2):
+            runner.execute(out)
+        torch.cuda.synchronize()
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+        ) as prof:
+            for _ in range(reps):
+                runner.execute(out)
+            torch.cuda.synchronize()
+    linears: dict = defaultdict(lambda: [0.0, 0])
+    for evt in prof.key_averages(group_by_input_shape=True):
+        if evt.key == "aten::linear" and evt.input_shapes:
+            (m, k), (n, _) = evt.input_shapes[0][-2:], evt.input_shapes[1]
+            row = linears[(m, k, n)]
+            row[0] += evt.device_time_total / 1e6 / reps
+            row[1] += evt.count / reps
+    kernels: dict = defaultdict(lambda: [0.0, 0])
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.self_device_time_total > 0:
+            row = kernels[_kernel_kind(evt.key)]
+            row[0] += evt.self_device_time_total / 1e6 / reps
+            row[1] += evt.count / reps
+    return dict(linears), dict(kernels)
+
+
+def step_table(name: str, wall_s: float, linears: dict, kernels: dict, floors: dict, bw, flops):
+    """Rows: each linear shape, then each kernel kind that is not a GEMM."""
+    rows = []
+    for (m, k, n), (sec, calls) in sorted(linears.items(), key=lambda kv: -kv[1][0]):
+        floor = linear_floor(m, k, n, bw, flops) * calls
+        rows.append(
+            {"kernel": f"linear {m}x{k} @ {k}x{n}", "calls": calls, "s": sec, "floor_s": floor}
+        )
+    gemm_in_linears = sum(sec for sec, _ in linears.values())
+    for kind, (sec, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        if kind in ("GEMM", "gemv"):
+            continue  # counted by shape above
+        floor = floors.get(kind)
+        if kind == "decode attention (reduce)":
+            floor = None  # the split's floor holds the KV bytes; the reduce is overhead
+        rows.append({"kernel": kind, "calls": calls, "s": sec, "floor_s": floor})
+    gemm = sum(sec for kind, (sec, _) in kernels.items() if kind in ("GEMM", "gemv"))
+    busy = sum(sec for sec, _ in kernels.values())
+    return {
+        "step": name,
+        "wall_s": wall_s,
+        "gpu_busy_s": busy,
+        "gemm_s": gemm,
+        "gemm_attributed_s": gemm_in_linears,
+        "rows": rows,
+        "floor_s": sum(r["floor_s"] or 0.0 for r in rows),
+    }
+
+
+def print_table(t: dict) -> None:
+    ms = 1e3
+    print(f"\n### {t['step']}: wall {t['wall_s'] * ms:.2f} ms under graphs, kernels "
+          f"{t['gpu_busy_s'] * ms:.2f} ms (eager run), sum of floors {t['floor_s'] * ms:.2f} ms")  # fmt: skip
+    print("\n| kernel | calls | ms / step | share | floor ms | / floor |")
+    print("|---|---|---|---|---|---|")
+    for r in t["rows"]:
+        f = r["floor_s"]
+        share = r["s"] / t["gpu_busy_s"] if t["gpu_busy_s"] else 0.0
+        ratio = f"{r['s'] / f:.2f}x" if f else "-"
+        floor = f"{f * ms:.3f}" if f else "-"
+        print(f"| {r['kernel']} | {r['calls']:.0f} | {r['s'] * ms:.3f} | {share:.1%} | {floor} | {ratio} |")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_kernels.json"))
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    from engine.scheduler import SchedulerOutput
+
+    bw, flops = hbm_copy_bandwidth(), bf16_matmul_flops()
+    log(f"HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    t0 = time.perf_counter()
+    llm = make_llm(
+        max_num_seqs=BATCH,
+        max_num_batched_tokens=CHUNK + BATCH,
+        cuda_graph_max_tokens=CHUNK + BATCH,  # the mixed step runs under piecewise graphs
+    )
+    log(f"engine up in {time.perf_counter() - t0:.1f} s")
+    runner = llm.engine.runner
+    cfg = runner.model_cfg
+    factory = StepFactory(runner.cfg.block_size, runner.num_kv_blocks)
+    decodes = [factory.chunk(CONTEXT, 1) for _ in range(BATCH)]
+    steps = (
+        ("decode-256", SchedulerOutput(scheduled=decodes), Step(cfg, BATCH, CONTEXT, 0)),
+        ("decode-1", SchedulerOutput(scheduled=decodes[:1]), Step(cfg, 1, CONTEXT, 0)),
+        (
+            "mixed 256 + 2048",
+            SchedulerOutput(scheduled=decodes + [factory.chunk(0, CHUNK)]),
+            Step(cfg, BATCH, CONTEXT, CHUNK),
+        ),
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for name, p in runner.model.named_parameters()
+        if "embed_tokens" not in name or cfg.tie_word_embeddings
+    )
+    tables = []
+    for name, out, arith in steps:
+        log(f"{name}: timing under graphs, then profiling eagerly")
+        wall = time_step(runner, out, 20)
+        linears, kernels = profile_step(runner, out, args.reps)
+        t = step_table(name, wall, linears, kernels, arith.floors(bw, flops), bw, flops)
+        kv = (
+            2 * cfg.num_kv_heads * cfg.head_dim * 2 * arith.decodes * (CONTEXT + 1) * cfg.num_layers
+        )
+        t["step_floor_s"] = (weight_bytes + kv) / bw  # the whole step's bytes, read once
+        if arith.chunk:
+            from benchmarks.gpu_step import linear_flops
+
+            t["step_floor_s"] += linear_flops(cfg, arith.chunk) / flops
+        tables.append(t)
+        print_table(t)
+        print(f"\nstep floor (weights {weight_bytes / 1e9:.1f} GB + KV {kv / 1e9:.2f} GB over HBM"
+              f"{' + the chunk FLOPs' if arith.chunk else ''}): {t['step_floor_s'] * 1e3:.2f} ms;"
+              f" wall / floor {wall / t['step_floor_s']:.3f}x")  # fmt: skip
+    result = {
+        "benchmark": "gpu_kernels",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name(),
+        "hbm_copy_bytes_per_s": bw,
+        "bf16_flops": flops,
+        "weight_bytes_read": weight_bytes,
+        "steps": tables,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
