@@ -88,7 +88,12 @@ class Step:
         extend_flops = attention_flops(c, self.chunk) if self.chunk else 0.0
         extend_bytes = (2 * kv_row + 2 * q_row) * self.chunk * c.num_layers
         inter = c.intermediate_size
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        linear_weights = c.hidden_size * (2 * q + 2 * kv + 3 * inter) * c.num_layers
+        linear_weights = (linear_weights + c.vocab_size * c.hidden_size) * e
         return {
+            # decode at batch 1: every linear layer and the LM head as Triton GEMVs
+            "gemv": (linear_weights + 2 * c.hidden_size * t * c.num_layers) / bw,
             "decode attention (split)": (decode_kv + q_row * self.decodes * c.num_layers) / bw,
             "extend attention": max(extend_flops / flops, extend_bytes / bw),
             # k and v of each new token read and written once
@@ -146,8 +151,8 @@ def step_table(name: str, wall_s: float, linears: dict, kernels: dict, floors: d
         )
     gemm_in_linears = sum(sec for sec, _ in linears.values())
     for kind, (sec, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-        if kind in ("GEMM", "gemv"):
-            continue  # counted by shape above
+        if kind == "GEMM":
+            continue  # counted by shape above (cuBLAS under aten::linear)
         floor = floors.get(kind)
         if kind == "decode attention (reduce)":
             floor = None  # the split's floor holds the KV bytes; the reduce is overhead

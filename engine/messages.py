@@ -24,6 +24,7 @@ A live migration, decode A -> decode B (decode_worker/migration.py)::
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -177,6 +178,73 @@ class StreamBatch:
     deltas: list[Delta]
     coalesced: int = 0
     step_age_s: float = 0.0
+
+    def __reduce__(self):
+        """Pickled columnar: a step's deltas are mostly a request id, a position and a token
+        or two, and a list of hundreds of dataclasses costs the worker's GIL several times
+        what these few arrays do (every step, for every client). Order is kept; a delta with
+        anything more (text, logprobs, an end, an error, a move, a prediction) goes whole."""
+        return _unpack_stream_batch, (
+            self.worker,
+            _pack(self.deltas),
+            self.coalesced,
+            self.step_age_s,
+        )
+
+
+def _plain(d: Delta) -> bool:
+    return (
+        d.logprobs is None
+        and not d.text
+        and d.finish_reason is None
+        and d.stop_reason is None
+        and not d.num_cached_tokens
+        and d.error is None
+        and not d.retryable
+        and d.moved_to is None
+        and d.predicted is None
+    )
+
+
+def _pack(deltas: list[Delta]) -> tuple:
+    ids, rest = [], {}
+    index, start, count, tokens = array("q"), array("q"), array("q"), array("q")
+    for i, d in enumerate(deltas):
+        if not _plain(d):
+            rest[i] = d
+            continue
+        ids.append(d.request_id)
+        index.append(d.index)
+        start.append(d.start)
+        count.append(len(d.token_ids))
+        tokens.extend(d.token_ids)
+    cols = b"".join(a.tobytes() for a in (index, start, count))
+    return len(deltas), ids, cols, tokens.tobytes(), rest
+
+
+def _unpack(packed: tuple) -> list[Delta]:
+    n, ids, cols, token_bytes, rest = packed
+    m = len(ids)
+    flat = array("q")
+    flat.frombytes(cols)
+    index, start, count = flat[:m], flat[m : 2 * m], flat[2 * m :]
+    tokens = array("q")
+    tokens.frombytes(token_bytes)
+    tokens = tokens.tolist()
+    out, j, at = [], 0, 0
+    for i in range(n):
+        d = rest.get(i)
+        if d is None:
+            c = count[j]
+            d = Delta(ids[j], tokens[at : at + c], index=index[j], start=start[j])
+            at += c
+            j += 1
+        out.append(d)
+    return out
+
+
+def _unpack_stream_batch(worker: str, packed: tuple, coalesced: int, step_age_s: float):
+    return StreamBatch(worker, _unpack(packed), coalesced, step_age_s)
 
 
 def aborted(request_id: str) -> Delta:

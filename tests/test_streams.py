@@ -4,7 +4,8 @@
   tokens produced, never a growing queue of messages), and counts the merged steps;
 * the router's ``Assembler`` builds the text from token deltas with the engine's own rules
   (stop strings, a stop token's text left out) and tells when a stop string ended a sequence;
-* a worker whose reader went away aborts that reader's requests after the grace period.
+* a worker whose reader went away aborts that reader's requests after the grace period;
+* a batch crosses processes columnar (Ray pickles it) and arrives equal, in order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import pytest
 import torch
 
-from engine.messages import Delta
+from engine.messages import Delta, StreamBatch
 from engine.runtime import _Channel
 from engine.sampling_params import SamplingParams
 from router.dispatch import Assembler
@@ -44,6 +45,27 @@ def test_channel_merges_what_a_slow_reader_missed() -> None:
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def test_a_batch_pickles_columnar_and_arrives_equal_in_order() -> None:
+    import pickle
+
+    plain = [Delta(f"r{i}", [100 + i] * (1 + i % 3), index=i % 2, start=7 * i) for i in range(40)]
+    rich = [
+        Delta("r5", [9], [{9: -0.5, 3: -1.0}], start=12),  # logprobs
+        Delta("r6", [4], finish_reason="stop", stop_reason=4, start=3),
+        Delta("r7", error="worker died", retryable=True),
+        Delta("r8", moved_to="decode-1", start=2),
+        Delta("r9", [1], text="hi", num_cached_tokens=16, predicted=(1.0, 2.0, 3.0), start=0),
+        Delta("r10", [], start=-1),  # no token, not positioned
+    ]
+    deltas = plain[:10] + rich[:3] + plain[10:30] + rich[3:] + plain[30:]
+    batch = StreamBatch("decode-0", deltas, coalesced=2, step_age_s=0.25)
+    back = pickle.loads(pickle.dumps(batch))
+    assert back == batch and [d.request_id for d in back.deltas] == [d.request_id for d in deltas]
+    assert pickle.loads(pickle.dumps(StreamBatch("w", [], 0, 1.5))) == StreamBatch("w", [], 0, 1.5)
+    # the common case is no list of dataclasses on the wire: a few arrays and the ids
+    assert b"Delta" not in pickle.dumps(StreamBatch("w", plain))
 
 
 def test_assembler_applies_stop_strings_and_stop_tokens(tokenizer) -> None:
