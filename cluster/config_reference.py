@@ -79,7 +79,7 @@ def _flags() -> dict[str, str]:
     """Field name -> the ``tandem serve`` flag that sets it."""
     import argparse
 
-    from cluster.serve import add_serve_args
+    from cluster.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_args(parser)
