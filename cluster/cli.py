@@ -176,7 +176,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.serve import add_serve_args
+    from cluster.serve_flags import add_serve_args
 
     serve = subparsers.add_parser(
         "serve",
@@ -215,7 +215,7 @@ def _add_stop(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.serve import add_gateway_args
+    from cluster.serve_flags import add_gateway_args
 
     gw = subparsers.add_parser(
         "gateway",

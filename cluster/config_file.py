@@ -1,8 +1,10 @@
 """``tandem serve --config FILE``: a whole serve configuration in one YAML or JSON file.
 
-A file holds the settings of ``tandem serve``'s flags (``ServeConfig``: one key per flag, the
-flag's name with ``_`` for ``-``) and a few that have no flag (per-role engine overrides, GPUs per
-worker, live migration and rebalancing). How a file combines with the command line::
+``ServeConfig`` defines every setting of ``tandem serve`` once: its flags are generated from its
+fields (cluster/serve_flags.py: one flag per key, the key's name with ``-`` for ``_``, its type,
+choices, bounds, default and help), but for a few that a file alone sets (per-role engine
+overrides, GPUs per worker, live migration, rebalancing, the autoscaler). How a file combines
+with the command line::
 
     parser defaults  <  the file's keys  <  flags given on the command line
 
@@ -16,10 +18,10 @@ Not in a file: ``--detach`` (how to run, not what), ``--api-key`` (a key belongs
 secret store. Relative paths (the key and token files, the TLS certificate and key) are relative
 to the file's folder, and ``~`` is expanded.
 
-Every field carries its documentation (``Field(description=...)``); ``python -m
-cluster.config_reference`` prints them as the Markdown table that docs/config.md holds. A key that is
-not a field, a value of the wrong type or out of range fails with the key, the value and what is
-accepted (``ConfigError``), before anything starts.
+Every field carries its documentation (``Field(description=...)``): it is its flag's help, and
+``python -m cluster.config_reference`` prints them as the Markdown table that docs/config.md
+holds. A key that is not a field, a value of the wrong type or out of range fails with the key,
+the value and what is accepted (``ConfigError``), before anything starts.
 """
 
 from __future__ import annotations
@@ -198,8 +200,8 @@ class ServeConfig(BaseModel):
     )
     engine: dict[str, Any] = Field(
         default_factory=dict,
-        description="`EngineConfig` fields for every worker, e.g. `{max_num_seqs: 128}` "
-        "(`--engine KEY=VALUE`).",
+        description="`EngineConfig` fields for every worker: in a file a mapping "
+        "(`{max_num_seqs: 128}`), on the command line `--engine max_num_seqs=128`, repeatable.",
     )
     prefill_engine: dict[str, Any] = Field(
         default_factory=dict,
@@ -307,8 +309,9 @@ class ServeConfig(BaseModel):
     )
     admin_key_file: str | None = Field(
         None,
-        description="Keys of the `/admin` routes, one per line, mode 0600 (default: the API "
-        "keys; with none, loopback clients only).",
+        description="Keys of the `/admin` routes (migrate, drain, rebalance), one per line, "
+        "mode 0600, or `TANDEM_ADMIN_KEY` (default: the API keys; with none, loopback clients "
+        "only).",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "warning", description="uvicorn's log level."
@@ -331,7 +334,10 @@ class ServeConfig(BaseModel):
         30.0, gt=0, description="Seconds a streamed frame may wait for the client to read it."
     )
     shutdown_timeout: float = Field(
-        30.0, ge=0, description="On SIGTERM, seconds in-flight requests get to finish."
+        30.0,
+        ge=0,
+        description="On SIGTERM, seconds in-flight requests get to finish (new ones get 503 at "
+        "once; a second signal stops at once).",
     )
 
     # -- routing and scheduling -----------------------------------------------------------------
@@ -370,7 +376,10 @@ class ServeConfig(BaseModel):
         10.0, gt=0, description="Seconds without output or heartbeat before a worker is hung."
     )
     hang_timeout: float = Field(
-        60.0, gt=0, description="Seconds one engine step may run before its worker is hung."
+        60.0,
+        gt=0,
+        description="Seconds one engine step may run before its worker is hung; keep it above "
+        "the slowest step (a full prefill chunk on CPU takes seconds).",
     )
 
     @field_validator("role_resources", mode="before")

@@ -3,8 +3,9 @@
     python -m cluster.config_reference                          # print the table
     python -m cluster.config_reference --write docs/config.md   # update it between the markers
 
-It reads the model (cluster/config_file.py) and the ``tandem serve`` parser (cluster/serve.py,
-for each field's flag): it sits above both, so neither imports the other's way back.
+It reads the model (cluster/config_file.py) and the ``tandem serve`` parser generated from it
+(cluster/serve_flags.py, for each field's flag): it sits above both, so the model never imports
+the parser.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _flags() -> dict[str, str]:
     """Field name -> the ``tandem serve`` flag that sets it."""
     import argparse
 
-    from cluster.serve import add_serve_args
+    from cluster.serve_flags import add_serve_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_args(parser)

@@ -8,7 +8,8 @@ From that one definition:
 - ``check(obj)`` validates an instance (call it from ``__post_init__``): a value out of bounds
   or of the wrong type raises ValueError naming the group, the field and what is accepted;
 - the serve config file's section (cluster/config_file.py) is generated from the dataclass, so a
-  file key, its type, default, bounds and the docs/config.md row cannot drift from the code.
+  file key, its type, default, bounds and the docs/config.md row cannot drift from the code;
+- ``bound_problem`` words a broken bound the same way for ``tandem serve``'s flags.
 
 No pydantic here: this module sits in the engine layer, which every worker imports.
 """
@@ -76,7 +77,15 @@ def check(obj: Any) -> None:
             raise ValueError(f"{name}.{f.name} must be an integer, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise ValueError(f"{name}.{f.name} must be a number, got {value!r}")
-        for op, limit in bounds_of(f).items():
-            holds, sign = _BOUNDS[op]
-            if not holds(value, limit):
-                raise ValueError(f"{name}.{f.name} must be {sign} {limit:g}, got {value!r}")
+        if problem := bound_problem(value, bounds_of(f)):
+            raise ValueError(f"{name}.{f.name} {problem}, got {value!r}")
+
+
+def bound_problem(value: float, bounds: dict[str, float]) -> str | None:
+    """What ``value`` breaks of ``bounds`` (``{"ge": 1}``): ``"must be >= 1"``; None when it
+    holds them all. The config checks here and ``tandem serve``'s number flags say the same."""
+    for op, limit in bounds.items():
+        holds, sign = _BOUNDS[op]
+        if not holds(value, limit):
+            return f"must be {sign} {limit:g}"
+    return None
