@@ -28,7 +28,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.block_manager import prefix_block_hashes
@@ -49,6 +49,7 @@ from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestErro
 from router.membership import MembershipView, WorkerRef
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
+from router.routed import RoutedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class ClusterBackend:
             max_resumes=max_resumes,
             stall_timeout_s=stall_timeout_s,
             hang_timeout_s=hang_timeout_s,
+            placer=self,
         )
         self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
         self.suspect_after_polls = suspect_after_polls
@@ -203,31 +205,21 @@ class ClusterBackend:
         self._queued[charged] += charge
         median = round(predicted.median) if predicted is not None else None
         placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0), median)
-        first = [True]
-
-        def choose(avoid: set[str]) -> tuple[WorkerRef | None, WorkerRef]:
-            """The first attempt goes where the policy said; a retry asks it again."""
-            names = (p, d) if first[0] else self._place(req, disagg, avoid)[:2]
-            first[0] = False
-            pw = self.members.get(names[0]) if names[0] is not None else None
-            return pw, self.members.get(names[1])
-
-        extra = {"predicted_tokens": req.predicted_output_tokens} if predicted is not None else {}
-        gen = self.dispatcher.run(
+        routed = RoutedRequest(
             request_id,
             prompt_token_ids,
             params,
-            choose,
+            p,
+            d,
             priority=priority,
             cache_salt=cache_salt,
-            **extra,
+            predicted_tokens=req.predicted_output_tokens if predicted is not None else None,
+            ticket=ticket,
+            route=req,
+            hints=hints,
         )
         generation = _Generation(
-            gen,
-            placement,
-            lambda: self._release(charged, charge),
-            progress=lambda out: self._progress(ticket, out),
-            end=lambda out: self._ended(ticket, hints, out),
+            self, routed, self.dispatcher.run(routed), placement, _Charge(charged, charge)
         )
         await generation.start()
         if ticket.refined is not None:  # the header tells the refined estimate (capped)
@@ -365,6 +357,13 @@ class ClusterBackend:
             self._work[d] += ticket.remaining()
         self._stats.decisions[reason] += 1
         return p, d, reason
+
+    def place_again(self, req: RoutedRequest) -> tuple[str | None, str]:
+        """A retry's or a resume's placement (the dispatcher's ``Placer``): the policy again,
+        on the same kind of pool, the workers that failed it excluded."""
+        assert req.route is not None  # every request this router placed carries its route
+        p, d, _ = self._place(req.route, not req.colocated, req.avoid)
+        return p, d
 
     def _place(self, req: RouteRequest, disagg: bool, avoid: set[str]):
         """(prefill name or None, decode name, reason) by the policy, ``avoid`` excluded (all
@@ -509,36 +508,45 @@ class ClusterBackend:
             logger.debug("load report failed: %s", exc)
 
 
+@dataclass(frozen=True)
+class _Charge:
+    """Prompt tokens a placement queued on a worker (its prefill load, ``_queued``)."""
+
+    worker: str
+    tokens: int
+
+
 class _Generation:
     """One request's outputs; the first is fetched by ``start`` (errors before any token raise
-    there); ``release`` runs once, at the first output or at the end."""
+    there). Its queued prompt tokens (``charge``) go back once, at the first output or at the
+    end; each output is the request's progress to admission; its slot goes back once, at the
+    end (``ClusterBackend._ended``)."""
 
     def __init__(
         self,
+        backend: ClusterBackend,
+        req: RoutedRequest,
         gen: AsyncIterator[RequestOutput],
         placement: Placement,
-        release,
-        *,
-        progress=None,
-        end=None,
+        charge: _Charge,
     ) -> None:
         self.placement = placement
-        self._gen = gen
-        self._release = release
-        self._progress, self._end = progress, end  # each output; the end (once)
+        self._backend, self._req, self._gen = backend, req, gen
+        self._charge: _Charge | None = charge
+        self._ended = False
         self._first: RequestOutput | None = None
         self._closed = False
 
     def _ending(self, out: RequestOutput | None) -> None:
-        """Once: the request's slot is given back (``end``), with its last output if any."""
-        end, self._end = self._end, None
-        if end is not None:
-            end(out)
+        """Once: the request's slot is given back, with its last output if any."""
+        if not self._ended:
+            self._ended = True
+            self._backend._ended(self._req.ticket, self._req.hints, out)
 
     def _settle(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
+        if self._charge is not None:
+            self._backend._release(self._charge.worker, self._charge.tokens)
+            self._charge = None
 
     async def start(self) -> None:
         try:
@@ -552,8 +560,7 @@ class _Generation:
     async def _next(self) -> RequestOutput:
         try:
             out = await self._gen.__anext__()
-            if self._progress is not None:
-                self._progress(out)
+            self._backend._progress(self._req.ticket, out)
             if out.finished:
                 self._ending(out)
             return out
