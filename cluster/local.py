@@ -36,7 +36,8 @@ from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt, load_tokenizer
-from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
+from router.dispatch import Dispatcher
+from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
 from router.routed import RoutedRequest
 

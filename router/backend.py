@@ -5,9 +5,10 @@ A request through it::
 
     1. the gateway validates the body, renders the chat template, tokenizes, checks the context
        length and builds ``SamplingParams`` (errors are 400s and cost nothing else)
-    2. ``Backend.open`` admits it (or raises ``Overloaded``: 429 with Retry-After), places it on
-       workers (``Generation.placement``: the response's x-tandem-prefill / x-tandem-decode
-       headers) and starts it
+    2. ``Backend.open`` admits it (or raises ``CapacityError``: 429 / 503 with Retry-After),
+       places it on workers (``Generation.placement``: the response's x-tandem-prefill /
+       x-tandem-decode headers) and starts it; every failure is one of router/errors.py's,
+       translated to HTTP by the gateway alone
     3. the gateway iterates ``Generation.outputs()`` (cumulative ``RequestOutput``s, the last one
        ``finished``) into a response or SSE frames
     4. ``Generation.aclose()`` (client gone, or an error) aborts it on every worker; calling it
@@ -25,28 +26,6 @@ from engine.sampling_params import SamplingParams
 from router.predictor import PredictInput
 
 
-class BackendError(Exception):
-    """A request failed inside the cluster (HTTP 500, or an in-band error once streaming)."""
-
-
-class InvalidRequest(BackendError):
-    """The cluster refused the request's content (HTTP 400)."""
-
-
-class Overloaded(BackendError):
-    """Admission refused: queues full (HTTP 429) or no worker can serve now (HTTP 503)."""
-
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, status: int = 429):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.status = status
-
-
-def no_live_workers() -> Overloaded:
-    """The refusal when no worker can take a request now (every one dead or suspect): 503."""
-    return Overloaded("no live workers can take requests now", status=503)
-
-
 @dataclass(frozen=True)
 class Placement:
     """Which workers serve a request and why (a routing reason, for metrics)."""
@@ -62,7 +41,7 @@ class Generation(Protocol):
     placement: Placement
 
     def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive; raises BackendError on a failure."""
+        """Cumulative outputs as tokens arrive; raises ClusterError on a failure."""
 
     async def aclose(self) -> None:
         """Abort the request everywhere (idempotent; a no-op once it finished)."""
@@ -84,7 +63,8 @@ class Backend(Protocol):
         cache_salt: str | None = None,
         hints: PredictInput | None = None,
     ) -> Generation:
-        """Admit and start one request. Raises Overloaded, InvalidRequest or BackendError.
+        """Admit and start one request. Raises CapacityError, RequestError or ClusterError
+        (router/errors.py).
         ``hints``: what the length predictor reads of the request (its text, turns, max_tokens,
         the benchmark's oracle header)."""
 

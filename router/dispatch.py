@@ -29,8 +29,9 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
        new worker (its stream, its failures, aborts go there). Deltas carry their output
        position, so the two streams may be read in either order (_Inflight orders them)
 
-Errors: ``RequestError`` (invalid, nothing started), ``CapacityError`` (no room within
-``reserve_timeout_s``), ``ClusterError`` (failed after retrying).
+Errors (router/errors.py): ``RequestError`` (invalid, nothing started), ``CapacityError`` (no
+room within ``reserve_timeout_s``), ``ClusterError`` (failed after retrying); the gateway turns
+them into HTTP errors.
 """
 
 from __future__ import annotations
@@ -50,22 +51,11 @@ from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, brie
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
+from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
 from router.routed import Placer, RoutedRequest
 
 logger = logging.getLogger(__name__)
-
-
-class ClusterError(RuntimeError):
-    """A request failed inside the cluster (after its retries)."""
-
-
-class RequestError(ValueError):
-    """The request is invalid; nothing was started."""
-
-
-class CapacityError(ClusterError):
-    """No worker could take the request in time (the gateway answers 503 + Retry-After)."""
 
 
 class _Retry(Exception):

@@ -12,7 +12,8 @@ For each request::
     3. the dispatcher (router/dispatch.py) runs it there: reserve, prefill, stream; a failed
        attempt is placed again by the same policy with the failed workers excluded
     4. ``open`` returns once the first output is there, so errors before the first token are
-       plain HTTP errors; the queued prefill tokens are released then
+       plain HTTP errors; the queued prefill tokens are released then. Errors are the router's
+       own (router/errors.py), raised as they are: the gateway translates them
 
 Which workers exist comes from the controller (router/membership.py follows its table).
 """
@@ -37,15 +38,9 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from router.admission import Admission, QueueConfig, Ticket
-from router.backend import (
-    BackendError,
-    InvalidRequest,
-    Overloaded,
-    Placement,
-    RouterStats,
-    no_live_workers,
-)
-from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
+from router.backend import Placement, RouterStats
+from router.dispatch import Dispatcher
+from router.errors import ClusterError, no_live_workers
 from router.membership import MembershipView, WorkerRef
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
@@ -565,13 +560,7 @@ class _Generation:
                 self._ending(out)
             return out
         except StopAsyncIteration:
-            raise BackendError("the request's stream ended without finishing") from None
-        except RequestError as exc:
-            raise InvalidRequest(str(exc)) from None
-        except CapacityError as exc:
-            raise Overloaded(str(exc), retry_after_s=1.0, status=503) from None
-        except ClusterError as exc:
-            raise BackendError(str(exc)) from None
+            raise ClusterError("the request's stream ended without finishing") from None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         out = self._first
