@@ -47,10 +47,48 @@ class Generation(Protocol):
         """Abort the request everywhere (idempotent; a no-op once it finished)."""
 
 
+class Admin(Protocol):
+    """The operator's calls (the gateway's /admin routes, router/admin.py), run by the cluster
+    controller. A bad worker name or setting raises ValueError (wrapped by Ray as it raises
+    it); the results are the controller's own."""
+
+    async def migrate(
+        self,
+        request_id: str | None = None,
+        *,
+        to: str | None = None,
+        from_: str | None = None,
+        count: int = 1,
+    ) -> list[Any]:
+        """Move one running request (``request_id``), or ``count`` of ``from_``'s, to ``to``
+        (None: the least loaded); one MigrationResult each."""
+
+    async def drain(self, worker: str, deadline_s: float) -> dict[str, Any]:
+        """Stop placing requests on ``worker`` and empty it; the drain report."""
+
+    async def undrain(self, worker: str) -> Any:
+        """Place requests on a drained ``worker`` again."""
+
+    async def rebalance(
+        self,
+        *,
+        mode: str | None = None,
+        high: float | None = None,
+        low: float | None = None,
+        interval_s: float | None = None,
+        max_moves: int | None = None,
+    ) -> dict[str, Any]:
+        """The rebalancer's settings, those given (not None) changed, and what it has done."""
+
+    async def rebalance_once(self) -> list[dict[str, Any]]:
+        """One rebalance round now, in the configured mode; its actions."""
+
+
 class Backend(Protocol):
     model_name: str  # the id clients send as "model" (and /v1/models lists)
     max_model_len: int  # prompt + output tokens, at most
     tokenizer: Any  # a transformers tokenizer (None: token-id prompts only)
+    admin: Admin | None  # the operator's calls (None: no controller behind it: /admin is 501)
 
     async def open(
         self,

@@ -48,11 +48,6 @@ from router.routed import RoutedRequest
 
 logger = logging.getLogger(__name__)
 
-ADMIN_OPS = frozenset(
-    {"migrate", "drain", "undrain", "rebalance", "rebalance_once", "migration_stats"}
-)
-"""The controller's operator methods the gateway's /admin routes may call (router/admin.py)."""
-
 
 class ClusterBackend:
     def __init__(
@@ -283,15 +278,11 @@ class ClusterBackend:
             stats["online"] = online
         return stats
 
-    async def admin(self, op: str, **kwargs: Any) -> Any:
-        """Run the controller's operator method ``op`` (one of ``ADMIN_OPS``) with ``kwargs``
-        and return its result. Raises NotImplementedError without a controller (or for any
-        other ``op``); the controller's own errors come back as Ray raises them (its
-        ValueError for a bad worker name or setting inside a RayTaskError)."""
+    @property
+    def admin(self) -> ControllerAdmin | None:
+        """The operator's calls on the controller (None without one: /admin answers 501)."""
         controller = self.members.controller
-        if controller is None or op not in ADMIN_OPS:
-            raise NotImplementedError(f"no controller operation {op!r} here")
-        return await getattr(controller, op).remote(**kwargs)
+        return ControllerAdmin(controller) if controller is not None else None
 
     async def aclose(self) -> None:
         for task in (self._poller, self._follower):
@@ -509,6 +500,51 @@ class _Charge:
 
     worker: str
     tokens: int
+
+
+class ControllerAdmin:
+    """The gateway's /admin calls (``router.backend.Admin``) on the controller's actor handle.
+    The controller's own errors come back as Ray raises them (its ValueError for a bad worker
+    name or setting inside a RayTaskError)."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    async def migrate(
+        self,
+        request_id: str | None = None,
+        *,
+        to: str | None = None,
+        from_: str | None = None,
+        count: int = 1,
+    ) -> list[Any]:
+        call = self._controller.migrate.remote(
+            request_id=request_id, to=to, from_=from_, count=count
+        )
+        return await call
+
+    async def drain(self, worker: str, deadline_s: float) -> dict[str, Any]:
+        return await self._controller.drain.remote(worker=worker, deadline_s=deadline_s)
+
+    async def undrain(self, worker: str) -> Any:
+        return await self._controller.undrain.remote(worker=worker)
+
+    async def rebalance(
+        self,
+        *,
+        mode: str | None = None,
+        high: float | None = None,
+        low: float | None = None,
+        interval_s: float | None = None,
+        max_moves: int | None = None,
+    ) -> dict[str, Any]:
+        given = {"mode": mode, "high": high, "low": low, "interval_s": interval_s}
+        given["max_moves"] = max_moves
+        settings = {k: v for k, v in given.items() if v is not None}
+        return await self._controller.rebalance.remote(**settings)
+
+    async def rebalance_once(self) -> list[dict[str, Any]]:
+        return await self._controller.rebalance_once.remote()
 
 
 class _Generation:
