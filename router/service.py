@@ -564,14 +564,14 @@ class _Generation:
         self.placement = placement
         self._backend, self._req, self._gen = backend, req, gen
         self._charge: _Charge | None = charge
-        self._ended = False
+        self._slot_returned = False
         self._first: RequestOutput | None = None
         self._closed = False
 
     def _ending(self, out: RequestOutput | None) -> None:
         """Once: the request's slot is given back, with its last output if any."""
-        if not self._ended:
-            self._ended = True
+        if not self._slot_returned:
+            self._slot_returned = True
             self._backend._ended(self._req.ticket, self._req.hints, out)
 
     def _settle(self) -> None:
