@@ -36,8 +36,10 @@ from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_prompt, load_tokenizer
-from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
+from router.dispatch import Dispatcher
+from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
+from router.routed import RoutedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -416,52 +418,40 @@ class LocalCluster:
         mode: str = "auto",
         prefill: str | None = None,
         decode: str | None = None,
-        **kwargs: Any,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come (cumulative; the last has ``finished``).
         Closing the iterator early aborts the request everywhere. ``prefill`` / ``decode`` pin
-        the first attempt to the named workers (a retry may go elsewhere); a colocated request
-        is pinned by either."""
+        the first attempt to the named workers (a retry goes to the least loaded others); a
+        colocated request is pinned by either."""
         params = params or SamplingParams()
         rid = request_id or f"req-{secrets.token_hex(4)}"
         ids = self._encode(prompt)
         if mode == "auto":
             mode = "disagg" if self.prefill else "colocated"
         if mode == "disagg" and self.prefill and self.decode:
-            choose = self._chooser(prefill, decode)
+            p, d = self._pick(self.prefill, prefill), self._pick(self.decode, decode)
         elif mode == "colocated" and self.colocated:
-            choose = self._chooser(None, decode or prefill, colocated=True)
+            p, d = None, self._pick(self.colocated, decode or prefill)
         else:
             raise RequestError(f"mode {mode!r} has no workers in this cluster")
-        async for out in self.dispatcher().run(rid, ids, params, choose, **kwargs):
+        req = RoutedRequest(rid, ids, params, p, d, priority=priority, cache_salt=cache_salt)
+        async for out in self.dispatcher().run(req):
             if isinstance(prompt, str):
                 out = replace(out, prompt=prompt)
             yield out
 
-    def _chooser(self, pin_p: str | None, pin_d: str | None, colocated: bool = False):
-        """Least-loaded placement; pins hold for the first attempt only."""
-        first = [True]
-
-        def pick(pool: list[WorkerRef], avoid: set[str], pin: str | None) -> WorkerRef:
-            if pin is not None and first[0]:
-                pinned = [w for w in pool if w.name == pin]
-                if not pinned:
-                    raise RequestError(f"no worker named {pin!r} in this cluster")
-                return pinned[0]
-            preferred = [w for w in pool if w.name not in avoid] or pool
-            if not preferred:
-                raise ClusterError("no live workers")
-            return min(preferred, key=lambda w: w.outstanding)
-
-        def choose(avoid: set[str]):
-            try:
-                if colocated:
-                    return None, pick(self.colocated, avoid, pin_d)
-                return pick(self.prefill, avoid, pin_p), pick(self.decode, avoid, pin_d)
-            finally:
-                first[0] = False
-
-        return choose
+    @staticmethod
+    def _pick(pool: list[WorkerRef], pin: str | None) -> str:
+        """The first attempt's worker: the pinned one, else the least loaded."""
+        if pin is not None:
+            if not any(w.name == pin for w in pool):
+                raise RequestError(f"no worker named {pin!r} in this cluster")
+            return pin
+        if not pool:
+            raise ClusterError("no live workers")
+        return min(pool, key=lambda w: w.outstanding).name
 
     def generate(
         self,

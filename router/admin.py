@@ -16,8 +16,9 @@ One call through them::
                  else 403 (configure --admin-key-file)
     2. body      read under the gateway's limits (413, 408), validated, unknown fields
                  refused: 400
-    3. backend   ``await backend.admin(op, **kwargs)``: the router's handle on the controller.
-                 A backend without ``admin``: 501; the controller's ValueError (a bad worker
+    3. backend   ``await backend.admin.drain(...)`` (``router.backend.Admin``: one typed method
+                 per operation): the router's handle on the controller. A backend whose
+                 ``admin`` is None or absent: 501; the controller's ValueError (a bad worker
                  name, a bad setting; Ray wraps it): 400; anything else: 500
 
 The router never imports ``cluster/``: the controller's methods are reached through the backend.
@@ -38,6 +39,7 @@ from starlette.responses import JSONResponse
 
 from router import protocol
 from router.auth import bearer_matches
+from router.backend import Admin
 from router.protocol import APIError
 
 logger = logging.getLogger("tandem.gateway")
@@ -143,31 +145,40 @@ class _AdminRoutes:
                 "send exactly one of 'request_id' (one request) and 'from' (a worker's)",
                 param="request_id",
             )
-        results = await self._call(
-            "migrate", request_id=body.request_id, to=body.to, from_=body.from_, count=body.count
+        migrate = self._admin().migrate(
+            body.request_id, to=body.to, from_=body.from_, count=body.count
         )
-        return _json({"results": list(results)})
+        return _json({"results": list(await self._run("migrate", migrate))})
 
     async def drain(self, request: Request) -> JSONResponse:
         body = await self._body(request, DrainBody)
-        return _json(await self._call("drain", worker=body.worker, deadline_s=body.deadline_s))
+        drain = self._admin().drain(body.worker, deadline_s=body.deadline_s)
+        return _json(await self._run("drain", drain))
 
     async def undrain(self, request: Request) -> JSONResponse:
         body = await self._body(request, UndrainBody)
-        await self._call("undrain", worker=body.worker)
+        await self._run("undrain", self._admin().undrain(body.worker))
         return _json({"worker": body.worker})
 
     async def rebalance_state(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return _json(await self._call("rebalance"))
+        return _json(await self._run("rebalance", self._admin().rebalance()))
 
     async def rebalance(self, request: Request) -> JSONResponse:
         body = await self._body(request, RebalanceBody)
-        return _json(await self._call("rebalance", **body.model_dump(exclude_none=True)))
+        rebalance = self._admin().rebalance(
+            mode=body.mode,
+            high=body.high,
+            low=body.low,
+            interval_s=body.interval_s,
+            max_moves=body.max_moves,
+        )
+        return _json(await self._run("rebalance", rebalance))
 
     async def rebalance_once(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return _json({"actions": list(await self._call("rebalance_once"))})
+        actions = await self._run("rebalance_once", self._admin().rebalance_once())
+        return _json({"actions": list(actions)})
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -200,14 +211,17 @@ class _AdminRoutes:
                 reason="auth",
             )
 
-    async def _call(self, op: str, **kwargs: Any) -> Any:
+    def _admin(self) -> Admin:
+        """The backend's operator calls, or 501 when it has none (no controller behind it)."""
         admin = getattr(self.backend, "admin", None)
         if admin is None:
             raise _not_implemented()
+        return admin
+
+    async def _run(self, op: str, call: Awaitable[Any]) -> Any:
+        """``call``'s result; the controller's ValueError is a 400, anything else a 500."""
         try:
-            return await admin(op, **kwargs)
-        except NotImplementedError:
-            raise _not_implemented() from None
+            return await call
         except Exception as exc:
             bad = _value_error(exc)
             if bad is not None:

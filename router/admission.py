@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.histogram import Buckets
-from router.backend import Overloaded, no_live_workers
+from router.errors import CapacityError, no_live_workers
 from router.predictor import QUANTILES, Prediction, kendall_tau
 
 QUEUE_POLICIES = ("fcfs", "sjf")
@@ -205,7 +205,7 @@ class Admission:
     async def acquire(
         self, request_id: str, predicted: Prediction | None, max_tokens: int | None
     ) -> Ticket:
-        """A slot for the request: at once, after waiting its turn, or Overloaded (429 with a
+        """A slot for the request: at once, after waiting its turn, or CapacityError (429 with a
         Retry-After) when the queue is full or the projected wait exceeds ``reject_wait_s``.
         Cancelled while waiting: it leaves the queue."""
         now = self.clock()
@@ -216,10 +216,11 @@ class Admission:
             wait = self.projected_wait(t)
             if wait is not None and wait > self.cfg.reject_wait_s:
                 self.rejected["projected_wait"] += 1
-                raise Overloaded(
+                raise CapacityError(
                     f"the projected wait for a slot is {wait:.1f} s, over this server's "
                     f"bound of {self.cfg.reject_wait_s:g} s",
                     retry_after_s=wait - self.cfg.reject_wait_s,
+                    status=429,
                 )
         if not self.queue and len(self.running) < self.capacity():
             self._start(t, now)
@@ -227,9 +228,10 @@ class Admission:
         if len(self.queue) >= self.cfg.max_queue:
             self.rejected["queue_full"] += 1
             wait = self.projected_wait(t)
-            raise Overloaded(
+            raise CapacityError(
                 f"the router's queue is full ({self.cfg.max_queue} requests waiting)",
                 retry_after_s=wait if wait is not None else 1.0,
+                status=429,
             )
         if self.cfg.policy == "sjf":
             fcfs = self._fcfs_start(t)

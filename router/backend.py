@@ -5,9 +5,10 @@ A request through it::
 
     1. the gateway validates the body, renders the chat template, tokenizes, checks the context
        length and builds ``SamplingParams`` (errors are 400s and cost nothing else)
-    2. ``Backend.open`` admits it (or raises ``Overloaded``: 429 with Retry-After), places it on
-       workers (``Generation.placement``: the response's x-tandem-prefill / x-tandem-decode
-       headers) and starts it
+    2. ``Backend.open`` admits it (or raises ``CapacityError``: 429 / 503 with Retry-After),
+       places it on workers (``Generation.placement``: the response's x-tandem-prefill /
+       x-tandem-decode headers) and starts it; every failure is one of router/errors.py's,
+       translated to HTTP by the gateway alone
     3. the gateway iterates ``Generation.outputs()`` (cumulative ``RequestOutput``s, the last one
        ``finished``) into a response or SSE frames
     4. ``Generation.aclose()`` (client gone, or an error) aborts it on every worker; calling it
@@ -25,28 +26,6 @@ from engine.sampling_params import SamplingParams
 from router.predictor import PredictInput
 
 
-class BackendError(Exception):
-    """A request failed inside the cluster (HTTP 500, or an in-band error once streaming)."""
-
-
-class InvalidRequest(BackendError):
-    """The cluster refused the request's content (HTTP 400)."""
-
-
-class Overloaded(BackendError):
-    """Admission refused: queues full (HTTP 429) or no worker can serve now (HTTP 503)."""
-
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, status: int = 429):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.status = status
-
-
-def no_live_workers() -> Overloaded:
-    """The refusal when no worker can take a request now (every one dead or suspect): 503."""
-    return Overloaded("no live workers can take requests now", status=503)
-
-
 @dataclass(frozen=True)
 class Placement:
     """Which workers serve a request and why (a routing reason, for metrics)."""
@@ -62,16 +41,54 @@ class Generation(Protocol):
     placement: Placement
 
     def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive; raises BackendError on a failure."""
+        """Cumulative outputs as tokens arrive; raises ClusterError on a failure."""
 
     async def aclose(self) -> None:
         """Abort the request everywhere (idempotent; a no-op once it finished)."""
+
+
+class Admin(Protocol):
+    """The operator's calls (the gateway's /admin routes, router/admin.py), run by the cluster
+    controller. A bad worker name or setting raises ValueError (wrapped by Ray as it raises
+    it); the results are the controller's own."""
+
+    async def migrate(
+        self,
+        request_id: str | None = None,
+        *,
+        to: str | None = None,
+        from_: str | None = None,
+        count: int = 1,
+    ) -> list[Any]:
+        """Move one running request (``request_id``), or ``count`` of ``from_``'s, to ``to``
+        (None: the least loaded); one MigrationResult each."""
+
+    async def drain(self, worker: str, deadline_s: float) -> dict[str, Any]:
+        """Stop placing requests on ``worker`` and empty it; the drain report."""
+
+    async def undrain(self, worker: str) -> Any:
+        """Place requests on a drained ``worker`` again."""
+
+    async def rebalance(
+        self,
+        *,
+        mode: str | None = None,
+        high: float | None = None,
+        low: float | None = None,
+        interval_s: float | None = None,
+        max_moves: int | None = None,
+    ) -> dict[str, Any]:
+        """The rebalancer's settings, those given (not None) changed, and what it has done."""
+
+    async def rebalance_once(self) -> list[dict[str, Any]]:
+        """One rebalance round now, in the configured mode; its actions."""
 
 
 class Backend(Protocol):
     model_name: str  # the id clients send as "model" (and /v1/models lists)
     max_model_len: int  # prompt + output tokens, at most
     tokenizer: Any  # a transformers tokenizer (None: token-id prompts only)
+    admin: Admin | None  # the operator's calls (None: no controller behind it: /admin is 501)
 
     async def open(
         self,
@@ -84,7 +101,8 @@ class Backend(Protocol):
         cache_salt: str | None = None,
         hints: PredictInput | None = None,
     ) -> Generation:
-        """Admit and start one request. Raises Overloaded, InvalidRequest or BackendError.
+        """Admit and start one request. Raises CapacityError, RequestError or ClusterError
+        (router/errors.py).
         ``hints``: what the length predictor reads of the request (its text, turns, max_tokens,
         the benchmark's oracle header)."""
 

@@ -2,7 +2,8 @@
 
 One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one worker)::
 
-    1. choose (prefill P, decode D) through the policy, with failed workers excluded
+    1. (prefill P, decode D): where the service placed it (``RoutedRequest``); a retry's
+       from ``placer.place_again``, the failed workers excluded (``RoutedRequest.avoid``)
     2. P.prefill(rid, prompt, endpoint of D, gated)   ┐ at once: the prompt computes while D
        D.reserve(rid, prompt, client)                 ┘ reserves; its KV waits at the channel
          Reserved -> P.release(rid)                      until released
@@ -28,8 +29,9 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
        new worker (its stream, its failures, aborts go there). Deltas carry their output
        position, so the two streams may be read in either order (_Inflight orders them)
 
-Errors: ``RequestError`` (invalid, nothing started), ``CapacityError`` (no room within
-``reserve_timeout_s``), ``ClusterError`` (failed after retrying).
+Errors (router/errors.py): ``RequestError`` (invalid, nothing started), ``CapacityError`` (no
+room within ``reserve_timeout_s``), ``ClusterError`` (failed after retrying); the gateway turns
+them into HTTP errors.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,24 +51,11 @@ from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, brie
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
+from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
+from router.routed import Placer, RoutedRequest
 
 logger = logging.getLogger(__name__)
-
-Choose = Callable[[set[str]], tuple[WorkerRef | None, WorkerRef]]
-"""The placement for one attempt, given the workers to avoid: (prefill or None, decode)."""
-
-
-class ClusterError(RuntimeError):
-    """A request failed inside the cluster (after its retries)."""
-
-
-class RequestError(ValueError):
-    """The request is invalid; nothing was started."""
-
-
-class CapacityError(ClusterError):
-    """No worker could take the request in time (the gateway answers 503 + Retry-After)."""
 
 
 class _Retry(Exception):
@@ -213,8 +202,31 @@ class Assembler:
         return stopped is not None
 
 
+class LeastLoaded:
+    """Places a request again on the workers with the fewest requests of this router in
+    flight: the dispatcher's placer unless it is given one (scripts and tests that place the
+    first attempt themselves; the gateway's router places again through its policy)."""
+
+    def __init__(self, members: MembershipView) -> None:
+        self.members = members
+
+    def place_again(self, req: RoutedRequest) -> tuple[str | None, str]:
+        members = self.members
+        if req.colocated:
+            return None, _least_loaded(members.colocated, req.avoid)
+        return _least_loaded(members.prefill, req.avoid), _least_loaded(members.decode, req.avoid)
+
+
+def _least_loaded(pool: list[WorkerRef], avoid: set[str]) -> str:
+    preferred = [w for w in pool if w.name not in avoid] or pool
+    if not preferred:
+        raise ClusterError("no live workers")
+    return min(preferred, key=lambda w: w.outstanding).name
+
+
 class Dispatcher:
-    """Runs requests on the workers of ``members``; one per router process."""
+    """Runs requests on the workers of ``members``; one per router process. ``placer``
+    places a failed attempt's request again (default: ``LeastLoaded``)."""
 
     def __init__(
         self,
@@ -227,9 +239,11 @@ class Dispatcher:
         max_resumes: int = 2,
         stall_timeout_s: float = 10.0,
         hang_timeout_s: float = 60.0,
+        placer: Placer | None = None,
     ) -> None:
         self.members = members
         self.tokenizer = tokenizer
+        self.placer: Placer = placer or LeastLoaded(members)
         self.client_id = client_id or f"router-{secrets.token_hex(4)}"
         self.reserve_timeout_s = reserve_timeout_s
         self.max_attempts = max_attempts
@@ -255,18 +269,13 @@ class Dispatcher:
 
     # -- a request ---------------------------------------------------------------------------
 
-    async def run(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        choose: Choose,
-        **kwargs: Any,
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request (cumulative, built in place; the last is ``finished``).
-        Closing the iterator early aborts it everywhere (and it is never resumed)."""
-        avoid: set[str] = set()
-        assembler = Assembler(request_id, prompt_ids, params, self.tokenizer)
+    async def run(self, req: RoutedRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request (cumulative, built in place; the last is ``finished``). The
+        first attempt runs where ``req`` was placed; a retry or a resume where ``placer`` places
+        it again. Closing the iterator early aborts it everywhere (and it is never resumed)."""
+        request_id, prompt_ids = req.request_id, req.prompt_ids
+        assembler = Assembler(request_id, prompt_ids, req.params, self.tokenizer)
+        kwargs = req.worker_kwargs()
         failures = resumes = 0
         timeline: dict[str, Any] | None = None  # of the resume under way
         while True:
@@ -274,17 +283,20 @@ class Dispatcher:
             irid = request_id if attempt == 0 else f"{request_id}~{attempt}"
             carried = assembler.produced()
             extra = {**kwargs, "output_token_ids": carried} if carried else kwargs
-            prefill, decode = choose(avoid)
+            if attempt:
+                req.prefill, req.decode = self.placer.place_again(req)
+            prefill = self.members.get(req.prefill) if req.prefill is not None else None
+            decode = self.members.get(req.decode)
             if timeline is not None:
                 timeline["placed"] = time.time()
             try:
                 async for out in self._attempt(
-                    irid, prompt_ids, params, extra, prefill, decode, assembler, timeline
+                    irid, prompt_ids, req.params, extra, prefill, decode, assembler, timeline
                 ):
                     yield out
                 return
             except _Retry as exc:
-                avoid |= {decode.name} | ({prefill.name} if prefill is not None else set())
+                req.failed_on(decode.name, prefill.name if prefill is not None else None)
                 if not assembler.has_output:
                     failures += 1
                     logger.warning("request %s attempt %d failed: %s", request_id, failures, exc)

@@ -11,8 +11,9 @@ One completion request through it::
                               gateway drains (shutting down): 503 + Retry-After
     4. protocol               template + tokenize (one worker thread, off the event loop),
                               SamplingParams, context check: 400s (router/protocol.py)
-    5. backend.open           placement known: Overloaded -> 429/503 + Retry-After,
-                              InvalidRequest -> 400, BackendError -> 500
+    5. backend.open           placement known: CapacityError -> 429/503 + Retry-After,
+                              RequestError -> 400, ClusterError -> 500 (``api_error``: the
+                              one translation of router/errors.py into HTTP)
     6a. stream                SSE frames; an error after the first byte goes in-band, then
                               [DONE]; the client going away, or not reading for
                               ``write_timeout_s`` (a send that does not complete), ends it
@@ -53,7 +54,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import admin, protocol
 from router.auth import bearer_matches
-from router.backend import Backend, BackendError, Generation, InvalidRequest, Overloaded
+from router.backend import Backend, Generation
+from router.errors import CapacityError, ClusterError, RequestError
 from router.metrics import GatewayMetrics, RequestTimer
 from router.predictor import ORACLE_HEADER, PredictInput
 from router.protocol import APIError
@@ -216,9 +218,10 @@ def _server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error", reason=None)
 
 
-def _backend_error(exc: BaseException) -> APIError:
-    """The HTTP error of a backend failure."""
-    if isinstance(exc, Overloaded):
+def api_error(exc: BaseException) -> APIError:
+    """The HTTP error of a request's failure behind the gateway (router/errors.py): the one
+    place the router's errors become status codes and OpenAI error JSON."""
+    if isinstance(exc, CapacityError):
         return APIError(
             exc.status,
             f"the cluster is overloaded: {exc}",
@@ -227,9 +230,9 @@ def _backend_error(exc: BaseException) -> APIError:
             headers={"Retry-After": protocol.retry_after(exc.retry_after_s)},
             reason="overloaded",
         )
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, RequestError):
         return protocol.bad_request(str(exc), param=protocol.param_named(str(exc)))
-    if isinstance(exc, BackendError):
+    if isinstance(exc, ClusterError):
         return _server_error(f"the request failed in the cluster: {exc}")
     logger.error("unexpected backend error", exc_info=exc)
     return _server_error("internal error")
@@ -545,8 +548,8 @@ class _Gateway:
         # cancelled open closes its generation: the request is aborted everywhere)
         try:
             opened, call.generation = await _unless_gone(request, call, opening)
-        except BackendError as exc:
-            raise _backend_error(exc) from None
+        except ClusterError as exc:
+            raise api_error(exc) from None
         if not opened:
             return Response(status_code=499, headers={"x-request-id": request_id})
         placement = call.generation.placement
@@ -651,7 +654,7 @@ class _Gateway:
                     last = out
                 _check_finished(last)
             except Exception as exc:  # the status line is sent: the error goes in-band
-                err = exc if isinstance(exc, APIError) else _backend_error(exc)
+                err = exc if isinstance(exc, APIError) else api_error(exc)
                 yield protocol.sse(err.body())
                 yield protocol.SSE_DONE
                 return
@@ -792,8 +795,8 @@ async def _final_output(generation: Generation, timer: RequestTimer) -> Any:
             _check_not_aborted(out)
             last = out
         _check_finished(last)
-    except BackendError as exc:
-        raise _backend_error(exc) from None
+    except ClusterError as exc:
+        raise api_error(exc) from None
     timer.finish(last)
     return last
 

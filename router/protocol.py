@@ -8,7 +8,7 @@ body, calls these, and owns everything asynchronous. A request through this modu
                --sampling_params--> SamplingParams (its ValueError -> 400 naming the param)
                --check_context--> 400 with vLLM's wording when prompt + max_tokens > context
     outputs    --completion_response / chat_response--> one JSON body, or
-               --OutputCursor.step--> Deltas --completion_chunk / chat_chunk--> SSE frames
+               --OutputCursor.step--> ChoiceDeltas --completion_chunk / chat_chunk--> SSE frames
 
 Every failure is an :class:`APIError` carrying the HTTP status and the OpenAI error fields.
 
@@ -770,8 +770,10 @@ def _body(shape: Shape, obj: str, choices: list[dict[str, Any]], **extra: Any) -
 
 
 @dataclass
-class Delta:
-    """What one choice gained since the last frame (token ids and logprobs align)."""
+class ChoiceDelta:
+    """What one choice gained since the last SSE frame (token ids and logprobs align): the
+    frame's view, cut from the cumulative output (not the engine's ``engine.messages.Delta``,
+    which the router assembles into that output)."""
 
     index: int
     text: str
@@ -792,14 +794,14 @@ class _Sent:
 
 @dataclass
 class OutputCursor:
-    """Turns cumulative outputs into per-choice deltas. Deltas come from the cumulative fields
-    (not ``delta_text``), so outputs a backend coalesced or skipped lose nothing, and the
-    concatenated frames equal the final text."""
+    """Turns cumulative outputs into per-choice ``ChoiceDelta``s. They come from the
+    cumulative fields (not ``delta_text``), so outputs a backend coalesced or skipped lose
+    nothing, and the concatenated frames equal the final text."""
 
     texts: TokenTexts
     sent: dict[int, _Sent] = field(default_factory=dict)
 
-    def step(self, out: RequestOutput) -> list[Delta]:
+    def step(self, out: RequestOutput) -> list[ChoiceDelta]:
         deltas = []
         for o in sorted(out.outputs, key=lambda o: o.index):
             delta = self._advance(o, self.sent.setdefault(o.index, _Sent()))
@@ -807,7 +809,7 @@ class OutputCursor:
                 deltas.append(delta)
         return deltas
 
-    def _advance(self, o: CompletionOutput, sent: _Sent) -> Delta | None:
+    def _advance(self, o: CompletionOutput, sent: _Sent) -> ChoiceDelta | None:
         text = o.text[sent.text :]
         ids = o.token_ids[sent.tokens :]
         lps = None if o.logprobs is None else o.logprobs[sent.tokens :]
@@ -820,10 +822,10 @@ class OutputCursor:
         sent.finished = o.finished
         reason = o.finish_reason if newly_finished else None
         stop = o.stop_reason if newly_finished else None
-        return Delta(o.index, text, ids, lps, reason, stop, offset)
+        return ChoiceDelta(o.index, text, ids, lps, reason, stop, offset)
 
 
-def completion_chunk(shape: Shape, d: Delta) -> dict[str, Any]:
+def completion_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
     lp = None
     if shape.logprobs is not None and d.logprobs is not None:
         lp = completion_logprobs(
@@ -850,7 +852,7 @@ def chat_role_chunk(shape: Shape, index: int) -> dict[str, Any]:
     return _chunk(shape, "chat.completion.chunk", choice)
 
 
-def chat_chunk(shape: Shape, d: Delta) -> dict[str, Any]:
+def chat_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
     lp = None
     if shape.logprobs is not None and d.logprobs is not None:
         lp = chat_logprobs(shape.texts, d.token_ids, d.logprobs, shape.logprobs)

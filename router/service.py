@@ -12,7 +12,8 @@ For each request::
     3. the dispatcher (router/dispatch.py) runs it there: reserve, prefill, stream; a failed
        attempt is placed again by the same policy with the failed workers excluded
     4. ``open`` returns once the first output is there, so errors before the first token are
-       plain HTTP errors; the queued prefill tokens are released then
+       plain HTTP errors; the queued prefill tokens are released then. Errors are the router's
+       own (router/errors.py), raised as they are: the gateway translates them
 
 Which workers exist comes from the controller (router/membership.py follows its table).
 """
@@ -28,7 +29,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.block_manager import prefix_block_hashes
@@ -37,25 +38,15 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from router.admission import Admission, QueueConfig, Ticket
-from router.backend import (
-    BackendError,
-    InvalidRequest,
-    Overloaded,
-    Placement,
-    RouterStats,
-    no_live_workers,
-)
-from router.dispatch import CapacityError, ClusterError, Dispatcher, RequestError
+from router.backend import Placement, RouterStats
+from router.dispatch import Dispatcher
+from router.errors import ClusterError, no_live_workers
 from router.membership import MembershipView, WorkerRef
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
+from router.routed import RoutedRequest
 
 logger = logging.getLogger(__name__)
-
-ADMIN_OPS = frozenset(
-    {"migrate", "drain", "undrain", "rebalance", "rebalance_once", "migration_stats"}
-)
-"""The controller's operator methods the gateway's /admin routes may call (router/admin.py)."""
 
 
 class ClusterBackend:
@@ -92,6 +83,7 @@ class ClusterBackend:
             max_resumes=max_resumes,
             stall_timeout_s=stall_timeout_s,
             hang_timeout_s=hang_timeout_s,
+            placer=self,
         )
         self.stats_interval_s, self.stats_timeout_s = stats_interval_s, stats_timeout_s
         self.suspect_after_polls = suspect_after_polls
@@ -203,31 +195,21 @@ class ClusterBackend:
         self._queued[charged] += charge
         median = round(predicted.median) if predicted is not None else None
         placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0), median)
-        first = [True]
-
-        def choose(avoid: set[str]) -> tuple[WorkerRef | None, WorkerRef]:
-            """The first attempt goes where the policy said; a retry asks it again."""
-            names = (p, d) if first[0] else self._place(req, disagg, avoid)[:2]
-            first[0] = False
-            pw = self.members.get(names[0]) if names[0] is not None else None
-            return pw, self.members.get(names[1])
-
-        extra = {"predicted_tokens": req.predicted_output_tokens} if predicted is not None else {}
-        gen = self.dispatcher.run(
+        routed = RoutedRequest(
             request_id,
             prompt_token_ids,
             params,
-            choose,
+            p,
+            d,
             priority=priority,
             cache_salt=cache_salt,
-            **extra,
+            predicted_tokens=req.predicted_output_tokens if predicted is not None else None,
+            ticket=ticket,
+            route=req,
+            hints=hints,
         )
         generation = _Generation(
-            gen,
-            placement,
-            lambda: self._release(charged, charge),
-            progress=lambda out: self._progress(ticket, out),
-            end=lambda out: self._ended(ticket, hints, out),
+            self, routed, self.dispatcher.run(routed), placement, _Charge(charged, charge)
         )
         await generation.start()
         if ticket.refined is not None:  # the header tells the refined estimate (capped)
@@ -296,15 +278,11 @@ class ClusterBackend:
             stats["online"] = online
         return stats
 
-    async def admin(self, op: str, **kwargs: Any) -> Any:
-        """Run the controller's operator method ``op`` (one of ``ADMIN_OPS``) with ``kwargs``
-        and return its result. Raises NotImplementedError without a controller (or for any
-        other ``op``); the controller's own errors come back as Ray raises them (its
-        ValueError for a bad worker name or setting inside a RayTaskError)."""
+    @property
+    def admin(self) -> ControllerAdmin | None:
+        """The operator's calls on the controller (None without one: /admin answers 501)."""
         controller = self.members.controller
-        if controller is None or op not in ADMIN_OPS:
-            raise NotImplementedError(f"no controller operation {op!r} here")
-        return await getattr(controller, op).remote(**kwargs)
+        return ControllerAdmin(controller) if controller is not None else None
 
     async def aclose(self) -> None:
         for task in (self._poller, self._follower):
@@ -365,6 +343,13 @@ class ClusterBackend:
             self._work[d] += ticket.remaining()
         self._stats.decisions[reason] += 1
         return p, d, reason
+
+    def place_again(self, req: RoutedRequest) -> tuple[str | None, str]:
+        """A retry's or a resume's placement (the dispatcher's ``Placer``): the policy again,
+        on the same kind of pool, the workers that failed it excluded."""
+        assert req.route is not None  # every request this router placed carries its route
+        p, d, _ = self._place(req.route, not req.colocated, req.avoid)
+        return p, d
 
     def _place(self, req: RouteRequest, disagg: bool, avoid: set[str]):
         """(prefill name or None, decode name, reason) by the policy, ``avoid`` excluded (all
@@ -509,36 +494,90 @@ class ClusterBackend:
             logger.debug("load report failed: %s", exc)
 
 
+@dataclass(frozen=True)
+class _Charge:
+    """Prompt tokens a placement queued on a worker (its prefill load, ``_queued``)."""
+
+    worker: str
+    tokens: int
+
+
+class ControllerAdmin:
+    """The gateway's /admin calls (``router.backend.Admin``) on the controller's actor handle.
+    The controller's own errors come back as Ray raises them (its ValueError for a bad worker
+    name or setting inside a RayTaskError)."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    async def migrate(
+        self,
+        request_id: str | None = None,
+        *,
+        to: str | None = None,
+        from_: str | None = None,
+        count: int = 1,
+    ) -> list[Any]:
+        call = self._controller.migrate.remote(
+            request_id=request_id, to=to, from_=from_, count=count
+        )
+        return await call
+
+    async def drain(self, worker: str, deadline_s: float) -> dict[str, Any]:
+        return await self._controller.drain.remote(worker=worker, deadline_s=deadline_s)
+
+    async def undrain(self, worker: str) -> Any:
+        return await self._controller.undrain.remote(worker=worker)
+
+    async def rebalance(
+        self,
+        *,
+        mode: str | None = None,
+        high: float | None = None,
+        low: float | None = None,
+        interval_s: float | None = None,
+        max_moves: int | None = None,
+    ) -> dict[str, Any]:
+        given = {"mode": mode, "high": high, "low": low, "interval_s": interval_s}
+        given["max_moves"] = max_moves
+        settings = {k: v for k, v in given.items() if v is not None}
+        return await self._controller.rebalance.remote(**settings)
+
+    async def rebalance_once(self) -> list[dict[str, Any]]:
+        return await self._controller.rebalance_once.remote()
+
+
 class _Generation:
     """One request's outputs; the first is fetched by ``start`` (errors before any token raise
-    there); ``release`` runs once, at the first output or at the end."""
+    there). Its queued prompt tokens (``charge``) go back once, at the first output or at the
+    end; each output is the request's progress to admission; its slot goes back once, at the
+    end (``ClusterBackend._ended``)."""
 
     def __init__(
         self,
+        backend: ClusterBackend,
+        req: RoutedRequest,
         gen: AsyncIterator[RequestOutput],
         placement: Placement,
-        release,
-        *,
-        progress=None,
-        end=None,
+        charge: _Charge,
     ) -> None:
         self.placement = placement
-        self._gen = gen
-        self._release = release
-        self._progress, self._end = progress, end  # each output; the end (once)
+        self._backend, self._req, self._gen = backend, req, gen
+        self._charge: _Charge | None = charge
+        self._slot_returned = False
         self._first: RequestOutput | None = None
         self._closed = False
 
     def _ending(self, out: RequestOutput | None) -> None:
-        """Once: the request's slot is given back (``end``), with its last output if any."""
-        end, self._end = self._end, None
-        if end is not None:
-            end(out)
+        """Once: the request's slot is given back, with its last output if any."""
+        if not self._slot_returned:
+            self._slot_returned = True
+            self._backend._ended(self._req.ticket, self._req.hints, out)
 
     def _settle(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
+        if self._charge is not None:
+            self._backend._release(self._charge.worker, self._charge.tokens)
+            self._charge = None
 
     async def start(self) -> None:
         try:
@@ -552,19 +591,12 @@ class _Generation:
     async def _next(self) -> RequestOutput:
         try:
             out = await self._gen.__anext__()
-            if self._progress is not None:
-                self._progress(out)
+            self._backend._progress(self._req.ticket, out)
             if out.finished:
                 self._ending(out)
             return out
         except StopAsyncIteration:
-            raise BackendError("the request's stream ended without finishing") from None
-        except RequestError as exc:
-            raise InvalidRequest(str(exc)) from None
-        except CapacityError as exc:
-            raise Overloaded(str(exc), retry_after_s=1.0, status=503) from None
-        except ClusterError as exc:
-            raise BackendError(str(exc)) from None
+            raise ClusterError("the request's stream ended without finishing") from None
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         out = self._first

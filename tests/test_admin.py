@@ -1,7 +1,7 @@
 """The gateway's /admin routes (router/admin.py) and the live-migration series of /metrics.
 
-A fake backend records every ``admin(op, **kwargs)`` call and answers as the controller would
-(or raises what it is told to). Clients are Starlette's TestClient: its default client address
+A fake backend's ``admin`` records every call (operation, its arguments) and answers as the
+controller would (or raises what it is told to). Clients are Starlette's TestClient: its default client address
 is ``testclient`` (not loopback); ``client=("127.0.0.1", ...)`` makes one on this machine.
 """
 
@@ -37,6 +37,7 @@ class FakeBackend:
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.fail: Exception | None = None
+        self.admin: FakeAdmin | None = FakeAdmin(self)
 
     async def healthy(self) -> bool:
         return True
@@ -47,23 +48,48 @@ class FakeBackend:
     def router_stats(self) -> RouterStats:
         return RouterStats()
 
-    async def admin(self, op: str, **kwargs: Any) -> Any:
-        self.calls.append((op, kwargs))
-        if self.fail is not None:
-            raise self.fail
-        if op == "migrate":
-            return [RESULT]
-        if op == "drain":
-            return {"worker": kwargs["worker"], "idle": True, "requests": {"r1": "migrated"}}
-        if op == "rebalance":
-            return {**STATE, **kwargs}
-        if op == "rebalance_once":
-            return [{"from": "decode-0", "to": "decode-1", "request_id": "r1"}]
-        return None
+
+class FakeAdmin:
+    """``router.backend.Admin`` as the controller answers it, recording into its backend."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+
+    def _called(self, op: str, **kwargs: Any) -> None:
+        self.backend.calls.append((op, kwargs))
+        if self.backend.fail is not None:
+            raise self.backend.fail
+
+    async def migrate(self, request_id=None, *, to=None, from_=None, count=1) -> list[Any]:
+        self._called("migrate", request_id=request_id, to=to, from_=from_, count=count)
+        return [RESULT]
+
+    async def drain(self, worker: str, deadline_s: float) -> dict[str, Any]:
+        self._called("drain", worker=worker, deadline_s=deadline_s)
+        return {"worker": worker, "idle": True, "requests": {"r1": "migrated"}}
+
+    async def undrain(self, worker: str) -> None:
+        self._called("undrain", worker=worker)
+
+    async def rebalance(
+        self, *, mode=None, high=None, low=None, interval_s=None, max_moves=None
+    ) -> dict[str, Any]:
+        given = {"mode": mode, "high": high, "low": low, "interval_s": interval_s}
+        settings = {k: v for k, v in {**given, "max_moves": max_moves}.items() if v is not None}
+        self._called("rebalance", **settings)
+        return {**STATE, **settings}
+
+    async def rebalance_once(self) -> list[dict[str, Any]]:
+        self._called("rebalance_once")
+        return [{"from": "decode-0", "to": "decode-1", "request_id": "r1"}]
 
 
 class NoAdminBackend(FakeBackend):
-    admin = None  # a backend without admin operations (the gateway's test fakes)
+    """A backend without admin operations (no controller behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admin = None
 
 
 @pytest.fixture()
@@ -287,19 +313,25 @@ def test_cluster_backend_admin_calls_the_controller() -> None:
             future.set_result(f"{self.name} done")
             return future
 
-    controller = SimpleNamespace(drain=Method("drain"), shutdown=Method("shutdown"))
+    controller = SimpleNamespace(
+        drain=Method("drain"), rebalance=Method("rebalance"), shutdown=Method("shutdown")
+    )
     fake = SimpleNamespace(members=SimpleNamespace(controller=controller))
 
     async def main() -> None:
-        assert await ClusterBackend.admin(fake, "drain", worker="decode-0") == "drain done"
-        with pytest.raises(NotImplementedError):  # only the operator's methods
-            await ClusterBackend.admin(fake, "shutdown")
+        admin = ClusterBackend.admin.fget(fake)
+        assert await admin.drain("decode-0", deadline_s=5.0) == "drain done"
+        assert await admin.rebalance(mode="on", low=None) == "rebalance done"  # None: unchanged
+        with pytest.raises(AttributeError):  # only the operator's calls, by name in code
+            admin.shutdown  # noqa: B018
         fake.members.controller = None
-        with pytest.raises(NotImplementedError):
-            await ClusterBackend.admin(fake, "drain", worker="decode-0")
+        assert ClusterBackend.admin.fget(fake) is None
 
     asyncio.run(main())
-    assert seen == [("drain", {"worker": "decode-0"})]
+    assert seen == [
+        ("drain", {"worker": "decode-0", "deadline_s": 5.0}),
+        ("rebalance", {"mode": "on"}),
+    ]
 
 
 # -- metrics -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from router.admission import Admission, PredictionQuality, QueueConfig, Ticket
-from router.backend import Overloaded
+from router.errors import CapacityError
 from router.predictor import Prediction
 
 
@@ -117,7 +117,7 @@ def test_a_full_queue_answers_429_with_retry_after() -> None:
         await adm.acquire("a", pred(10), 100)
         queued = asyncio.ensure_future(adm.acquire("b", pred(10), 100))
         await settle()
-        with pytest.raises(Overloaded) as err:
+        with pytest.raises(CapacityError) as err:
             await adm.acquire("c", pred(10), 100)
         assert err.value.status == 429 and err.value.retry_after_s > 0
         assert adm.stats()["rejected"]["queue_full"] == 1
@@ -136,7 +136,7 @@ def test_early_rejection_by_projected_wait() -> None:
         assert not queued.done()
         with_rates(adm, tokens_per_s=10.0)
         # a: 10 s left; b: 10 s more; c would start at 20 s, 15 s past the bound
-        with pytest.raises(Overloaded) as err:
+        with pytest.raises(CapacityError) as err:
             await adm.acquire("c", pred(5), 200)
         assert err.value.retry_after_s == pytest.approx(15.0)
         assert adm.stats()["rejected"]["projected_wait"] == 1
@@ -169,7 +169,7 @@ def test_sjf_projection_counts_only_the_shorter_ones_ahead() -> None:
         await fcfs.acquire("a", pred(20), 200)
         queued = asyncio.ensure_future(fcfs.acquire("long", pred(1000), 2000))
         await settle()
-        with pytest.raises(Overloaded):
+        with pytest.raises(CapacityError):
             await fcfs.acquire("short", pred(10), 100)
         for t in (long, short, queued):
             t.cancel()
@@ -298,7 +298,7 @@ def test_waiters_get_503_when_the_pool_has_no_slot_left() -> None:
         await settle()
         slots[0] = 0  # the worker died
         adm.kick()
-        with pytest.raises(Overloaded) as err:
+        with pytest.raises(CapacityError) as err:
             await waiting
         assert err.value.status == 503 and adm.stats()["queued"] == 0
         adm.release(held)

@@ -23,7 +23,8 @@ import pytest
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
-from router.backend import BackendError, Overloaded, Placement, RouterStats
+from router.backend import Placement, RouterStats
+from router.errors import CapacityError, ClusterError
 from router.gateway import create_app
 
 pytestmark = pytest.mark.anyio  # async tests run on anyio's pytest plugin, asyncio backend
@@ -68,7 +69,7 @@ class FakeGeneration:
         for step in range(limit):
             await asyncio.sleep(b.delay)
             if b.fail_after is not None and step == b.fail_after:
-                raise BackendError("decode worker died")
+                raise ClusterError("decode worker died")
             for seq in seqs:
                 token = cycle[(seq.index + step) % len(cycle)]
                 seq.token_ids.append(token)
@@ -709,7 +710,7 @@ async def test_unknown_model_is_404(app, backend) -> None:
 
 @pytest.mark.parametrize("status, retry, header", [(429, 2.2, "3"), (503, 0.1, "1")])
 async def test_overloaded_sets_status_and_retry_after(app, backend, status, retry, header):
-    backend.fail_open = Overloaded("queues full", retry_after_s=retry, status=status)
+    backend.fail_open = CapacityError("queues full", retry_after_s=retry, status=status)
     async with http(app) as c:
         r = await c.post(
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
@@ -722,7 +723,7 @@ async def test_overloaded_sets_status_and_retry_after(app, backend, status, retr
 
 
 async def test_backend_error_is_500_and_closes(app, backend) -> None:
-    backend.fail_open = BackendError("no workers")
+    backend.fail_open = ClusterError("no workers")
     async with http(app) as c:
         r = await c.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"

@@ -100,7 +100,7 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
     from cluster.controller import Controller as RealController
     from cluster.controller import WorkerSpec
     from engine.prefix_index import PrefixIndex
-    from router.backend import Overloaded
+    from router.errors import CapacityError
     from router.service import ClusterBackend
 
     index = PrefixIndex(redis.url, "dead-worker-test")
@@ -144,7 +144,7 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         view.prefill[0].handle.dead = True
         await backend._poll()
         assert not await backend.healthy()  # no prefill worker: nothing can be placed
-        with pytest.raises(Overloaded, match="no live workers"):
+        with pytest.raises(CapacityError, match="no live workers"):
             await backend.open("r", ids, SamplingParams())
         await backend.aclose()
 
@@ -262,10 +262,10 @@ def test_a_long_step_is_not_a_miss_but_a_hung_engine_thread_is(tmp_path) -> None
         for _ in range(3):
             assert await backend._poll() == [busy.name]
         assert view.decode == [] and not await backend.healthy()
-        from router.backend import Overloaded
+        from router.errors import CapacityError
         from router.policy import RouteRequest
 
-        with pytest.raises(Overloaded, match="no live workers"):  # a retry's placement: 503
+        with pytest.raises(CapacityError, match="no live workers"):  # a retry's placement: 503
             backend._place(RouteRequest(8, BS), True, set())
         busy.handle.step_age_s = 0.0
         await backend._poll()
