@@ -359,7 +359,7 @@ class ServeConfig(BaseModel):
         0, ge=0, description="Requests run at once per decode worker (0: its `max_num_seqs`)."
     )
     queue_aging: float = Field(
-        2.0, gt=0, description="`sjf`: a request waits about this multiple of its FCFS wait."
+        2.0, ge=1, description="`sjf`: a request waits about this multiple of its FCFS wait."
     )
     max_queue_wait: float = Field(
         120.0, gt=0, description="`sjf`: seconds after which a waiting request goes first."
