@@ -154,7 +154,7 @@ async def drive(gateway, requests, offsets, t0: float) -> list:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     pool = {
         "up_after_s": args.up_after,

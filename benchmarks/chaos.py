@@ -449,7 +449,7 @@ class Harness:
         self.killed: list[str] = []
 
     def start(self) -> Harness:
-        from cluster.local import LocalCluster
+        from cluster.launch.local import LocalCluster
         from router.redis_server import RedisServer
 
         cfg = self.cfg
@@ -518,7 +518,9 @@ class Harness:
             return []
         before = {w.name for w in self.cluster.workers}
         ray.get(
-            self.cluster.controller.start.remote(roles.count("prefill"), roles.count("decode"), 0),
+            self.cluster.controller.start.remote(
+                roles.count("prefill"), roles.count("decode"), 0
+            ),
             timeout=timeout_s,
         )
         self.cluster.refresh()

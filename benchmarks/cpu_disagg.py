@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_disagg.json"))
     args = ap.parse_args()
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     report = {"loopback_tcp_gbps": loopback_gbps(), "rows": []}
     with LocalCluster(num_prefill=1, num_decode=1, num_colocated=1) as c:

@@ -220,7 +220,7 @@ def main() -> None:
     import ray
     import torch
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     env = {
         "NCCL_NVLS_ENABLE": "0",

@@ -349,7 +349,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_migration.json"))
     args = ap.parse_args()
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     if args.device == "cuda":
         model, engine = long_context_model(), dict(GPU_ENGINE)

@@ -122,7 +122,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM.generate`` on the ShareGPT requests ``serve.py`` sends (same ids, same lengths)."""
     import torch
 
-    from cluster.serve import _engine_overrides  # what `tandem serve --engine` gives workers
+    from cluster.launch.serve import _engine_overrides  # what `tandem serve --engine` gives workers
     from engine import LLM, SamplingParams
 
     requests = bench.build_requests(

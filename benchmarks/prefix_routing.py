@@ -140,7 +140,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TANDEM_TORCH_THREADS", "1")
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine.prefix_index import PrefixIndex
     from router.redis_server import RedisServer
     from router.service import ClusterBackend

@@ -177,7 +177,7 @@ def hist_quantile(buckets: dict[float, float], q: float) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine.tokenizer import load_tokenizer
 
     engine: dict[str, Any] = {"max_num_batched_tokens": 512, "max_num_seqs": 32}

@@ -178,7 +178,7 @@ def engine_counts(cluster, before: dict | None = None, seconds: float = 0.0) -> 
 
 
 def start_cluster(args):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     engine: dict[str, Any] = {"max_num_seqs": args.slots, "max_num_batched_tokens": 1024}
     if args.device == "cuda":

@@ -415,7 +415,7 @@ def test_old_stats_add_no_migration_series() -> None:
 
 def test_admin_keys_come_from_the_environment_and_a_0600_file(tmp_path, monkeypatch) -> None:
     from cluster.cli import build_parser
-    from cluster.serve import _admin_keys, _child_argv, _secret_env
+    from cluster.launch.serve import _admin_keys, _child_argv, _secret_env
 
     def serve_args(*argv: str):
         return build_parser().parse_args(["serve", *argv])

@@ -1,4 +1,4 @@
-"""The autoscaler inside the controller (cluster/controller.py): the signals it measures from
+"""The autoscaler inside the controller (cluster/control/controller.py): the signals it measures from
 its workers' stats and the routers' load reports, the decisions it logs and carries out through
 ``scale``, its policy as the operator changes it, and what a router hears back for /metrics.
 
@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from cluster.controller import Controller, Refused, WorkerSpec
+from cluster.control.controller import Controller, Refused, WorkerSpec
 from engine.messages import WorkerInfo, WorkerState
 
 FAST = {"up_after_s": 0, "down_after_s": 0, "cooldown_s": 0, "max_replicas": 3}
@@ -102,7 +102,7 @@ def test_router_demand_over_the_slots_grows_the_decode_pool() -> None:
 
 
 def test_without_fresh_router_reports_the_workers_queues_count(monkeypatch) -> None:
-    import cluster.controller as controller
+    import cluster.control.controller as controller
 
     async def go():
         c, _ = make({"decode-0": Worker(running=1, waiting=0)}, decode=FAST)

@@ -1,4 +1,4 @@
-"""The autoscaler's decisions (cluster/autoscaler.py) on a driven clock: sustained pressure
+"""The autoscaler's decisions (cluster/control/autoscaler.py) on a driven clock: sustained pressure
 over the high mark grows a pool, sustained slack (counted as if it had a worker fewer) shrinks
 it, never past min / max, never within the cool-down, and each decision names its signal."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.autoscaler import Autoscaler, AutoscalerConfig, PoolSignals
+from cluster.control.autoscaler import Autoscaler, AutoscalerConfig, PoolSignals
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""`tandem serve --config FILE` (cluster/config_file.py): loading, errors, precedence against
+"""`tandem serve --config FILE` (cluster/launch/config_file.py): loading, errors, precedence against
 the command line, the example files, and the generated reference in docs/config.md."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("pydantic")
 pytest.importorskip("yaml")
 
-from cluster.config_file import ConfigError, ServeConfig, load_serve_config  # noqa: E402
-from cluster.config_reference import REFERENCE_BEGIN, REFERENCE_END, reference_markdown  # noqa: E402
+from cluster.launch.config_file import ConfigError, ServeConfig, load_serve_config  # noqa: E402
+from cluster.launch.config_reference import REFERENCE_BEGIN, REFERENCE_END, reference_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
@@ -28,7 +28,7 @@ def write(tmp_path: Path, text: str, name: str = "serve.yaml") -> Path:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from cluster.serve import add_serve_args
+    from cluster.launch.serve import add_serve_args
 
     parser = argparse.ArgumentParser(prog="tandem serve")
     add_serve_args(parser)
@@ -153,7 +153,7 @@ def test_a_flag_given_with_its_default_value_still_wins(tmp_path):
 
 
 def test_engine_flags_add_to_the_files_engine(tmp_path):
-    from cluster.serve import _engine_overrides
+    from cluster.launch.serve import _engine_overrides
 
     path = write(tmp_path, "engine:\n  max_num_seqs: 8\n  enforce_eager: true\n")
     args = serve_parser().parse_args(["--config", str(path), "--engine", "max_num_seqs=16"])
@@ -161,7 +161,7 @@ def test_engine_flags_add_to_the_files_engine(tmp_path):
 
 
 def test_settings_without_flags_reach_the_cluster(tmp_path):
-    from cluster.serve import _cluster_options
+    from cluster.launch.serve import _cluster_options
 
     path = write(
         tmp_path,
@@ -184,7 +184,7 @@ def test_settings_without_flags_reach_the_cluster(tmp_path):
         "interval_s": 5.0,
         "decode": {"max_replicas": 3, "slo_s": 0.2},
     }
-    from cluster.autoscaler import AutoscalerConfig
+    from cluster.control.autoscaler import AutoscalerConfig
 
     config = AutoscalerConfig(**options["autoscale"])
     assert config.decode.max_replicas == 3 and config.prefill.slo_s == 2.0
@@ -193,7 +193,7 @@ def test_settings_without_flags_reach_the_cluster(tmp_path):
     kept = AutoscalerConfig(decode={"max_replicas": 8}, prefill={"slo_s": None})
     assert (kept.decode.slo_s, kept.decode.max_replicas) == (0.25, 8)
     assert kept.prefill.slo_s is None and kept.colocated.slo_s == 2.0
-    from cluster.local import ClusterConfig
+    from cluster.launch.local import ClusterConfig
 
     cluster = ClusterConfig(num_prefill=1, num_decode=1, **options)
     assert (cluster.host, cluster.role_resources, cluster.gpus) == ("node", "on", {"decode": 0.5})
@@ -202,7 +202,7 @@ def test_settings_without_flags_reach_the_cluster(tmp_path):
 def test_the_files_rebalancer_is_set_on_the_controller(tmp_path, monkeypatch):
     import ray
 
-    from cluster.serve import _start_rebalancer
+    from cluster.launch.serve import _start_rebalancer
 
     calls = []
 
@@ -237,7 +237,7 @@ def test_through_the_tandem_cli(tmp_path):
 
 
 def test_detach_hands_the_child_the_file_and_the_flags_that_differ(tmp_path):
-    from cluster.serve import _child_argv
+    from cluster.launch.serve import _child_argv
 
     path = write(tmp_path, "port: 9000\nqueue_policy: sjf\n")
     args = serve_parser().parse_args(["--config", str(path), "--max-queue", "7", "--detach"])
@@ -278,15 +278,15 @@ def test_every_setting_is_documented():
 
 
 def test_sections_mirror_the_workers_dataclasses():
-    from cluster.config_file import MigrationSettings, RebalanceSettings
-    from cluster.migrations import RebalanceSettings as Rebalance
+    from cluster.control.migrations import RebalanceSettings as Rebalance
+    from cluster.launch.config_file import MigrationSettings, RebalanceSettings
     from decode_worker.migration import MigrationConfig
 
     for ours, theirs in ((MigrationSettings, MigrationConfig), (RebalanceSettings, Rebalance)):
         defaults = {f.name: f.default for f in dataclasses.fields(theirs)}
         assert defaults == {k: v.default for k, v in ours.model_fields.items()}, theirs.__name__
-    from cluster.autoscaler import AutoscalerConfig, PoolPolicy
-    from cluster.config_file import AutoscaleSettings, PoolSettings
+    from cluster.control.autoscaler import AutoscalerConfig, PoolPolicy
+    from cluster.launch.config_file import AutoscaleSettings, PoolSettings
 
     defaults = {f.name: f.default for f in dataclasses.fields(PoolPolicy)}
     assert defaults == {k: v.default for k, v in PoolSettings.model_fields.items()}
@@ -296,7 +296,7 @@ def test_sections_mirror_the_workers_dataclasses():
 
 
 def test_role_resources_setting():
-    from cluster.local import ClusterConfig, _use_role_resources
+    from cluster.launch.local import ClusterConfig, _use_role_resources
 
     both = {"prefill": 2.0, "decode": 2.0, "GPU": 4.0}
     assert _use_role_resources("auto", both) and not _use_role_resources("auto", {"GPU": 4.0})
@@ -324,7 +324,7 @@ def test_reference_in_docs_is_current():
     doc = (ROOT / "docs" / "config.md").read_text()
     start, end = doc.index(REFERENCE_BEGIN), doc.index(REFERENCE_END)
     assert doc[start + len(REFERENCE_BEGIN) : end].strip() == reference_markdown().strip(), (
-        "docs/config.md is stale: python -m cluster.config_reference --write docs/config.md"
+        "docs/config.md is stale: python -m cluster.launch.config_reference --write docs/config.md"
     )
     for name in ServeConfig.model_fields:
         assert f"\n| {name} |" in doc
@@ -337,9 +337,9 @@ def test_sections_are_generated_from_their_dataclasses():
 
     from pydantic import ValidationError
 
-    from cluster.autoscaler import PoolPolicy
-    from cluster.config_file import MigrationSettings, PoolSettings, RebalanceSettings
-    from cluster.migrations import RebalanceSettings as Rebalance
+    from cluster.control.autoscaler import PoolPolicy
+    from cluster.control.migrations import RebalanceSettings as Rebalance
+    from cluster.launch.config_file import MigrationSettings, PoolSettings, RebalanceSettings
     from decode_worker.migration_config import MigrationConfig
 
     pairs = ((MigrationSettings, MigrationConfig), (RebalanceSettings, Rebalance))

@@ -239,7 +239,7 @@ def local_path(config: dict, remote: str) -> Path | None:
 def serve_command(config: dict) -> tuple[list[str], argparse.Namespace]:
     """The `tandem serve` the head starts, and what tandem's parser makes of it (its config
     file read from the checkout)."""
-    from cluster.serve import add_serve_args
+    from cluster.launch.serve import add_serve_args
 
     (cmd,) = [c for c in config["head_start_ray_commands"] if "tandem serve" in c]
     argv = shlex.split(cmd)

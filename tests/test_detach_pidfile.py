@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cluster import serve
+from cluster.launch import serve
 
 SLEEPER = "import time; time.sleep(60)"
 

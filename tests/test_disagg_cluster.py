@@ -36,7 +36,7 @@ VERY_LONG = " ".join(f"Line {i}: a slow river bends around the old stone mill." 
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     c = LocalCluster(
         model=str(smollm2_dir),
@@ -177,7 +177,7 @@ def test_prefill_prefix_hit_is_still_sent(cluster, prompts, hf) -> None:
 
 
 def test_invalid_request_costs_nothing(cluster) -> None:
-    from cluster.local import RequestError
+    from cluster.launch.local import RequestError
 
     too_long = [1] * 9000  # SmolLM2's context is 8192
     with pytest.raises(RequestError, match="maximum context length"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from cluster_checks import free_port
 
-from cluster.local import ClusterConfig
+from cluster.launch.local import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_FIND_SPEC = importlib.util.find_spec

@@ -53,9 +53,15 @@ def test_layer_contract_holds_on_the_tree(tmp_path):
     ("where", "source"),
     [
         ("engine/_planted.py", "from router.dispatch import Dispatcher\n"),
-        ("decode_worker/_planted.py", "def f():\n    from cluster.controller import Controller\n"),
+        (
+            "decode_worker/_planted.py",
+            "def f():\n    from cluster.control.controller import Controller\n",
+        ),
         ("prefill_worker/_planted.py", "import decode_worker.worker\n"),
         ("kernels/_planted.py", "import engine.config\n"),
+        # cluster/'s rooms: the controller's process must not import the launcher's
+        ("cluster/control/_planted.py", "def f():\n    from cluster.launch import serve\n"),
+        ("cluster/launch/_planted.py", "import cluster.cli.operator_client\n"),
     ],
 )
 def test_layer_contract_fails_on_a_planted_violation(tmp_path, where, source):

@@ -45,7 +45,7 @@ TOPICS = ["rivers", "bread", "copper", "owls", "lanterns", "harbors", "gardens",
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     c = LocalCluster(
         model=str(smollm2_dir),

@@ -55,7 +55,7 @@ def multinode(smollm2_dir):
     from ray._raylet import Config
     from ray.cluster_utils import Cluster
 
-    from cluster.local import _force_token_auth, _loopback_stays_loopback
+    from cluster.launch.local import _force_token_auth, _loopback_stays_loopback
 
     saved_mode = os.environ.get("RAY_AUTH_MODE")
     cluster = serve = None

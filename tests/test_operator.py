@@ -34,7 +34,7 @@ MIGRATION = {"last_stage_blocks": 2, "headroom_blocks": 2, "chunk_tokens": 64, "
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     c = LocalCluster(
         model=str(smollm2_dir),

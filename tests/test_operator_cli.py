@@ -41,7 +41,7 @@ def closed_port() -> int:
 
 
 def test_the_one_running_serve_is_found(run_dir):
-    from cluster.operator_client import find_target
+    from cluster.cli.operator_client import find_target
 
     write(run_dir, 8000, os.getpid(), token="t-8000")
     write(run_dir, 8100, 2**22 + 7, token="t-8100")  # its server is gone: ignored
@@ -50,7 +50,7 @@ def test_the_one_running_serve_is_found(run_dir):
 
 
 def test_several_running_serves_need_serve_port(run_dir, tmp_path):
-    from cluster.operator_client import OperatorError, find_target
+    from cluster.cli.operator_client import OperatorError, find_target
 
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
@@ -64,7 +64,7 @@ def test_several_running_serves_need_serve_port(run_dir, tmp_path):
 
 
 def test_flags_and_environment_win_over_the_file(run_dir, tmp_path, monkeypatch):
-    from cluster.operator_client import find_target
+    from cluster.cli.operator_client import find_target
 
     write(run_dir, 8000, os.getpid(), token="t-8000", tls_ca="/x/cert.pem")
     monkeypatch.setenv("TANDEM_OPERATOR_TOKEN", "from-env")

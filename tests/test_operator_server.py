@@ -58,7 +58,7 @@ def self_signed(tmp_path) -> tuple[str, str]:
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     """A worker-less controller's operator API over TLS, on an event loop of its own."""
-    from cluster.controller import Controller, WorkerSpec
+    from cluster.control.controller import Controller, WorkerSpec
 
     monkeypatch.setenv("TANDEM_OPERATOR_TOKEN", TOKEN)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # no connection file of a real serve
@@ -128,8 +128,8 @@ def test_autoscaler_policy_through_the_cli(server, capsys):
 
 
 def test_an_autoscale_event_as_a_line():
-    from cluster.operator import event_pb
-    from cluster.operator_client import event_line
+    from cluster.cli.operator_client import event_line
+    from cluster.control.operator import event_pb
 
     event = {
         "seq": 7,

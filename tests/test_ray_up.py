@@ -271,7 +271,7 @@ def fake_cluster(smollm2_dir):
         pytest.skip("the ray CLI is not on PATH")
     from ray._raylet import Config
 
-    from cluster.local import _force_token_auth
+    from cluster.launch.local import _force_token_auth
 
     # short: Ray's unix sockets live under it (a path of at most 107 bytes)
     tmp = tempfile.mkdtemp(prefix="tandem-rayup-", dir="/tmp")

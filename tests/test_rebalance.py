@@ -1,4 +1,4 @@
-"""The rebalancer's decisions (cluster/migrations.py) over fake decode workers: which request
+"""The rebalancer's decisions (cluster/control/migrations.py) over fake decode workers: which request
 moves where, the marks' hysteresis, dry-run moving nothing, preemptions avoided counted. The
 moves themselves are the real protocol's (tests/test_migration_*.py)."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.migrations import Migrator, RebalanceSettings
+from cluster.control.migrations import Migrator, RebalanceSettings
 from engine.messages import MigrationResult, WorkerInfo, WorkerState
 
 

@@ -1,4 +1,4 @@
-"""Workers that switch roles without reloading weights (cluster/flex_worker.py): a real cluster of
+"""Workers that switch roles without reloading weights (cluster/control/flex_worker.py): a real cluster of
 three FlexWorkers (Ray actors on CPU, SmolLM2 fp32, TCP KV), two prefill and one decode.
 
 A switched worker keeps its process (same pid, no second model load) and serves its new role
@@ -28,7 +28,7 @@ N = 24
 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     c = LocalCluster(
         model=str(smollm2_dir),
@@ -81,7 +81,9 @@ async def run(cluster, ids, n, **pins) -> list[int]:
 
 
 def pids(cluster) -> dict[str, int]:
-    return {w["name"]: w["pid"] for w in ray.get(cluster.controller.status.remote())["workers"]}
+    return {
+        w["name"]: w["pid"] for w in ray.get(cluster.controller.status.remote())["workers"]
+    }
 
 
 def test_flex_workers_serve_their_first_roles(cluster, hf):
@@ -144,7 +146,7 @@ def test_a_prefill_worker_switches_to_decode_and_decodes_exactly(
 
 
 def test_the_last_worker_of_a_role_does_not_switch(cluster, operator, monkeypatch, capsys):
-    from cluster.controller import Refused
+    from cluster.control.controller import Refused
 
     with pytest.raises(Refused, match="last prefill worker"):
         ray.get(cluster.controller.switch_role.remote("flex-0", "decode"))

@@ -97,8 +97,8 @@ def redis():
 
 
 def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
-    from cluster.controller import Controller as RealController
-    from cluster.controller import WorkerSpec
+    from cluster.control.controller import Controller as RealController
+    from cluster.control.controller import WorkerSpec
     from engine.prefix_index import PrefixIndex
     from router.errors import CapacityError
     from router.service import ClusterBackend
@@ -157,8 +157,8 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
 def test_a_hung_worker_misses_polls_without_blinding_the_router(tmp_path) -> None:
     """Each worker's polls have their own deadline: the others stay current. A worker that
     misses ``suspect_after_polls`` in a row gets nothing new until it answers again."""
-    from cluster.controller import Controller as RealController
-    from cluster.controller import HealthConfig, WorkerSpec
+    from cluster.control.controller import Controller as RealController
+    from cluster.control.controller import HealthConfig, WorkerSpec
     from router.service import ClusterBackend
 
     members = table(tmp_path)
@@ -280,8 +280,8 @@ def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path, monkeyp
     DEAD (and killed) when it stays silent past dead_after_s; each change is a new table."""
     import ray
 
-    from cluster.controller import Controller as RealController
-    from cluster.controller import HealthConfig, WorkerSpec
+    from cluster.control.controller import Controller as RealController
+    from cluster.control.controller import HealthConfig, WorkerSpec
 
     killed = []  # the stand-in handles are not actors (a real ray.kill would start Ray here)
     monkeypatch.setattr(ray, "kill", lambda handle, **_: killed.append(handle.name))

@@ -220,7 +220,7 @@ def secrets_of(served) -> dict[str, str]:
 
 
 def operator_connection(served) -> Path:
-    from cluster.serve import operator_file
+    from cluster.launch.serve import operator_file
 
     return operator_file(served["port"])
 
@@ -289,7 +289,7 @@ def serve_args(*argv: str) -> argparse.Namespace:
 
 
 def test_a_key_file_others_can_read_is_refused(tmp_path, monkeypatch) -> None:
-    from cluster.serve import _api_keys
+    from cluster.launch.serve import _api_keys
 
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
     path = tmp_path / "keys"
@@ -304,7 +304,7 @@ def test_a_key_file_others_can_read_is_refused(tmp_path, monkeypatch) -> None:
 
 
 def test_detach_hands_secrets_to_the_server_in_its_environment(monkeypatch) -> None:
-    from cluster.serve import _child_argv, _secret_env
+    from cluster.launch.serve import _child_argv, _secret_env
 
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
     monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)

@@ -1,4 +1,4 @@
-"""`tandem serve` / `tandem gateway` flags generated from ServeConfig (cluster/serve_flags.py):
+"""`tandem serve` / `tandem gateway` flags generated from ServeConfig (cluster/launch/serve_flags.py):
 the flags users know stay, every field has its flag (or is file-only on purpose), and each flag
 is its field: default, choices, bounds and help."""
 
@@ -14,9 +14,9 @@ pytest.importorskip("pydantic")
 
 from pydantic import Field, ValidationError, create_model  # noqa: E402
 
-from cluster import serve_flags  # noqa: E402
-from cluster.config_file import ServeConfig  # noqa: E402
-from cluster.serve_flags import (  # noqa: E402
+from cluster.launch import serve_flags  # noqa: E402
+from cluster.launch.config_file import ServeConfig  # noqa: E402
+from cluster.launch.serve_flags import (  # noqa: E402
     FLAGS,
     GATEWAY_SETTINGS,
     NO_FLAG,

@@ -1,4 +1,4 @@
-"""`tandem serve --gateways N` (cluster/gateways.py GatewayGroup): child gateway processes over the
+"""`tandem serve --gateways N` (cluster/launch/gateways.py GatewayGroup): child gateway processes over the
 one cluster.
 
 Fast tests first: the ports, the admission share and the child's argv as pure functions, then the
@@ -30,14 +30,14 @@ import pytest
 from cli_process import CliProcess
 from openai_checks import check_n_samples
 
-from cluster.gateways import (
+from cluster.launch.gateways import (
     GatewayGroup,
     GatewayStartError,
     check_ports_free,
     gateway_ports,
     gateway_slots,
 )
-from cluster.serve import add_serve_args, gateway_child_argv, pid_alive
+from cluster.launch.serve import add_serve_args, gateway_child_argv, pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "gateways-test-key"
@@ -123,7 +123,7 @@ def test_a_port_in_use_is_refused_before_anything_starts():
 
 
 def test_detach_passes_the_gateway_flags_on():
-    from cluster.serve import _child_argv
+    from cluster.launch.serve import _child_argv
 
     argv = _child_argv(serve_args("--gateways", "2", "--reuse-port", "--detach"))
     assert argv == ["--gateways", "2", "--reuse-port"]
@@ -133,7 +133,7 @@ def test_detach_passes_the_gateway_flags_on():
 
 FAKE_CHILD = """
 import argparse, json, os, signal, sys, time
-from cluster.gateways import CHILD_ENV, ChildChannel
+from cluster.launch.gateways import CHILD_ENV, ChildChannel
 
 mode, out = sys.argv[1], sys.argv[2]
 port = sys.argv[sys.argv.index("--port") + 1]

@@ -43,7 +43,7 @@ STALL_S = 3.0
 
 
 def _cluster(smollm2_dir, **kw):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
 
     return LocalCluster(
         model=str(smollm2_dir),
@@ -194,7 +194,9 @@ def test_n_samples_through_the_router_resume_when_their_worker_hangs(
     async def main():
         # a router of its own, as a gateway has: the controller's table, not what this
         # process's other dispatcher suspected during the earlier faults
-        view = MembershipView(await cluster.controller.members.remote(), cluster.controller)
+        view = MembershipView(
+            await cluster.controller.members.remote(), cluster.controller
+        )
         backend = ClusterBackend(view, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S)
         gen = await backend.open("fan-resume", prompts[0], params)
         victim = gen.children[0].placement.decode

@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
 
 
 def run(path, prompts, **cluster):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -73,7 +73,7 @@ def test_nccl_abort_mid_transfer_frees_both_sides(tmp_path_factory) -> None:
     import asyncio
     import time
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine import SamplingParams
 
     path = save_tiny(tmp_path_factory, "tiny-nccl-abort", **GPU_TINY, max_position_embeddings=8192)

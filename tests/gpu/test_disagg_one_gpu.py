@@ -19,7 +19,7 @@ ENGINE = {"dtype": "bfloat16", "max_num_batched_tokens": 64, "num_kv_blocks": 51
 
 
 def run(path, prompts, **cluster):
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

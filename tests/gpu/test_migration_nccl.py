@@ -48,7 +48,7 @@ def tiny(tmp_path_factory):
 def test_nccl_migration_there_and_back_is_exact(tiny) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks.gpu_migration import home_and_peer
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine import SamplingParams
 
     prompt = [random.Random(5).randrange(512) for _ in range(200)]

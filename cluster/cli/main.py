@@ -176,7 +176,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.serve_flags import add_serve_args
+    from cluster.launch.serve_flags import add_serve_args
 
     serve = subparsers.add_parser(
         "serve",
@@ -189,7 +189,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from cluster import serve
+    from cluster.launch import serve
 
     if args.detach:
         return serve.run_detached(args)
@@ -211,11 +211,11 @@ def _add_stop(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds to wait after that before SIGKILL of its process group",
     )
-    stop.set_defaults(handler=lambda args: __import__("cluster.serve").serve.run_stop(args))
+    stop.set_defaults(handler=lambda args: __import__("cluster.launch.serve").serve.run_stop(args))
 
 
 def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.serve_flags import add_gateway_args
+    from cluster.launch.serve_flags import add_gateway_args
 
     gw = subparsers.add_parser(
         "gateway",
@@ -229,12 +229,12 @@ def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
     gw.add_argument("--cluster-id", default=None, help="which cluster (when several run)")
     gw.add_argument("--model", default="smollm2", help="the model id clients send")
     add_gateway_args(gw)
-    gw.set_defaults(handler=lambda args: __import__("cluster.serve").serve.run_gateway(args))
+    gw.set_defaults(handler=lambda args: __import__("cluster.launch.serve").serve.run_gateway(args))
 
 
 # ----------------------------------------------------------------------------- operator commands
 # status, scale, drain, undrain, migrate, rebalance, policy, events: calls on the controller's gRPC
-# operator API (cluster/operator.py); cluster/operator_client.py finds it, calls it and prints
+# operator API (cluster/control/operator.py); cluster/cli/operator_client.py finds it, calls it and prints
 # the answers (its docstring has the exit codes). grpc is imported there, inside the handlers.
 
 OPERATOR_EPILOG = (
@@ -275,10 +275,10 @@ def _operator_parser(subparsers: argparse._SubParsersAction, name: str, **kwargs
 
 
 def _operator_handler(command: str):
-    """``args -> exit code`` running ``cluster.operator_client.<command>`` (imported then)."""
+    """``args -> exit code`` running ``cluster.cli.operator_client.<command>`` (imported then)."""
 
     def handler(args: argparse.Namespace) -> int:
-        from cluster import operator_client
+        from cluster.cli import operator_client
 
         return operator_client.run(args, getattr(operator_client, command))
 

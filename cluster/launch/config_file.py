@@ -1,7 +1,7 @@
 """``tandem serve --config FILE``: a whole serve configuration in one YAML or JSON file.
 
 ``ServeConfig`` defines every setting of ``tandem serve`` once: its flags are generated from its
-fields (cluster/serve_flags.py: one flag per key, the key's name with ``-`` for ``_``, its type,
+fields (cluster/launch/serve_flags.py: one flag per key, the key's name with ``-`` for ``_``, its type,
 choices, bounds, default and help), but for a few that a file alone sets (per-role engine
 overrides, GPUs per worker, live migration, rebalancing, the autoscaler). How a file combines
 with the command line::
@@ -19,7 +19,7 @@ secret store. Relative paths (the key and token files, the TLS certificate and k
 to the file's folder, and ``~`` is expanded.
 
 Every field carries its documentation (``Field(description=...)``): it is its flag's help, and
-``python -m cluster.config_reference`` prints them as the Markdown table that docs/config.md
+``python -m cluster.launch.config_reference`` prints them as the Markdown table that docs/config.md
 holds. A key that is not a field, a value of the wrong type or out of range fails with the key,
 the value and what is accepted (``ConfigError``), before anything starts.
 """
@@ -46,8 +46,8 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.autoscaler import AutoscalerConfig, PoolPolicy
-from cluster.migrations import RebalanceSettings as Rebalance
+from cluster.control.autoscaler import AutoscalerConfig, PoolPolicy
+from cluster.control.migrations import RebalanceSettings as Rebalance
 from decode_worker.migration_config import MigrationConfig
 from engine.settings import bounds_of, help_of
 
@@ -124,7 +124,7 @@ MigrationSettings = section_from(
 
 RebalanceSettings = section_from(
     Rebalance,
-    "The controller's rebalancer, set at start (cluster/migrations.py ``RebalanceSettings``; "
+    "The controller's rebalancer, set at start (cluster/control/migrations.py ``RebalanceSettings``; "
     "``POST /admin/rebalance`` changes it later).",
     before={"mode": _on_off},
 )
@@ -132,7 +132,7 @@ RebalanceSettings = section_from(
 
 PoolSettings = section_from(
     PoolPolicy,
-    "How the autoscaler sizes one pool (cluster/autoscaler.py ``PoolPolicy``).",
+    "How the autoscaler sizes one pool (cluster/control/autoscaler.py ``PoolPolicy``).",
     name="PoolSettings",
 )
 
@@ -151,7 +151,7 @@ class _AutoscaleSection(_Section):
 
 AutoscaleSettings = section_from(
     AutoscalerConfig,
-    "The controller's autoscaler, set at start (cluster/autoscaler.py ``AutoscalerConfig``; "
+    "The controller's autoscaler, set at start (cluster/control/autoscaler.py ``AutoscalerConfig``; "
     "``tandem policy --autoscale ... --pool ...`` changes it later).",
     name="AutoscaleSettings",
     base=_AutoscaleSection,
@@ -526,11 +526,13 @@ def _fields_at(loc: tuple) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cluster.config_file --check FILE...``: load serve config files and report
-    (the reference table: ``python -m cluster.config_reference``)."""
+    """``python -m cluster.launch.config_file --check FILE...``: load serve config files and report
+    (the reference table: ``python -m cluster.launch.config_reference``)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m cluster.config_file", description=main.__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m cluster.launch.config_file", description=main.__doc__
+    )
     ap.add_argument("--check", nargs="+", metavar="FILE", required=True, help="serve config files")
     args = ap.parse_args(argv)
     failed = 0

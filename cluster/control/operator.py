@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from cluster.operations import DRAIN_DEADLINE_S, Refused, not_moved
+from cluster.control.operations import DRAIN_DEADLINE_S, Refused, not_moved
 from engine.messages import MigrationResult, WorkerState, brief
 from proto import operator_pb2 as pb
 from proto import operator_pb2_grpc as pb_grpc

@@ -1,7 +1,7 @@
 """Start a cluster on Ray, or join one: the launcher's handle on the controller and workers.
 
 ``LocalCluster(num_prefill=N, num_decode=M, num_colocated=K)`` starts (or joins) a Ray cluster,
-starts the controller (cluster/controller.py: a named, detached actor that starts and owns the
+starts the controller (cluster/control/controller.py: a named, detached actor that starts and owns the
 workers and their membership table) and asks it for the workers: one actor per worker, one GPU
 each on CUDA; custom resources ``prefill`` / ``decode`` are requested when the cluster defines
 them. ``stream`` / ``generate`` run requests through the router's dispatcher (router/dispatch.py:
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.autoscaler import AutoscalerConfig
-from cluster.controller import Controller, HealthConfig, WorkerSpec
+from cluster.control.autoscaler import AutoscalerConfig
+from cluster.control.controller import Controller, HealthConfig, WorkerSpec
 from engine.messages import MigrationResult, control
 from engine.model_hub import resolve_model
 from engine.outputs import RequestOutput
@@ -59,7 +59,7 @@ NO_CUPY = (
     "prefill/decode workers on CUDA stream KV over NCCL, which needs cupy, not installed here: "
     'pip install -e ".[gpu]" (torch built for CUDA 13) or ".[gpu-cu12]" (CUDA 12; '
     "torch.version.cuda says which); or serve colocated workers (tandem serve --colocated N), "
-    "or use transport='tcp' (python -m cluster.local --transport tcp)"
+    "or use transport='tcp' (python -m cluster.launch.local --transport tcp)"
 )
 SCALE_HEADROOM = 8  # workers a new local Ray has room for beyond those it starts with
 # Secrets `tandem serve` takes from the environment: never copied into a Ray runtime_env.
@@ -161,7 +161,7 @@ class ClusterConfig:
     decode_engine: dict[str, Any] = field(default_factory=dict)  # overrides for decode
     gpus: dict[str, float] = field(default_factory=dict)  # GPUs per worker by role (default 1)
     migration: dict[str, Any] = field(default_factory=dict)  # MigrationConfig fields (decode)
-    # AutoscalerConfig fields (cluster/autoscaler.py; a pool's as a dict under its role): off
+    # AutoscalerConfig fields (cluster/control/autoscaler.py; a pool's as a dict under its role): off
     # unless ``enabled``
     autoscale: dict[str, Any] = field(default_factory=dict)
     # prefill and decode workers that can switch roles without reloading weights (FlexWorker,
@@ -569,12 +569,12 @@ class LocalCluster:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cluster.local [--prefill N --decode M | --colocated K] PROMPT...``: start a
+    """``python -m cluster.launch.local [--prefill N --decode M | --colocated K] PROMPT...``: start a
     local Ray cluster, generate every prompt through it (streaming the first one), shut down."""
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m cluster.local", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m cluster.launch.local", description=main.__doc__)
     ap.add_argument("prompts", nargs="+")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prefill", type=int, default=1)

@@ -1,6 +1,6 @@
 """The flags of ``tandem serve`` and ``tandem gateway``, generated from ``ServeConfig``.
 
-Each field of ``ServeConfig`` (cluster/config_file.py) is one flag, ``--`` and the field's name
+Each field of ``ServeConfig`` (cluster/launch/config_file.py) is one flag, ``--`` and the field's name
 with ``-`` for ``_`` (dest: the field's name), and the field gives the rest:
 
 - the default (a flag left out keeps it, unless a config file sets the key);
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cluster.config_file import ConfigError, ServeConfig, load_serve_config
+from cluster.launch.config_file import ConfigError, ServeConfig, load_serve_config
 from engine.settings import bound_problem
 
 
@@ -139,7 +139,7 @@ def argument(name: str) -> dict[str, Any]:
     elif kind is not str:
         raise TypeError(
             f"ServeConfig.{name} ({kind}) has no flag of its own kind: say how in "
-            "cluster/serve_flags.py FLAGS, or that a file alone sets it (NO_FLAG)"
+            "cluster/launch/serve_flags.py FLAGS, or that a file alone sets it (NO_FLAG)"
         )
     if flag.type is not None:
         out["type"] = flag.type

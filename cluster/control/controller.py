@@ -15,7 +15,7 @@ and its actor is killed (it cannot come back with half-served requests). A dead 
 (``report_dead``, ``report_unresponsive``) and the controller checks at once. A dead worker is
 removed from the global prefix index, so its entries stop counting for every router.
 
-Live migration is orchestrated here too (cluster/migrations.py): the admin ``migrate`` call,
+Live migration is orchestrated here too (cluster/control/migrations.py): the admin ``migrate`` call,
 ``drain`` and the rebalance loop pick what moves where and ask the source decode worker.
 
 Scaling (``scale(role, replicas)``), the operator's way in::
@@ -31,7 +31,7 @@ Scaling (``scale(role, replicas)``), the operator's way in::
 
 Every state change, scale decision and migration is an event in a bounded log with sequence
 numbers (``events(since)`` long-polls it); ``status()`` joins the table with each worker's
-stats. The operator's gRPC API (cluster/operator.py, ``start_operator``) serves all of it from
+stats. The operator's gRPC API (cluster/control/operator.py, ``start_operator``) serves all of it from
 this actor's event loop.
 """
 
@@ -45,9 +45,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision, PoolSignals
-from cluster.migrations import Migrator
-from cluster.operations import DRAIN_DEADLINE_S, Refused, not_moved
+from cluster.control.autoscaler import Autoscaler, AutoscalerConfig, Decision, PoolSignals
+from cluster.control.migrations import Migrator
+from cluster.control.operations import DRAIN_DEADLINE_S, Refused, not_moved
 from engine.messages import (
     CONTROL_CONCURRENCY,
     CONTROL_GROUP,
@@ -88,7 +88,7 @@ class WorkerSpec:
     # a worker added by scale() that has not answered after this long is killed (no node with
     # its resources came up, say)
     start_timeout_s: float = 900.0
-    # prefill and decode workers are FlexWorkers (cluster/flex_worker.py, named flex-N): either
+    # prefill and decode workers are FlexWorkers (cluster/control/flex_worker.py, named flex-N): either
     # role, switched by switch_role() without reloading weights
     role_switching: bool = False
 
@@ -173,7 +173,7 @@ class Controller:
         self._event_added = asyncio.Event()
         self._scaling: dict[str, dict[str, Any]] = {}  # role -> the scale running now
         self._tasks: set[asyncio.Task] = set()  # scales running without a caller waiting
-        self._operator: Any = None  # cluster.operator.OperatorServer once started
+        self._operator: Any = None  # cluster.control.operator.OperatorServer once started
 
     # -- membership --------------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ class Controller:
             "migration": spec.migration,
         }
         if flex:
-            from cluster.flex_worker import FlexWorker
+            from cluster.control.flex_worker import FlexWorker
 
             # either role: the decode side's engine settings win over the prefill side's
             cls, engine = FlexWorker, {**base, **spec.prefill_engine, **spec.decode_engine}
@@ -1199,10 +1199,10 @@ class Controller:
         tls_key: str | None = None,
         audit_log: str | None = None,
     ) -> str:
-        """Serve the gRPC operator API (cluster/operator.py) from this actor's event loop on
+        """Serve the gRPC operator API (cluster/control/operator.py) from this actor's event loop on
         ``host``:``port`` (0: a free port), asking every call for ``token``; TLS with
         ``tls_cert`` / ``tls_key`` (PEM files on this node). Returns the bound address."""
-        from cluster.operator import OperatorServer
+        from cluster.control.operator import OperatorServer
 
         if self._operator is not None:
             raise ValueError(f"the operator API already listens on {self._operator.address}")

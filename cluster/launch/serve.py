@@ -16,7 +16,7 @@
 ``tandem serve`` started (it prints both addresses); the two share the one prefix index.
 
 ``tandem serve --gateways N``: the serve process's gateway and N-1 ``tandem gateway`` children
-attached to the same cluster (``GatewayGroup``, cluster/gateways.py), so tokenizing,
+attached to the same cluster (``GatewayGroup``, cluster/launch/gateways.py), so tokenizing,
 detokenizing and SSE are not one process's GIL: on ``--port`` .. ``--port``+N-1, or all on
 ``--port`` with ``--reuse-port`` (SO_REUSEPORT: Linux spreads new connections across them).
 Each router admits on its own: by default each takes 1/N of every decode worker's slots
@@ -24,8 +24,8 @@ Each router admits on its own: by default each takes 1/N of every decode worker'
 ``RESTART_WINDOW_S``); serve's signals reach the children first, and the cluster stops once
 they are gone.
 
-The flags of both commands are generated from the serve config's model (cluster/serve_flags.py
-from ``ServeConfig``, cluster/config_file.py): ``tandem serve --config FILE`` reads the same
+The flags of both commands are generated from the serve config's model (cluster/launch/serve_flags.py
+from ``ServeConfig``, cluster/launch/config_file.py): ``tandem serve --config FILE`` reads the same
 settings from a YAML or JSON file first; flags on the command line win over it.
 
 Secrets (API keys, admin keys, a Redis password) come from the environment or a 0600 file, are
@@ -52,7 +52,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cluster.gateways import (
+from cluster.launch.gateways import (
     CHILD_GRACE_S,
     ChildChannel,
     GatewayGroup,
@@ -63,7 +63,7 @@ from cluster.gateways import (
     gateway_url,
     reuse_port_socket,
 )
-from cluster.serve_flags import add_gateway_args, add_serve_args
+from cluster.launch.serve_flags import add_gateway_args, add_serve_args
 
 logger = logging.getLogger("tandem.serve")
 
@@ -417,7 +417,7 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine.prefix_index import PrefixIndex
     from router.redis_server import RedisServer
 
@@ -492,7 +492,7 @@ def _cluster_config(args: argparse.Namespace):
     Redis."""
     import torch
 
-    from cluster.local import ClusterConfig
+    from cluster.launch.local import ClusterConfig
 
     device = args.device
     if device == "auto":
@@ -585,7 +585,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     # A local Ray head enables token auth by itself (the token in ~/.ray/auth_token); a driver
     # joining it must ask for it too, before ray is imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from cluster.local import LocalCluster
+    from cluster.launch.local import LocalCluster
     from engine.prefix_index import PrefixIndex
     from router.service import ClusterBackend
 
@@ -718,7 +718,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     parser = argparse.ArgumentParser(add_help=False)
     add_serve_args(parser)
     if getattr(args, "config", None):  # the child reads the file too: pass what differs from it
-        from cluster.config_file import load_serve_config
+        from cluster.launch.config_file import load_serve_config
 
         parser.set_defaults(**load_serve_config(args.config).as_defaults())
     return _flags_that_differ(parser, args, skip=(*_SECRET_ARGS, "detach"))

@@ -1,4 +1,4 @@
-"""What the controller and the operator API (cluster/operator.py) both speak: the refusal an
+"""What the controller and the operator API (cluster/control/operator.py) both speak: the refusal an
 operation ends in, a drain's default deadline, and what a drain report leaves behind. Its own
 module so the controller, which starts the operator server, and the server, which calls the
 controller, import it instead of each other."""

@@ -8,7 +8,7 @@ them). Each router admits on its own: by default each takes 1/N of every decode 
 (``gateway_slots``). A child gets its secrets over a socket pair (``ChildChannel``), never its
 argv or environment; a child that exits is started again (at most ``RESTART_LIMIT`` times in
 ``RESTART_WINDOW_S``); serve's signals reach the children first, and the cluster stops once
-they are gone. (The child's command line is cluster/serve.py's ``gateway_child_argv``.)
+they are gone. (The child's command line is cluster/launch/serve.py's ``gateway_child_argv``.)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Where to connect and with what token, first found wins::
               is the file of that address)
     TLS CA    --tls-ca, the connection file's (the server's own certificate)
 
-The connection file is the one `tandem serve` wrote (cluster/serve.py ``operator_file``:
+The connection file is the one `tandem serve` wrote (cluster/launch/serve.py ``operator_file``:
 ``$TANDEM_CACHE_DIR/run/operator-<gateway port>.json``, mode 0600): ``--serve-port`` picks
 one, else the only one whose server still runs.
 
@@ -62,7 +62,7 @@ class OperatorError(Exception):
 
 
 def _connection_files() -> list[Path]:
-    from cluster.serve import operator_file
+    from cluster.launch.serve import operator_file
 
     return sorted(operator_file(0).parent.glob("operator-*.json"))
 
@@ -77,7 +77,7 @@ def _read_connection(path: Path) -> dict[str, Any]:
 def connection(serve_port: int | None) -> dict[str, Any] | None:
     """The connection file of the `tandem serve` on ``serve_port``, or of the only one that
     runs here (None when none does)."""
-    from cluster.serve import operator_file, pid_alive
+    from cluster.launch.serve import operator_file, pid_alive
 
     if serve_port is not None:
         path = operator_file(serve_port)
@@ -101,7 +101,7 @@ def connection(serve_port: int | None) -> dict[str, Any] | None:
 
 
 def _read_token_file(path: str) -> str:
-    from cluster.serve import _read_secret_file
+    from cluster.launch.serve import _read_secret_file
 
     return _read_secret_file(path).strip()
 
