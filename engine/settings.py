@@ -7,8 +7,9 @@ From that one definition:
 
 - ``check(obj)`` validates an instance (call it from ``__post_init__``): a value out of bounds
   or of the wrong type raises ValueError naming the group, the field and what is accepted;
-- the serve config file's section (cluster/config_file.py) is generated from the dataclass, so a
-  file key, its type, default, bounds and the docs/config.md row cannot drift from the code;
+- the serve config file's section (cluster/launch/config_file.py) is generated from the
+  dataclass, so a file key, its type, default, bounds and the docs/config.md row cannot drift
+  from the code;
 - ``bound_problem`` words a broken bound the same way for ``tandem serve``'s flags.
 
 No pydantic here: this module sits in the engine layer, which every worker imports.

@@ -44,7 +44,7 @@ from engine.tracing import trace
 class PrefillMixin:
     """The prefill role over an EngineWorker's engine: ``prefill`` / ``release`` and the KV
     streaming behind them. ``PrefillWorker`` is this and nothing else; a worker that can take
-    either role (cluster/flex_worker.py) mixes it into a decode worker."""
+    either role (cluster/control/flex_worker.py) mixes it into a decode worker."""
 
     def _init_prefill_state(self) -> None:
         """Before the engine thread starts (it may fail requests at once)."""

@@ -1,5 +1,5 @@
 """The bearer-key check every API of ours shares: the gateway's API keys, its admin routes and
-the controller's operator API (cluster/operator.py)."""
+the controller's operator API (cluster/control/operator.py)."""
 
 from __future__ import annotations
 

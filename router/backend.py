@@ -132,5 +132,5 @@ class RouterStats:
     migrations: int = 0  # requests of this router moved live to another decode worker
     scheduling: dict[str, Any] = field(default_factory=dict)  # router/admission.py stats()
     # the controller's answer to this router's last load report: the autoscaler's decision
-    # counts and latest look at each pool (cluster/controller.py ``autoscale_stats``)
+    # counts and latest look at each pool (cluster/control/controller.py ``autoscale_stats``)
     control: dict[str, Any] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """The router's view of the workers: which exist, their handles, their state.
 
-Membership has one owner, the controller (cluster/controller.py, a named detached Ray actor).
+Membership has one owner, the controller (cluster/control/controller.py, a named detached Ray actor).
 Each router follows it: ``follow()`` long-polls ``controller.watch(version)`` and applies every
 newer table. A router that sees a worker die (a call raises ``RayActorError``) stops routing
 to it at once (``forget``) and tells the controller, which confirms and publishes the change.
@@ -62,7 +62,7 @@ class MembershipView:
             if ref.state == WorkerState.SUSPECT and info.state == WorkerState.ACTIVE:
                 self._suspects.pop(info.name, None)  # the controller found it answering
             ref.state, ref.endpoint, ref.handle = info.state, info.endpoint, info.handle
-            ref.role = info.role  # a flex worker's changes (cluster/flex_worker.py)
+            ref.role = info.role  # a flex worker's changes (cluster/control/flex_worker.py)
             ref.index_id, ref.pid = info.index_id, info.pid
             ref.max_num_seqs = info.max_num_seqs
             workers[info.name] = ref
