@@ -179,17 +179,13 @@ class MigrationRole(Role):
         self, request_id: str, dest: Any, dest_name: str, reason: str = "admin"
     ) -> MigrationResult:
         """Move ``request_id`` to ``dest`` (a decode worker's actor handle) while it decodes."""
-        t0 = time.monotonic()
+        t0, name = time.monotonic(), self.worker.name
         if len(self._out) >= self.config.max_out or request_id in self._out:
-            return MigrationResult(
-                request_id, "busy", self.worker.name, dest_name, "a migration is out"
-            )
+            return MigrationResult(request_id, "busy", name, dest_name, "a migration is out")
         try:
             snap = await self.worker.call(lambda: self._out_begin(request_id, dest_name))
         except ValueError as exc:
-            return MigrationResult(
-                request_id, "not_migratable", self.worker.name, dest_name, str(exc)
-            )
+            return MigrationResult(request_id, "not_migratable", name, dest_name, str(exc))
         state = self._out[request_id]
         try:
             outcome, why = await self._migrate(state, snap, dest)
@@ -206,7 +202,7 @@ class MigrationRole(Role):
         result = MigrationResult(
             request_id,
             outcome,
-            self.worker.name,
+            name,
             dest_name,
             why,
             stages=state.stages,
@@ -218,7 +214,7 @@ class MigrationRole(Role):
         )
         self.migration_stats.record(result, reason)
         if outcome != "migrated":
-            logger.info("%s: migration of %s to %s: %s (%s)", self.worker.name, request_id, dest_name,
+            logger.info("%s: migration of %s to %s: %s (%s)", name, request_id, dest_name,
                         outcome, why)  # fmt: skip
         return result
 
