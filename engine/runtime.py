@@ -23,10 +23,8 @@ requests are aborted (their blocks are freed).
 
 A worker actor is an ``EngineWorker`` (the thread, the inbox, the channels, one ``Tracked``
 record per request) plus a list of ``Role`` components: prefill (prefill_worker/), decode and
-migration (decode_worker/). A role holds a reference to its worker, never is a base class of
-it; the worker's abort, tick, stats, fault handling and shutdown loop over its roles in one
-place (``_abort``, ``_tick``, ``_stats``, ``_fail_everything``, ``shutdown``), in their order.
-The actor's public methods are the role's own, delegated by name (``delegate``).
+migration (decode_worker/). Its abort, tick, stats, fault handling and shutdown loop over the
+roles in one place each; its public methods are its roles' own (``delegate``).
 """
 
 from __future__ import annotations
@@ -77,47 +75,41 @@ class Role:
     """One job a worker does with its engine (prefill, decode, migration): a component the
     worker holds in ``worker.roles``, never a base class of it. It reaches the engine thread,
     the inbox and the output channels through ``self.worker`` (``call``, ``post``,
-    ``register``, ``retire``, ``emit``, ``fail``, ``send``). The defaults do nothing: a role
-    overrides what it has.
-
-    The worker asks each of its roles, in their order (every method but ``close`` on the
-    engine thread):
-
-    - ``holds()``: what the role holds now that a role switch must wait for, counted by kind
-      (``{"prefills": 2}``); every count 0: idle
-    - ``abort(request_id) -> bool``: end the request if it is this role's (True: it was, and
-      no later role is asked; when no role claims it the worker aborts it in its engine)
-    - ``tick() -> float | None``: the engine loop's periodic hook (deadlines), run once per
-      loop iteration; returns the monotonic time it next needs to run even if no work comes
-      (None: not before work comes), which bounds how long the idle thread blocks
-    - ``stats() -> dict``: its entries of ``stats()``; a key two roles of one worker report
-      is a counter the worker adds up (``kv_bytes_sent``: prefill streaming and migration)
-    - ``fail_everything(why)``: an engine fault that is not one request's: end what only this
-      role knows of (the worker then fails every request it tracks)
-    - ``close()``: shutdown: close its sockets and channels (any thread)
-    """
+    ``register``, ``retire``, ``emit``, ``fail``, ``send``). The worker asks each of its roles
+    in their order, every method but ``close`` on the engine thread; the defaults do nothing,
+    a role overrides what it has."""
 
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
         self.engine = worker.engine
 
     def holds(self) -> dict[str, int]:
+        """What this role holds now that a role switch must wait for, counted by kind
+        (``{"prefills": 2}``); every count 0: idle."""
         return {}
 
     def abort(self, request_id: str) -> bool:
+        """End ``request_id`` if this role holds it. True: it did, and no later role is asked;
+        when no role claims it the worker aborts it in its engine."""
         return False
 
     def tick(self) -> float | None:
+        """The engine loop's periodic hook (deadlines), once per loop iteration. Returns the
+        monotonic time it next needs to run even if no work comes (None: not before work
+        comes); the earliest of its roles' bounds how long the idle engine thread blocks."""
         return None
 
     def stats(self) -> dict[str, Any]:
+        """Its entries of the worker's ``stats()``. A key two roles of one worker report is a
+        counter the worker adds up (``kv_bytes_sent``: prefill streaming and migration)."""
         return {}
 
     def fail_everything(self, why: str) -> None:
-        pass
+        """An engine fault that is not one request's: end what only this role knows of (the
+        worker then fails every request it tracks). ``why`` names the logged error id."""
 
     def close(self) -> None:
-        pass
+        """Shutdown (any thread): close this role's sockets and channels."""
 
 
 def delegate(role: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
