@@ -518,9 +518,7 @@ class Harness:
             return []
         before = {w.name for w in self.cluster.workers}
         ray.get(
-            self.cluster.controller.start.remote(
-                roles.count("prefill"), roles.count("decode"), 0
-            ),
+            self.cluster.controller.start.remote(roles.count("prefill"), roles.count("decode"), 0),
             timeout=timeout_s,
         )
         self.cluster.refresh()

@@ -6,6 +6,9 @@ For small deployments, and the baseline of every disaggregation figure. A reques
     2. the engine thread steps: chunked prefill, then one token per step, batched with others
     3. each step's deltas go out on ``outputs(client)`` (engine/runtime.py), one batch per step
     4. completion or abort(request_id)         frees its blocks (prompt blocks stay as cache)
+
+It holds no role (``roles`` is empty): ``generate`` is its one request call, and an abort, the
+engine's own (engine/runtime.py ``EngineWorker._abort``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,6 @@ class ColocatedWorker(EngineWorker):
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, **kwargs)
-            self._register(request_id, client)
+            self.register(request_id, client)
 
         await self.call(add)

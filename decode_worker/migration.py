@@ -33,6 +33,10 @@ Failure is a value at every step (``MigrationResult.outcome``):
                                         the router resumes the request from its own snapshot
 
 At most ``max_out`` migrations leave and ``max_in`` arrive per worker at a time (1 each).
+
+``MigrationRole`` is both halves, on a worker that also holds a ``DecodeRole``
+(decode_worker/decode.py): B's copy arrives through that role's receiver, as a prefill's KV
+does, and ends in this role (``_arrived``).
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ from typing import Any
 
 import torch
 
+from decode_worker.decode import DecodeRole
 from decode_worker.migration_config import MigrationConfig
 from engine.attention import host_to_device, slot_array
 from engine.histogram import Buckets
-from engine.kv_transfer import KVConnector, TransferEvent, TransferOutcome
+from engine.kv_transfer import KVConnector, KVLimits, TransferEvent, TransferOutcome
 from engine.messages import (
     Delta,
     Full,
@@ -60,6 +65,7 @@ from engine.messages import (
     ReserveResult,
     brief,
 )
+from engine.runtime import EngineWorker, Role
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,17 +97,6 @@ class _Out:
     stages: int = 0  # copy stages done (the last one included once it is)
     copy_s: float = 0.0  # seconds the stages before the last one took
     pause_s: float | None = None  # paused until B answered (set once it has)
-
-
-@dataclass
-class Arrival:
-    """A request whose KV is still coming in (from a prefill worker, or a migration's source):
-    until when it may take, and why it was cancelled ("" for the caller's abort) once it was.
-    The receiver's event for it ends it, in one place (DecodeWorker._handle_transfer_event)."""
-
-    deadline: float  # monotonic
-    reserved_at: float = field(default_factory=time.monotonic)
-    cancel_reason: str | None = None
 
 
 @dataclass
@@ -150,12 +145,24 @@ class MigrationStats:
         }
 
 
-class MigrationMixin:
-    """Both halves of the protocol, mixed into DecodeWorker (which provides the engine thread,
-    the receiver, ``call``/``post``, ``_register``/``_emit`` and the transfer deadlines)."""
+class MigrationRole(Role):
+    """Both halves of the protocol, on ``worker``'s engine; the KV arrives through ``decode``'s
+    receiver, and leaves through a connector of its own (made on the first migration out)."""
 
-    def _init_migration(self, config: MigrationConfig) -> None:
-        self.migration = config
+    def __init__(
+        self,
+        worker: EngineWorker,
+        decode: DecodeRole,
+        config: MigrationConfig,
+        *,
+        token: str,
+        limits: KVLimits,
+    ) -> None:
+        super().__init__(worker)
+        self.decode = decode
+        self.config = config
+        self.token = token
+        self.kv_limits = limits
         self._connector: KVConnector | None = None  # made on the first migration out
         self._copy_stream: torch.cuda.Stream | None = None  # copy stages' gathers (CUDA)
         self._gather_times: deque = deque(maxlen=256)  # (bytes, start, end events) per chunk
@@ -172,13 +179,13 @@ class MigrationMixin:
         self, request_id: str, dest: Any, dest_name: str, reason: str = "admin"
     ) -> MigrationResult:
         """Move ``request_id`` to ``dest`` (a decode worker's actor handle) while it decodes."""
-        t0 = time.monotonic()
-        if len(self._out) >= self.migration.max_out or request_id in self._out:
-            return MigrationResult(request_id, "busy", self.name, dest_name, "a migration is out")
+        t0, name = time.monotonic(), self.worker.name
+        if len(self._out) >= self.config.max_out or request_id in self._out:
+            return MigrationResult(request_id, "busy", name, dest_name, "a migration is out")
         try:
-            snap = await self.call(lambda: self._out_begin(request_id, dest_name))
+            snap = await self.worker.call(lambda: self._out_begin(request_id, dest_name))
         except ValueError as exc:
-            return MigrationResult(request_id, "not_migratable", self.name, dest_name, str(exc))
+            return MigrationResult(request_id, "not_migratable", name, dest_name, str(exc))
         state = self._out[request_id]
         try:
             outcome, why = await self._migrate(state, snap, dest)
@@ -187,15 +194,15 @@ class MigrationMixin:
         finally:
             self._out.pop(request_id, None)
         if outcome != "migrated":  # whatever happened, the request decodes here again
-            await self.call(lambda: self.engine.resume_paused(request_id))
+            await self.worker.call(lambda: self.engine.resume_paused(request_id))
             if state.capacity:
-                await _ask(dest.migrate_cancel, request_id, timeout=self.migration.timeout_s,
+                await _ask(dest.migrate_cancel, request_id, timeout=self.config.timeout_s,
                            default="unreachable")  # fmt: skip
         pause = time.monotonic() - state.paused_at if state.paused_at is not None else 0.0
         result = MigrationResult(
             request_id,
             outcome,
-            self.name,
+            name,
             dest_name,
             why,
             stages=state.stages,
@@ -207,12 +214,12 @@ class MigrationMixin:
         )
         self.migration_stats.record(result, reason)
         if outcome != "migrated":
-            logger.info("%s: migration of %s to %s: %s (%s)", self.name, request_id, dest_name,
+            logger.info("%s: migration of %s to %s: %s (%s)", name, request_id, dest_name,
                         outcome, why)  # fmt: skip
         return result
 
     async def _migrate(self, state: _Out, snap: RequestSnapshot, dest: Any) -> tuple[str, str]:
-        cfg, bs = self.migration, self.engine.cfg.block_size
+        cfg, bs = self.config, self.engine.cfg.block_size
         reserve = snap.num_tokens + cfg.headroom_blocks * bs
         try:
             res = await _ask(
@@ -223,7 +230,7 @@ class MigrationMixin:
                 snap.client,
                 output_token_ids=snap.output_token_ids,
                 reserve_tokens=reserve,
-                source=self.name,
+                source=self.worker.name,
                 priority=snap.priority,
                 cache_salt=snap.cache_salt,
                 timeout=cfg.timeout_s,
@@ -238,7 +245,7 @@ class MigrationMixin:
         sender = self._sender(res.endpoint)
         while True:
             last = state.stages >= cfg.max_stages
-            upto = await self.call(lambda last=last: self._out_plan(state, last))
+            upto = await self.worker.call(lambda last=last: self._out_plan(state, last))
             if upto is None:
                 break  # few enough left: the last stage
             t0 = time.monotonic()
@@ -252,7 +259,7 @@ class MigrationMixin:
                 (snapshot_s * 1e3, (t1 - t0 - snapshot_s) * 1e3, (t2 - t1) * 1e3)
             )
         # The last stage: pause, copy the rest, done with the snapshot.
-        while (step := await self.call(lambda: self._out_last(state, sender))) != "done":
+        while (step := await self.worker.call(lambda: self._out_last(state, sender))) != "done":
             if step == "grow":  # it outgrew its room on B: ask for more, still decoding
                 want = state.need + cfg.headroom_blocks * bs
                 grown = await _ask(dest.migrate_grow, state.request_id, want,
@@ -270,7 +277,7 @@ class MigrationMixin:
                                 default=f"unreachable: {brief(exc)}")  # fmt: skip
         state.pause_s = time.monotonic() - (state.paused_at or time.monotonic())
         if answer == "admitted":
-            still_here = await self.call(lambda: self._out_finish(state))
+            still_here = await self.worker.call(lambda: self._out_finish(state))
             if not still_here:  # aborted while paused: B runs it for nobody
                 await _ask(dest.abort, state.request_id, timeout=cfg.timeout_s, default=None)
                 return "finished", "aborted during the migration"
@@ -280,7 +287,7 @@ class MigrationMixin:
     def _out_begin(self, request_id: str, dest: str) -> RequestSnapshot:
         """Engine thread: check and snapshot the request; registers the migration."""
         request = self.engine.migratable(request_id)
-        tracked = self._requests.get(request_id)
+        tracked = self.worker.requests.get(request_id)
         if tracked is None or not tracked.client:
             raise ValueError(f"request {request_id!r} has no stream here")
         client = tracked.client
@@ -313,7 +320,7 @@ class MigrationMixin:
         bs = self.engine.cfg.block_size
         full = request.num_computed_tokens // bs * bs
         left = request.num_computed_tokens - state.sent
-        if last or left <= self.migration.last_stage_blocks * bs or full <= state.sent:
+        if last or left <= self.config.last_stage_blocks * bs or full <= state.sent:
             return None
         return min(full, state.capacity)
 
@@ -326,13 +333,13 @@ class MigrationMixin:
         was gathered for it goes to a transfer B then cancels. Returns the seconds the snapshot
         waited for the engine thread."""
         t0 = time.monotonic()
-        table, ready = await self.call(lambda: self._out_table(state))
+        table, ready = await self.worker.call(lambda: self._out_table(state))
         snapshot_s = time.monotonic() - t0
         while state.sent < upto:
             t0 = time.monotonic()
             await self._pace(state, sender)
             t1 = time.monotonic()
-            end = min(upto, state.sent + self.migration.chunk_tokens)
+            end = min(upto, state.sent + self.config.chunk_tokens)
             await asyncio.to_thread(self._gather_beside, state, sender, table, ready, end)
             self._chunk_times.append(((t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3))
         return snapshot_s
@@ -392,7 +399,7 @@ class MigrationMixin:
                 return "grow"
             # A step still running may hold the request's last token: its outputs go out now,
             # before the request can be handed over (pause waits for that step).
-            self._emit(self.engine.drain())
+            self.worker.emit(self.engine.drain())
             try:
                 self.engine.pause(state.request_id)
             except ValueError as exc:
@@ -405,7 +412,7 @@ class MigrationMixin:
             raise _Ended("finished", "aborted during the migration")
         computed = request.num_computed_tokens
         table = self.engine.block_manager.block_table(state.request_id)
-        self._gather(state, sender, table, min(computed, state.sent + self.migration.chunk_tokens))
+        self._gather(state, sender, table, min(computed, state.sent + self.config.chunk_tokens))
         if state.sent < computed:
             return "more"
         token = {
@@ -425,18 +432,18 @@ class MigrationMixin:
         request = self.engine.paused_request(rid)
         if request is None:
             return False
-        tracked = self._retire(rid)
+        tracked = self.worker.retire(rid)
         client = tracked.client if tracked is not None else ""
         self.engine.release_paused(rid)
         if client:
             moved = Delta(rid, start=request.num_output_tokens, moved_to=state.dest)
-            self._send_to_loop(self._deliver, {client: [moved]})
+            self.worker.send(client, [moved])
         return True
 
     def _sender(self, endpoint: str):
         if self._connector is None:
             self._connector = KVConnector(
-                self.kv_spec(), self._on_out_failure, token=self.token, limits=self.kv_limits
+                self.worker.kv_spec(), self._on_out_failure, token=self.token, limits=self.kv_limits
             )
         return self._connector.sender(endpoint)
 
@@ -449,25 +456,25 @@ class MigrationMixin:
 
     def _copy_bytes(self, positions: int) -> int:
         """KV bytes of ``positions`` token positions, every layer."""
-        spec = self.kv_spec()
+        spec = self.worker.kv_spec()
         return spec.payload_bytes(positions) * spec.num_layers
 
     async def _pace(self, state: _Out, sender) -> None:
         """Wait until the channel has room for another chunk (bounded by timeout_s)."""
-        limit = self._copy_bytes(self.migration.chunk_tokens) * self.migration.chunks_ahead
+        limit = self._copy_bytes(self.config.chunk_tokens) * self.config.chunks_ahead
         await self._wait_channel(state, sender, lambda: sender.pending_bytes <= limit)
 
     async def _drained(self, state: _Out, sender) -> None:
         await self._wait_channel(state, sender, lambda: sender.pending_bytes == 0)
 
     async def _wait_channel(self, state: _Out, sender, ok) -> None:
-        deadline = time.monotonic() + self.migration.timeout_s
+        deadline = time.monotonic() + self.config.timeout_s
         delay = 0.0002  # a chunk leaves in ~2 ms on NVLink: a coarser poll would pace the copy
         while not ok():
             if state.failed is not None or sender.error is not None:
                 raise _Ended("dest_failed", state.failed or sender.error)
             if time.monotonic() > deadline:
-                raise _Ended("dest_failed", f"KV copy stalled for {self.migration.timeout_s} s")
+                raise _Ended("dest_failed", f"KV copy stalled for {self.config.timeout_s} s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.001)
 
@@ -505,7 +512,7 @@ class MigrationMixin:
         """Hold room for a request migrating in from ``source`` (step 2)."""
 
         def reserve() -> ReserveResult:
-            if len(self._in) >= self.migration.max_in:
+            if len(self._in) >= self.config.max_in:
                 return Full(SLOT_TAKEN)
             try:
                 table = self.engine.reserve_remote(
@@ -522,14 +529,15 @@ class MigrationMixin:
             if table is None:
                 return Full()
             capacity = len(table) * self.engine.cfg.block_size
-            self.receiver.expect(request_id, table, capacity, exact=False)
-            deadline = time.monotonic() + self.migration.timeout_s
-            self._arriving[request_id] = Arrival(deadline)
+            deadline = time.monotonic() + self.config.timeout_s
+            self.decode.expect(
+                request_id, table, capacity, deadline, exact=False, on_end=self._arrived
+            )
             self._in[request_id] = _In(client, source, capacity)
             self._in_done.pop(request_id, None)
-            return Reserved(self.receiver.endpoint)
+            return Reserved(self.decode.receiver.endpoint)
 
-        return await self.call(reserve)
+        return await self.worker.call(reserve)
 
     async def migrate_grow(self, request_id: str, num_tokens: int) -> int:
         """Room for ``num_tokens`` positions: the new capacity, or 0 when it does not fit."""
@@ -542,12 +550,12 @@ class MigrationMixin:
             if table is None:
                 return 0
             capacity = len(table) * self.engine.cfg.block_size
-            if not self.receiver.extend(request_id, table, capacity):
+            if not self.decode.receiver.extend(request_id, table, capacity):
                 return 0
             incoming.capacity = capacity
             return capacity
 
-        return await self.call(grow)
+        return await self.worker.call(grow)
 
     async def migrate_wait(self, request_id: str) -> str:
         """ "admitted" once the request runs here (step 5), else why it failed."""
@@ -562,7 +570,7 @@ class MigrationMixin:
             else:
                 incoming.waiters.append((loop, fut))
 
-        self.post(wait)
+        self.worker.post(wait)
         return await fut
 
     async def migrate_cancel(self, request_id: str) -> str:
@@ -573,13 +581,14 @@ class MigrationMixin:
             if self._in_done.get(request_id) == "admitted":
                 return "admitted"
             if request_id in self._in:
-                self._cancel(request_id, "cancelled by the source")
+                self.decode.cancel(request_id, "cancelled by the source")
             return "cancelled"
 
-        return await self.call(cancel)
+        return await self.worker.call(cancel)
 
-    def _migration_event(self, event: TransferEvent, cancelled: str | None) -> None:
-        """Engine thread: a migration's transfer ended (step 5, or its failure)."""
+    def _arrived(self, event: TransferEvent, cancelled: str | None) -> None:
+        """Engine thread: a migration's transfer ended (step 5, or its failure); the decode
+        role's receiver event, handed on by its ``Arrival``."""
         rid = event.transfer_id
         incoming = self._in.pop(rid)
         result = None
@@ -594,7 +603,7 @@ class MigrationMixin:
                 result = f"bad migration snapshot: {exc}"
             else:
                 result = "admitted"
-                self._register(rid, incoming.client)
+                self.worker.register(rid, incoming.client)
         if result != "admitted":
             self.engine.abort_request(rid)  # frees the reservation; nothing goes to the client
             result = result or event.reason or cancelled or "cancelled"
@@ -605,10 +614,14 @@ class MigrationMixin:
         for loop, fut in incoming.waiters:
             loop.call_soon_threadsafe(_resolve, fut, result)
 
-    def _migration_candidates(self) -> list[dict[str, Any]]:
+    async def migration_candidates(self) -> list[dict[str, Any]]:
+        """Every request streaming from here, with its length and what it may still need."""
+        return await self.worker.call(self.candidates, control=True)
+
+    def candidates(self) -> list[dict[str, Any]]:
         """Engine thread: every request here, for drain and rebalance to pick from."""
         out = []
-        for rid, tracked in list(self._requests.items()):
+        for rid, tracked in list(self.worker.requests.items()):
             if not tracked.client:
                 continue
             request = self.engine.single_request(rid)
@@ -632,6 +645,35 @@ class MigrationMixin:
             )
         return out
 
+    def _projected_blocks(self) -> int:
+        """Blocks in use plus what the running requests will still need to finish (by the
+        router's predicted length while they are short of it, else by their max_tokens; a
+        request without one is counted to the context limit)."""
+        bm, engine = self.engine.block_manager, self.engine
+        need = 0
+        for c in self.candidates():
+            end = min(c["num_tokens"] + c["remaining"], engine.max_model_len)
+            need += bm.blocks_needed(end) - bm.blocks_needed(c["num_tokens"])
+        return bm.num_blocks - bm.num_free_blocks + need
+
+    # -- the worker's calls (engine thread; Role has the contract) -------------------------------
+
+    def holds(self) -> dict[str, int]:
+        return {"migrations": len(self._out) + len(self._in)}
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {}
+        if self._connector is not None:
+            stats["kv_bytes_sent"] = self._connector.bytes_sent
+        stats["migrations"] = self.migration_stats.as_dict(self.engine.cfg.block_size)
+        stats["migrating"] = {"out": len(self._out), "in": len(self._in)}
+        stats["projected_blocks"] = self._projected_blocks()
+        return stats
+
+    def close(self) -> None:
+        if self._connector is not None:
+            self._connector.close()
+
 
 _RAISE = object()
 
@@ -652,4 +694,4 @@ def _resolve(fut: asyncio.Future, value: Any) -> None:
         fut.set_result(value)
 
 
-__all__ = ["PAUSE_BUCKETS", "MigrationConfig", "MigrationMixin", "MigrationStats"]
+__all__ = ["PAUSE_BUCKETS", "MigrationConfig", "MigrationRole", "MigrationStats"]

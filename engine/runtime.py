@@ -20,12 +20,18 @@ behind gets fewer, larger batches (``coalesced`` counts the merged steps), never
 queue of messages, and what is held is bounded by the tokens its running requests produce.
 When a router's reader goes away and none comes back within ``orphan_grace_s``, that router's
 requests are aborted (their blocks are freed).
+
+A worker actor is an ``EngineWorker`` (the thread, the inbox, the channels, one ``Tracked``
+record per request) plus a list of ``Role`` components: prefill (prefill_worker/), decode and
+migration (decode_worker/). Its abort, tick, stats, fault handling and shutdown loop over the
+roles in one place each; its public methods are its roles' own (``delegate``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -35,7 +41,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +52,7 @@ from engine.tracing import StallWatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineWorker"]
+__all__ = ["EngineWorker", "Role", "Tracked", "delegate"]
 
 LATENCY_WINDOW = 256  # latency samples a worker keeps (its stats() report their p50 / p99)
 # stats()["latency_recent"]: the kept samples of the last this many seconds only (the
@@ -56,13 +62,70 @@ LATENCY_RECENT_S = 30.0
 
 @dataclass
 class Tracked:
-    """What a worker keeps of one request beside its engine's own state, from ``_register``
-    to ``_retire``: where its deltas go, when it arrived (until its first token: the TTFT),
+    """What a worker keeps of one request beside its engine's own state, from ``register``
+    to ``retire``: where its deltas go, when it arrived (until its first token: the TTFT),
     and the router's estimate of its output (a decode worker's projections)."""
 
     client: str  # "": not streamed (a prefill worker's request: the call returns its token)
     arrived: float | None  # monotonic, until its first token
     predicted: int | None = None
+
+
+class Role:
+    """One job a worker does with its engine (prefill, decode, migration): a component the
+    worker holds in ``worker.roles``, never a base class of it. It reaches the engine thread,
+    the inbox and the output channels through ``self.worker`` (``call``, ``post``,
+    ``register``, ``retire``, ``emit``, ``fail``, ``send``). The worker asks each of its roles
+    in their order, every method but ``close`` on the engine thread; the defaults do nothing,
+    a role overrides what it has."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.engine = worker.engine
+
+    def holds(self) -> dict[str, int]:
+        """What this role holds now that a role switch must wait for, counted by kind
+        (``{"prefills": 2}``); every count 0: idle."""
+        return {}
+
+    def abort(self, request_id: str) -> bool:
+        """End ``request_id`` if this role holds it. True: it did, and no later role is asked;
+        when no role claims it the worker aborts it in its engine."""
+        return False
+
+    def tick(self) -> float | None:
+        """The engine loop's periodic hook (deadlines), once per loop iteration. Returns the
+        monotonic time it next needs to run even if no work comes (None: not before work
+        comes); the earliest of its roles' bounds how long the idle engine thread blocks."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Its entries of the worker's ``stats()``. A key two roles of one worker report is a
+        counter the worker adds up (``kv_bytes_sent``: prefill streaming and migration)."""
+        return {}
+
+    def fail_everything(self, why: str) -> None:
+        """An engine fault that is not one request's: end what only this role knows of (the
+        worker then fails every request it tracks). ``why`` names the logged error id."""
+
+    def close(self) -> None:
+        """Shutdown (any thread): close this role's sockets and channels."""
+
+
+def delegate(role: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """An actor method that awaits ``method`` on the worker's ``role`` attribute: the actor
+    keeps the role's public call by name, signature and docstring (Ray reads the signature
+    through ``functools.wraps``), the role keeps the code::
+
+        class PrefillWorker(EngineWorker):
+            prefill = delegate("prefill_role", PrefillRole.prefill)
+    """
+
+    @functools.wraps(method)
+    async def call_role(self: EngineWorker, *args: Any, **kwargs: Any) -> Any:
+        return await method(getattr(self, role), *args, **kwargs)
+
+    return call_role
 
 
 class _Channel:
@@ -92,8 +155,10 @@ class _Channel:
 
 
 class EngineWorker:
-    """Base of PrefillWorker, DecodeWorker and ColocatedWorker (plain classes: the controller
-    wraps them in ``ray.remote``; tests may also use them in-process)."""
+    """The engine thread of a worker actor and its roles: base of PrefillWorker, DecodeWorker,
+    ColocatedWorker and FlexWorker (plain classes: the controller wraps them in
+    ``ray.remote``; tests may also use them in-process). A subclass builds its roles after
+    this constructor (the engine exists, its thread has not started) into ``self.roles``."""
 
     role = "engine"
     orphan_grace_s = 5.0  # a client's requests outlive its reader this long (it may come back)
@@ -123,7 +188,9 @@ class EngineWorker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         # What this worker keeps per request beside the engine (engine thread only).
-        self._requests: dict[str, Tracked] = {}
+        self.requests: dict[str, Tracked] = {}
+        self.roles: list[Role] = []  # its subclass's, in the order they are asked
+        self._wake_at: float | None = None  # the earliest time a role's tick asked for
         self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
         self._closed = False
         self.steps = 0
@@ -142,7 +209,7 @@ class EngineWorker:
                 PrefixIndex(index["url"], index["namespace"]), index["worker"]
             )
             self.engine.block_manager.record_events = True
-        # Started by ``start()`` once every role has set its state (``ready()`` calls it: the
+        # Started by ``start()`` once every role is built (``ready()`` calls it: the
         # first call the controller makes), so no constructor races the engine thread.
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
 
@@ -166,7 +233,7 @@ class EngineWorker:
 
     def _wait_timeout(self) -> float | None:
         """How long the idle engine thread may block (None: until the inbox has something)."""
-        return None
+        return None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic())
 
     def _run(self) -> None:
         last_end: float | None = None  # the previous step's end, while steps follow each other
@@ -180,7 +247,7 @@ class EngineWorker:
                 watch.beat()
                 if idle:
                     last_end = None
-                self._on_tick()
+                self._tick()
                 if self._has_work():
                     start = self._step_started = time.monotonic()
                     deltas = self.engine.step()
@@ -189,7 +256,7 @@ class EngineWorker:
                     self._step_gaps.append((end, end - (start if last_end is None else last_end)))
                     last_end = end
                     self.steps += 1
-                    self._emit(deltas)
+                    self.emit(deltas)
                     self._publish_blocks()
             except Exception as exc:  # noqa: BLE001 - a bug must not kill the thread silently
                 self._step_started = None
@@ -227,25 +294,28 @@ class EngineWorker:
         if stored or evicted:
             self._publisher.push(stored, evicted)
 
-    def _on_tick(self) -> None:
-        """Hook run once per loop iteration in the engine thread (deadlines)."""
+    def _tick(self) -> None:
+        """Engine thread, once per loop iteration: every role's tick (deadlines); the earliest
+        time one asks to run again bounds the next idle wait."""
+        wakes = [t for t in (role.tick() for role in self.roles) if t is not None]
+        self._wake_at = min(wakes, default=None)
 
-    def _register(self, request_id: str, client: str) -> Tracked:
+    def register(self, request_id: str, client: str) -> Tracked:
         """Engine thread: start keeping ``request_id``: its deltas go to ``client``'s channel
         ("": nowhere); its first token's delay is counted from now (the TTFT in ``stats()``).
-        Retired by ``_retire`` when it ends, whichever way."""
-        tracked = self._requests[request_id] = Tracked(client, time.monotonic())
+        Retired by ``retire`` when it ends, whichever way."""
+        tracked = self.requests[request_id] = Tracked(client, time.monotonic())
         return tracked
 
-    def _retire(self, request_id: str) -> Tracked | None:
+    def retire(self, request_id: str) -> Tracked | None:
         """Engine thread: forget ``request_id`` (it ended here, or continues elsewhere)."""
-        return self._requests.pop(request_id, None)
+        return self.requests.pop(request_id, None)
 
     def _streams(self) -> dict[str, str]:
         """Request id -> client of every request whose deltas go to a client."""
-        return {rid: t.client for rid, t in self._requests.items() if t.client}
+        return {rid: t.client for rid, t in self.requests.items() if t.client}
 
-    def _emit(self, deltas: list[Delta]) -> None:
+    def emit(self, deltas: list[Delta]) -> None:
         """Engine thread: hand a step's deltas to the event loop, grouped by client, in one
         call (the channels and their readers live there)."""
         if not deltas:
@@ -254,7 +324,7 @@ class EngineWorker:
         by_client: dict[str, list[Delta]] = {}
         ended: set[str] = set()
         for d in deltas:
-            tracked = self._requests.get(d.request_id)
+            tracked = self.requests.get(d.request_id)
             if tracked is None:
                 continue
             if tracked.arrived is not None and (d.token_ids or d.finished):
@@ -268,9 +338,14 @@ class EngineWorker:
         # retired only after the whole step: the n sequences of a request that end in one
         # step each have a delta here, and the first one's end must not drop the others
         for rid in ended:
-            self._retire(rid)
+            self.retire(rid)
         if by_client and self._loop is not None:
             self._send_to_loop(self._deliver, by_client)
+
+    def send(self, client: str, deltas: list[Delta]) -> None:
+        """Engine thread: hand ``deltas`` to ``client``'s channel as they are (for a request
+        no longer tracked here: a migration's ``moved_to``)."""
+        self._send_to_loop(self._deliver, {client: deltas})
 
     def _send_to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -291,18 +366,21 @@ class EngineWorker:
             ch = self._channels[client] = _Channel()
         return ch
 
-    def _fail(self, request_id: str, message: str, retryable: bool = False) -> None:
+    def fail(self, request_id: str, message: str, retryable: bool = False) -> None:
         """Engine thread: end a request's stream with an error."""
-        self._emit([Delta(request_id, error=message, retryable=retryable)])
-        self._retire(request_id)
+        self.emit([Delta(request_id, error=message, retryable=retryable)])
+        self.retire(request_id)
 
     def _fail_everything(self, message: str) -> None:
         """Last resort after an engine fault that is not one request's (the engine isolates
-        those: LLMEngine._isolate): end every request with an error. ``message`` names the
-        error id the traceback is logged under; no traceback goes to a client."""
-        for rid in list(self._requests):
+        those: LLMEngine._isolate): every role ends what only it knows of, then every request
+        tracked here ends with an error. ``message`` names the error id the traceback is logged
+        under; no traceback goes to a client."""
+        for role in self.roles:
+            role.fail_everything(message)
+        for rid in list(self.requests):
             self.engine.abort_request(rid)
-            self._fail(rid, f"engine failure in {self.name}: {message}")
+            self.fail(rid, f"engine failure in {self.name}: {message}")
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in the engine thread (from any thread)."""
@@ -425,7 +503,7 @@ class EngineWorker:
         bm = self.engine.block_manager
         counts = bm.counts()
         sched = self.engine.scheduler
-        return {
+        stats = {
             "name": self.name,
             "role": self.role,
             "total_blocks": bm.num_blocks,
@@ -448,6 +526,10 @@ class EngineWorker:
             "prefix_queries_tokens": bm.prefix_queries,
             "prefix_hit_tokens": bm.prefix_hits,
         }
+        for role in self.roles:
+            for key, value in role.stats().items():
+                stats[key] = stats[key] + value if key in stats else value
+        return stats
 
     async def check_idle(self) -> str | None:
         """None when idle (free + cached + in-use == total, nothing in use, no request still
@@ -460,8 +542,8 @@ class EngineWorker:
                 return str(exc)
             if self.engine.has_unfinished_requests():
                 return f"{self.engine.num_unfinished_requests} requests unfinished"
-            if self._requests:  # ended in the engine, still kept here: a leak
-                return f"{len(self._requests)} requests still tracked: {sorted(self._requests)[:4]}"
+            if self.requests:  # ended in the engine, still kept here: a leak
+                return f"{len(self.requests)} requests still tracked: {sorted(self.requests)[:4]}"
             return None
 
         return await self.call(check, control=True)
@@ -470,12 +552,17 @@ class EngineWorker:
         await self.call(lambda: self._abort(request_id), control=True)
 
     def _abort(self, request_id: str) -> None:
+        """Engine thread: the first role that holds ``request_id`` ends it; none: the engine."""
+        if any(role.abort(request_id) for role in self.roles):
+            return
         if self.engine.has_request(request_id):
             self.engine.abort_request(request_id)
-            self._emit([aborted(request_id)])
-        self._retire(request_id)
+            self.emit([aborted(request_id)])
+        self.retire(request_id)
 
     def shutdown(self) -> None:
+        for role in self.roles:
+            role.close()
         self._closed = True
         self.post(lambda: None)
         for ch in self._channels.values():

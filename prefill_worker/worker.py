@@ -1,7 +1,8 @@
-"""The prefill worker: runs prompts and streams each layer's KV to the decode worker that
-continues the request.
+"""The prefill role: runs prompts and streams each layer's KV to the decode worker that
+continues the request. ``PrefillRole`` does it on a worker's engine; ``PrefillWorker`` is the
+actor that holds this role and no other (cluster/control/flex_worker.py holds it beside decode).
 
-A request's life here (the decode worker's module has the other half)::
+A request's life here (decode_worker/decode.py has the other half)::
 
     1. the caller picks a decode worker (its KV endpoint) and asks it to reserve the request's
        blocks; at the same time it calls
@@ -23,6 +24,10 @@ A request's life here (the decode worker's module has the other half)::
        a broken channel or a full channel queue (KVLimits.max_pending_bytes) aborts the
        transfer (the decode worker frees its side on ``abort`` or when the channel drops) and
        ``prefill`` returns the error (``PrefillFailed``: the caller retries elsewhere)
+
+The role holds, per request, a waiter (the ``prefill`` call's future, until its result), a
+gate (until ``release``) and the streamer's transfer (until ``done`` is queued); an abort of a
+request it holds ends all three (``PrefillRole.abort``).
 """
 
 from __future__ import annotations
@@ -36,30 +41,28 @@ from typing import Any
 from engine.kv_transfer import KVConnector, KVLimits
 from engine.kv_transfer.streamer import KVStreamer, token_from_dict
 from engine.messages import PrefillDone, PrefillFailed, PrefillResult
-from engine.runtime import EngineWorker
+from engine.runtime import EngineWorker, Role, delegate
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
 
 
-class PrefillMixin:
-    """The prefill role over an EngineWorker's engine: ``prefill`` / ``release`` and the KV
-    streaming behind them. ``PrefillWorker`` is this and nothing else; a worker that can take
-    either role (cluster/control/flex_worker.py) mixes it into a decode worker."""
+class PrefillRole(Role):
+    """``prefill`` / ``release`` and the KV streaming behind them, on ``worker``'s engine: the
+    KV connector to decode workers and the streamer that feeds it from each step's layers
+    (``attach_streamer`` puts it on the engine)."""
 
-    def _init_prefill_state(self) -> None:
-        """Before the engine thread starts (it may fail requests at once)."""
+    def __init__(
+        self, worker: EngineWorker, *, token: str, max_channels: int, limits: KVLimits
+    ) -> None:
+        super().__init__(worker)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._gates: dict[str, threading.Event] = {}
-
-    def _init_prefill(self, token: str, max_channels: int, kv_limits: dict[str, Any] | None):
-        """The KV connector to decode workers and the streamer that feeds it from each step's
-        layers (``attach_streamer`` puts it on the engine)."""
         self.connector = KVConnector(
-            self.kv_spec(),
+            worker.kv_spec(),
             self._on_channel_failure,
             token=token,
             max_channels=max_channels,
-            limits=KVLimits(**(kv_limits or {})),
+            limits=limits,
         )
         kv_caches = self.engine.runner.kv_caches
         self.streamer = KVStreamer(self.connector, kv_caches, self.engine.cfg.block_size)
@@ -108,13 +111,13 @@ class PrefillMixin:
         def add() -> None:
             trace(request_id, "prefill.add")
             self.engine.add_request(request_id, prompt, one, **kwargs)
-            self._register(request_id, "")  # no stream (the result is the call's); for TTFT
+            self.worker.register(request_id, "")  # no stream (the result is the call's); TTFT
             self.streamer.add(
                 request_id, request_id, endpoint, len(prompt) + carried, gate, called_at=called_at
             )
 
         try:
-            await self.call(add)
+            await self.worker.call(add)
         except BaseException as exc:
             self._waiters.pop(request_id, None)
             return PrefillFailed(str(exc))
@@ -127,7 +130,7 @@ class PrefillMixin:
         a resume after a decode worker's death waited ~0.9 s behind one (benchmarks/NOTES.md,
         the resume stall). Returns each endpoint's outcome: "ok", "forming" (past
         ``timeout_s``) or the channel's error."""
-        senders = await self.call(lambda: self.connector.connect(endpoints))
+        senders = await self.worker.call(lambda: self.connector.connect(endpoints))
         deadline = time.monotonic() + timeout_s
 
         def wait() -> None:
@@ -144,6 +147,11 @@ class PrefillMixin:
         if gate is None:  # overtook its prefill() call: leave it open for that call
             gate = self._gates[request_id] = threading.Event()
         gate.set()
+
+    async def kv_timings(self) -> list[tuple[float, ...]]:
+        """(bytes, post lag ms, send ms) of each layer message sent since the last call (NCCL
+        backend: CUDA events at the pack, at the send's start and at its end; empty otherwise)."""
+        return self.connector.drain_timings()
 
     def _resolve(self, request_id: str, result: PrefillResult) -> None:
         if isinstance(result, PrefillFailed):
@@ -167,36 +175,51 @@ class PrefillMixin:
             for tid in transfer_ids:
                 self.streamer.transfers.pop(tid, None)
                 self.engine.abort_request(tid)
-                self._retire(tid)
+                self.worker.retire(tid)
                 self._resolve(tid, PrefillFailed(reason))
 
-        self.post(fail)
+        self.worker.post(fail)
 
-    def _abort(self, request_id: str) -> None:
+    # -- the worker's calls (engine thread; Role has the contract) -------------------------------
+
+    def holds(self) -> dict[str, int]:
+        return {"prefills": len(self._waiters), "KV bytes out": self.connector.pending_bytes}
+
+    def abort(self, request_id: str) -> bool:
+        """A prefill of ours: still computing (a waiter), or computed and gated (its KV held
+        until the decode worker's reservation; the router aborts it when that answered Full),
+        or streaming. Its gate opens now, or it would hold the channel's queue until its
+        timeout."""
+        if not (
+            request_id in self._waiters
+            or request_id in self._gates
+            or request_id in self.streamer.transfers
+        ):
+            return False
         self.streamer.drop(request_id, "aborted by the caller")
         self.engine.abort_request(request_id)
-        self._retire(request_id)
+        self.worker.retire(request_id)
         self._resolve(request_id, PrefillFailed("aborted"))
+        return True
 
-    def _fail_everything(self, message: str) -> None:
+    def fail_everything(self, why: str) -> None:
         for rid in list(self._waiters):
-            self._abort(rid)
-        super()._fail_everything(message)
+            self.abort(rid)
 
-    async def kv_timings(self) -> list[tuple[float, ...]]:
-        """(bytes, post lag ms, send ms) of each layer message sent since the last call (NCCL
-        backend: CUDA events at the pack, at the send's start and at its end; empty otherwise)."""
-        return self.connector.drain_timings()
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kv_channels": self.connector.num_channels,
+            "kv_bytes_sent": self.connector.bytes_sent,
+            "kv_pending_bytes": self.connector.pending_bytes,
+        }
 
-    def _stats(self) -> dict[str, Any]:
-        stats = super()._stats()
-        stats["kv_channels"] = self.connector.num_channels
-        stats["kv_bytes_sent"] = self.connector.bytes_sent
-        stats["kv_pending_bytes"] = self.connector.pending_bytes
-        return stats
+    def close(self) -> None:
+        self.connector.close()
 
 
-class PrefillWorker(PrefillMixin, EngineWorker):
+class PrefillWorker(EngineWorker):
+    """The prefill actor: an engine thread and a ``PrefillRole``."""
+
     role = "prefill"
     length_probe = "auto"
 
@@ -211,7 +234,13 @@ class PrefillWorker(PrefillMixin, EngineWorker):
         kv_limits: dict[str, Any] | None = None,
     ) -> None:
         """``kv_limits``: KVLimits fields to change (its queue cap, socket and NCCL timeouts)."""
-        self._init_prefill_state()
         super().__init__(engine_config, name, index)
-        self._init_prefill(token, max_channels, kv_limits)
-        self.attach_streamer()
+        limits = KVLimits(**(kv_limits or {}))
+        self.prefill_role = PrefillRole(self, token=token, max_channels=max_channels, limits=limits)
+        self.prefill_role.attach_streamer()
+        self.roles = [self.prefill_role]
+
+    prefill = delegate("prefill_role", PrefillRole.prefill)
+    release = delegate("prefill_role", PrefillRole.release)
+    connect_kv = delegate("prefill_role", PrefillRole.connect_kv)
+    kv_timings = delegate("prefill_role", PrefillRole.kv_timings)

@@ -223,12 +223,13 @@ def test_destination_dies_in_the_last_stage_and_the_source_resumes(tiny, workers
         await reader
         return client, res
 
-    old = a.migration
-    a.migration = type(old)(**{**old.__dict__, "timeout_s": 0.5})
+    role = a.migration_role
+    old = role.config
+    role.config = type(old)(**{**old.__dict__, "timeout_s": 0.5})
     try:
         client, res = asyncio.run(main())
     finally:
-        a.migration = old
+        role.config = old
     assert res.outcome == "dest_failed" and res.pause_s >= 0.5
     assert client.tokens == expected and client.moves == []
     # B admitted it (the KV and done arrived) but A kept it: B runs it for nobody until told
@@ -252,12 +253,13 @@ def test_request_that_finishes_during_the_migration(tiny, workers) -> None:
         await reader
         return client, res
 
-    old = a.migration
-    a.migration = type(old)(**{**old.__dict__, "chunk_tokens": 1, "last_stage_blocks": 1})
+    role = a.migration_role
+    old = role.config
+    role.config = type(old)(**{**old.__dict__, "chunk_tokens": 1, "last_stage_blocks": 1})
     try:
         client, res = asyncio.run(main())
     finally:
-        a.migration = old
+        role.config = old
     assert res.outcome in ("finished", "migrated"), res
     assert len(client.tokens) == 6 and client.finish == "length"
     for w in (p, a, b):

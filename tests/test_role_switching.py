@@ -81,9 +81,7 @@ async def run(cluster, ids, n, **pins) -> list[int]:
 
 
 def pids(cluster) -> dict[str, int]:
-    return {
-        w["name"]: w["pid"] for w in ray.get(cluster.controller.status.remote())["workers"]
-    }
+    return {w["name"]: w["pid"] for w in ray.get(cluster.controller.status.remote())["workers"]}
 
 
 def test_flex_workers_serve_their_first_roles(cluster, hf):
@@ -107,12 +105,13 @@ def test_an_aborted_gated_prefill_opens_its_gate(cluster):
     assert isinstance(done, PrefillDone)  # computed; its KV waits for a release
 
     def gates(self):
+        role = self.prefill_role
         held = {
             t: g.is_set()
-            for s in self.connector._senders.values()
+            for s in role.connector._senders.values()
             for t, (g, _) in s._gates.items()
         }
-        return "gated-0" in self._gates, held.get("gated-0")
+        return "gated-0" in role._gates, held.get("gated-0")
 
     assert ray.get(p.__ray_call__.remote(gates)) == (True, False)
     ray.get(control(p.abort).remote("gated-0"))

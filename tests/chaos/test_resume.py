@@ -194,9 +194,7 @@ def test_n_samples_through_the_router_resume_when_their_worker_hangs(
     async def main():
         # a router of its own, as a gateway has: the controller's table, not what this
         # process's other dispatcher suspected during the earlier faults
-        view = MembershipView(
-            await cluster.controller.members.remote(), cluster.controller
-        )
+        view = MembershipView(await cluster.controller.members.remote(), cluster.controller)
         backend = ClusterBackend(view, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S)
         gen = await backend.open("fan-resume", prompts[0], params)
         victim = gen.children[0].placement.decode

@@ -1,0 +1,223 @@
+"""The decode role: reserves blocks, receives a prompt's KV from a prefill worker, decodes.
+
+``DecodeRole`` does it on a worker's engine; the actors that hold it are ``DecodeWorker``
+(decode_worker/worker.py: with the migration role) and the flex worker (cluster/). A request's
+life here (prefill_worker/worker.py has the other half)::
+
+    1. reserve(request_id, prompt, params, client)   validate (``Rejected`` on bad input), then
+       hold blocks for the prompt plus the first decode step (``Reserved(endpoint)``), or answer
+       ``Full`` at once so the caller can pick another decode worker; the KV receiver now
+       expects the transfer (an ``Arrival`` with its deadline); the request's deltas will go to
+       ``client``'s stream
+    2. the prefill worker streams the prompt's KV layer by layer; the receiver writes each
+       layer into the reserved blocks as it arrives (its own thread; over NCCL its own stream)
+    3. ``done`` after every layer: the request is admitted into the running batch with the
+       first token the prefill worker sampled (that token is its first stream output)
+    4. decode steps, batched with every other running request; each step's deltas go out on
+       the client's ``outputs`` stream (engine/runtime.py), one batch per step
+    5. completion or abort frees the blocks. A transfer that fails (prefill abort, broken
+       channel, timeout: ``tick`` checks the deadlines) frees them too and ends the request
+       with a retryable error delta before any token, so the caller can run the request on
+       another pair
+
+A running request can move to another decode worker while it decodes (``migrate_out`` here,
+``migrate_in`` there): decode_worker/migration.py has that protocol. Its KV arrives through
+this role's receiver too (``expect`` with the migration role's ``on_end``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.kv_transfer import KVLimits, TransferEvent, TransferOutcome, make_receiver
+from engine.kv_transfer.streamer import token_from_dict
+from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
+from engine.runtime import EngineWorker, Role
+from engine.sampling_params import SamplingParams
+from engine.tracing import trace
+
+
+@dataclass
+class Arrival:
+    """A request whose KV is still coming in (from a prefill worker, or a migration's source):
+    until when it may take, why it was cancelled ("" for the caller's abort) once it was, and
+    who ends it: None for a prefill's transfer (admitted here), a migration's handler for a
+    migration's. The receiver's event for it ends it, in one place
+    (``DecodeRole._on_transfer_end``)."""
+
+    deadline: float  # monotonic
+    reserved_at: float = field(default_factory=time.monotonic)
+    cancel_reason: str | None = None
+    on_end: Callable[[TransferEvent, str | None], None] | None = None
+
+
+class DecodeRole(Role):
+    """``reserve`` / ``fail_transfer`` / ``endpoint``, the KV receiver and its arrivals."""
+
+    def __init__(
+        self,
+        worker: EngineWorker,
+        *,
+        transport: str,
+        token: str,
+        host: str,
+        transfer_timeout_s: float,
+        limits: KVLimits,
+    ) -> None:
+        super().__init__(worker)
+        self.transfer_timeout_s = transfer_timeout_s
+        self.arriving: dict[str, Arrival] = {}  # transfer id -> its KV still coming in
+        self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
+        if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.receiver = make_receiver(
+            transport,
+            worker.kv_spec(),
+            self.engine.runner.kv_caches,
+            self.engine.cfg.block_size,
+            self._on_transfer_event,
+            token=token,
+            host=host,
+            limits=limits,
+        )
+
+    async def endpoint(self) -> str:
+        return self.receiver.endpoint
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        client: str = "",
+        predicted_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> ReserveResult:
+        """``Reserved(endpoint)``, ``Full`` (no room now) or ``Rejected`` (invalid request:
+        retrying elsewhere will not help). Outputs go to ``outputs(client)``. With
+        ``output_token_ids`` (a resumed request) the KV expected covers them too.
+        ``predicted_tokens``: the router's estimate of its whole output (projections)."""
+
+        def reserve() -> ReserveResult:
+            trace(request_id, "decode.reserve")
+            try:
+                table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
+            except ValueError as exc:
+                return Rejected(str(exc))
+            if table is None:
+                return Full()
+            tracked = self.worker.register(request_id, client)
+            if predicted_tokens:  # (its 90th percentile): what projections count, not max_tokens
+                tracked.predicted = int(predicted_tokens)
+            carried = len(kwargs.get("output_token_ids") or ())
+            deadline = time.monotonic() + self.transfer_timeout_s
+            self.expect(request_id, table, len(prompt) + carried, deadline)
+            return Reserved(self.receiver.endpoint)
+
+        return await self.worker.call(reserve)
+
+    async def fail_transfer(self, request_id: str, reason: str) -> None:
+        """The caller saw the prefill side fail: drop the transfer, end the stream retryably."""
+        await self.worker.call(lambda: self.cancel(request_id, reason))
+
+    async def kv_timings(self) -> list[tuple[int, float]]:
+        """(bytes, ms) of each layer message received since the last call (NCCL backend: CUDA
+        events around each recv on its pair stream; empty for other backends)."""
+        timings = getattr(self.receiver, "timings", None)
+        return timings.drain() if timings is not None else []
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def expect(
+        self,
+        request_id: str,
+        table: list[int],
+        num_tokens: int,
+        deadline: float,
+        *,
+        exact: bool = True,
+        on_end: Callable[[TransferEvent, str | None], None] | None = None,
+    ) -> None:
+        """The receiver writes positions ``[0, num_tokens)`` of ``request_id`` into ``table``
+        (``exact=False``: up to, the length comes with ``done``) until ``deadline``; its
+        event ends it (``on_end``: a migration's handler; None: admitted as a prefill's)."""
+        self.receiver.expect(request_id, table, num_tokens, exact=exact)
+        self.arriving[request_id] = Arrival(deadline, on_end=on_end)
+
+    def _on_transfer_event(self, event: TransferEvent) -> None:
+        """From a receiver thread: hand the event to the engine thread."""
+        self.worker.post(lambda: self._on_transfer_end(event))
+
+    def _on_transfer_end(self, event: TransferEvent) -> None:
+        rid = event.transfer_id
+        arrival = self.arriving.pop(rid, None)
+        complete = event.kind is TransferOutcome.COMPLETE
+        cancelled = arrival.cancel_reason if arrival is not None else None
+        if arrival is not None and arrival.on_end is not None:
+            arrival.on_end(event, cancelled)  # a migration's copy (not in kv_transfer_seconds)
+            return
+        if complete and arrival is not None:
+            self.kv_transfer_seconds += time.monotonic() - arrival.reserved_at
+        if complete and cancelled is None:
+            trace(rid, "decode.admit")
+            try:
+                first = token_from_dict(event.token)
+            except (KeyError, TypeError, ValueError) as exc:  # a malformed peer: this one fails
+                event = TransferEvent(TransferOutcome.FAILED, rid, reason=f"bad first token: {exc}")
+            else:
+                cached = event.token.get("num_cached_tokens", 0)
+                self.worker.emit(self.engine.admit_remote(rid, first, num_cached_tokens=cached))
+                return
+        self.engine.abort_request(rid)  # frees the blocks: the receiver no longer writes them
+        reason = event.reason if event.kind is TransferOutcome.FAILED else cancelled
+        if reason:
+            self.worker.fail(rid, f"KV transfer failed: {reason}", retryable=True)
+        else:
+            self.worker.emit([aborted(rid)])  # cancelled by the caller's abort
+
+    def cancel(self, request_id: str, reason: str | None) -> None:
+        """Stop a transfer still arriving. Exactly one receiver event follows (``released``, or
+        a ``complete``/``failed`` already on its way); its handler frees the blocks."""
+        arrival = self.arriving.get(request_id)
+        if arrival is not None and arrival.cancel_reason is None:
+            arrival.cancel_reason = reason or ""
+            arrival.deadline = math.inf
+            self.receiver.cancel(request_id)
+
+    # -- the worker's calls (engine thread; Role has the contract) -------------------------------
+
+    def holds(self) -> dict[str, int]:
+        return {"transfers in": len(self.receiver.pending())}
+
+    def abort(self, request_id: str) -> bool:
+        """A transfer still arriving is cancelled (its event ends it); a running request is
+        not this role's to end (the worker aborts it in its engine)."""
+        if request_id not in self.arriving:
+            return False
+        self.cancel(request_id, None)
+        return True
+
+    def tick(self) -> float | None:
+        """Cancel the transfers past their deadline; the next deadline."""
+        now = time.monotonic()
+        for rid, arrival in list(self.arriving.items()):
+            if arrival.deadline <= now:
+                self.cancel(rid, f"no KV after {self.transfer_timeout_s:.0f} s")
+        deadline = min((a.deadline for a in self.arriving.values()), default=math.inf)
+        return None if deadline == math.inf else deadline
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kv_bytes_received": self.receiver.bytes_received,
+            "kv_transfer_seconds": self.kv_transfer_seconds,
+            "transfers_pending": len(self.receiver.pending()),
+        }
+
+    def close(self) -> None:
+        self.receiver.close()
