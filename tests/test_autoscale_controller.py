@@ -1,4 +1,4 @@
-"""The autoscaler inside the controller (cluster/control/controller.py): the signals it measures from
+"""The autoscaler inside the controller (cluster/control/autoscaling.py): the signals it measures from
 its workers' stats and the routers' load reports, the decisions it logs and carries out through
 ``scale``, its policy as the operator changes it, and what a router hears back for /metrics.
 
@@ -51,8 +51,8 @@ def make(workers: dict[str, Worker], **autoscale) -> tuple[Controller, list]:
     c = Controller(WorkerSpec(model_dir="m", cluster_id="t"), autoscale=autoscale)
     for name, w in workers.items():
         role = name.rpartition("-")[0]
-        c._workers[name] = WorkerInfo(name, role, w, WorkerState.ACTIVE, max_num_seqs=4)
-        c._roles.add(role)
+        c.membership.workers[name] = WorkerInfo(name, role, w, WorkerState.ACTIVE, max_num_seqs=4)
+        c.scaler.roles.add(role)
     calls = []
 
     async def scale(role, replicas, wait=True, force=False, reason="operator", **_):
@@ -61,12 +61,12 @@ def make(workers: dict[str, Worker], **autoscale) -> tuple[Controller, list]:
             raise Refused("below one worker")
         return {}
 
-    c.scale = scale
+    c.scaler.scale = scale  # autoscaling carries its decisions out through the scaler
     return c, calls
 
 
 def events(c: Controller, type_: str) -> list[dict]:
-    return [e for e in c._events if e["type"] == type_]
+    return [e for e in c.event_log if e["type"] == type_]
 
 
 def run(coro):
@@ -102,12 +102,12 @@ def test_router_demand_over_the_slots_grows_the_decode_pool() -> None:
 
 
 def test_without_fresh_router_reports_the_workers_queues_count(monkeypatch) -> None:
-    import cluster.control.controller as controller
+    import cluster.control.autoscaling as autoscaling
 
     async def go():
         c, _ = make({"decode-0": Worker(running=1, waiting=0)}, decode=FAST)
         await c.report_load("r1", {"running": 40, "queued": 40})
-        monkeypatch.setattr(controller, "ROUTER_LOAD_TTL_S", 0.0)  # the report is stale now
+        monkeypatch.setattr(autoscaling, "ROUTER_LOAD_TTL_S", 0.0)  # the report is stale now
         signals = await c.pool_signals("decode")
         assert signals.slots_used == 0.25  # the worker's 1 running of its 4 slots
         assert await c.autoscale_once() == []
@@ -149,22 +149,22 @@ def test_a_quiet_pool_shrinks_by_one_and_a_refusal_is_survived() -> None:
         assert (d["direction"], d["replicas"], d["target"]) == ("in", 2, 1)
         assert calls == [("decode", 1, "autoscaler: " + d["reason"])]
         # a draining worker is in the live pool: the target moves it by the same difference
-        c._workers["decode-1"] = WorkerInfo(
+        c.membership.workers["decode-1"] = WorkerInfo(
             "decode-1", "decode", Worker(), WorkerState.DRAINING, max_num_seqs=4
         )
-        c._workers["decode-2"] = WorkerInfo(
+        c.membership.workers["decode-2"] = WorkerInfo(
             "decode-2", "decode", Worker(), WorkerState.ACTIVE, max_num_seqs=4
         )
         calls.clear()
         (d,) = await c.autoscale_once()
         assert (d["replicas"], d["target"]) == (2, 1) and calls[0][:2] == ("decode", 2)
         # scale() refusing (below one worker, say) is an event of its own, not a crash
-        c._workers.pop("decode-2")
-        c._workers.pop("decode-1")
+        c.membership.workers.pop("decode-2")
+        c.membership.workers.pop("decode-1")
         c.autoscaler.config.decode.min_replicas = 1
         (d,) = await c.autoscale_once() or [None]
         assert d is None  # one worker, at min_replicas: nothing
-        await c._carry_out(c.autoscaler._decide("decode", "in", 1, 0, "kv", "test", {}))
+        await c.autoscaling._carry_out(c.autoscaler._decide("decode", "in", 1, 0, "kv", "test", {}))
         assert calls[-1][:2] == ("decode", 0)
 
     run(go())
@@ -173,7 +173,7 @@ def test_a_quiet_pool_shrinks_by_one_and_a_refusal_is_survived() -> None:
 def test_a_pool_being_scaled_is_not_looked_at() -> None:
     async def go():
         c, calls = make({"decode-0": Worker(running=4, waiting=4)}, decode=FAST)
-        c._scaling["decode"] = {"role": "decode", "replicas": 2, "started": 0.0}
+        c.scaler.running["decode"] = {"role": "decode", "replicas": 2, "started": 0.0}
         assert await c.autoscale_once() == [] and calls == []
 
     run(go())
@@ -182,25 +182,25 @@ def test_a_pool_being_scaled_is_not_looked_at() -> None:
 def test_set_policy_turns_the_loop_on_and_off_and_checks_every_field() -> None:
     async def go():
         c, _ = make({"decode-0": Worker()})
-        assert c.policy()["autoscale"]["enabled"] is False and c._autoscaling is None
+        assert c.policy()["autoscale"]["enabled"] is False and c.autoscaling._loop is None
         policy = await c.set_policy(
             autoscale={"enabled": True, "interval_s": 60, "decode": {"max_replicas": 5}}
         )
         assert policy["autoscale"]["decode"]["max_replicas"] == 5
         assert policy["autoscale"]["decode"]["min_replicas"] == 1  # the rest kept
-        assert c._autoscaling is not None and not c._autoscaling.done()
+        assert c.autoscaling._loop is not None and not c.autoscaling._loop.done()
         with pytest.raises(ValueError, match="min"):
             await c.set_policy(
                 health={"interval_s": 9.0}, autoscale={"decode": {"min_replicas": 9}}
             )
         with pytest.raises(ValueError, match="nonsense"):
             await c.set_policy(autoscale={"decode": {"nonsense": 1}})
-        assert c.health.interval_s != 9.0  # nothing of a refused change applies
+        assert c.membership.health.interval_s != 9.0  # nothing of a refused change applies
         assert c.policy()["autoscale"]["decode"]["max_replicas"] == 5
-        task = c._autoscaling
+        task = c.autoscaling._loop
         await c.set_policy(autoscale={"enabled": False})
         await asyncio.sleep(0)
-        assert c._autoscaling is None and task.cancelled()
+        assert c.autoscaling._loop is None and task.cancelled()
         assert [e["policy"]["autoscale"]["enabled"] for e in events(c, "policy")] == [True, False]
 
     run(go())
@@ -260,17 +260,17 @@ def test_a_short_pool_takes_a_flex_worker_the_other_pool_can_spare() -> None:
         )
         c.spec.role_switching = True
         for name, role in (("flex-0", "prefill"), ("flex-1", "prefill"), ("flex-2", "decode")):
-            c._workers[name] = WorkerInfo(
-                name, role, c._workers[name].handle, WorkerState.ACTIVE, max_num_seqs=4
+            c.membership.workers[name] = WorkerInfo(
+                name, role, c.membership.workers[name].handle, WorkerState.ACTIVE, max_num_seqs=4
             )
-        c._roles = {"prefill", "decode"}
+        c.scaler.roles = {"prefill", "decode"}
         switched = []
 
         async def switch_role(worker, role, deadline_s=60.0, reason=""):
             switched.append((worker, role, reason))
             return {}
 
-        c.switch_role = switch_role
+        c.scaler.switch_role = switch_role
         # prefill is quiet (and, looked at first, known to be), decode's 8 requests fill 4 slots
         taken = await c.autoscale_once()
         await asyncio.sleep(0)  # the switch runs as a task
@@ -296,21 +296,21 @@ def test_scale_refuses_a_pool_no_router_would_send_requests_to() -> None:
 
     async def go():
         c = Controller(WorkerSpec(model_dir="m", cluster_id="t"))
-        c._workers["colocated-0"] = WorkerInfo(
+        c.membership.workers["colocated-0"] = WorkerInfo(
             "colocated-0", "colocated", Worker(), WorkerState.ACTIVE
         )
-        c._roles.add("colocated")
+        c.scaler.roles.add("colocated")
         with pytest.raises(Refused, match="started without decode workers") as e:
             await c.scale("decode", 2)
         assert "tandem scale --role colocated --replicas 2" in str(e.value)
         assert "without a prefill worker" in str(e.value)
         # a disaggregated cluster whose prefill pool went to 0 (forced): decode alone is refused
-        c._roles = {"prefill", "decode"}
-        del c._workers["colocated-0"]
+        c.scaler.roles = {"prefill", "decode"}
+        del c.membership.workers["colocated-0"]
         with pytest.raises(Refused, match="no prefill worker") as e:
             await c.scale("decode", 1)
         assert "tandem scale --role prefill --replicas 1" in str(e.value)
         assert [x["phase"] for x in events(c, "scale")] == ["refused", "refused"]
-        assert c._workers == {} and c._scaling == {}
+        assert c.membership.workers == {} and c.scaler.running == {}
 
     run(go())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from cluster.control.events import EventLog
 from cluster.control.migrations import Migrator, RebalanceSettings
 from engine.messages import MigrationResult, WorkerInfo, WorkerState
 
@@ -62,9 +63,9 @@ class FakeDecode:
         raise AttributeError(name)
 
 
-class FakeController:
+class FakeMembership:
     def __init__(self, *workers: FakeDecode) -> None:
-        self._workers = {
+        self.workers = {
             w.name: WorkerInfo(w.name, "decode", w, WorkerState.ACTIVE) for w in workers
         }
 
@@ -91,7 +92,7 @@ def test_moves_the_request_that_brings_the_source_under_the_high_mark():
         "a", 100, 60, [cand("big", 320, 320), cand("mid", 160, 96), cand("small", 64, 32)]
     )
     b = FakeDecode("b", 100, 10)
-    actions = run(Migrator(FakeController(a, b)), high=0.85, low=0.6)
+    actions = run(Migrator(FakeMembership(a, b), EventLog()), high=0.85, low=0.6)
     # 3 blocks over the mark: "small" (6 blocks with its remaining) is the least that suffices
     assert [x["request_id"] for x in actions] == ["small"]
     assert a.moves == [("small", "b")]
@@ -101,7 +102,7 @@ def test_moves_the_request_that_brings_the_source_under_the_high_mark():
 def test_dry_run_plans_and_moves_nothing():
     a = FakeDecode("a", 100, 95, [cand("r1", 320, 320)])
     b = FakeDecode("b", 100, 0)
-    m = Migrator(FakeController(a, b))
+    m = Migrator(FakeMembership(a, b), EventLog())
     actions = run(m, mode="dry-run")
     assert [x["outcome"] for x in actions] == ["planned"] and a.moves == []
     assert m.rebalance_state.as_dict()["recent"][-1]["request_id"] == "r1"
@@ -111,21 +112,21 @@ def test_hysteresis_and_no_room():
     # between the marks: nothing moves
     a = FakeDecode("a", 100, 80, [cand("r1", 32, 0)])
     b = FakeDecode("b", 100, 10)
-    assert run(Migrator(FakeController(a, b))) == [] and a.moves == []
+    assert run(Migrator(FakeMembership(a, b), EventLog())) == [] and a.moves == []
     # above high, but the only destination is above low: nothing moves
     a = FakeDecode("a", 100, 95, [cand("r1", 32, 0)])
     b = FakeDecode("b", 100, 70)
-    assert run(Migrator(FakeController(a, b))) == []
+    assert run(Migrator(FakeMembership(a, b), EventLog())) == []
     # above high, the request is bigger than the room below low on the destination: no move
     a = FakeDecode("a", 100, 95, [cand("huge", 1600, 0)])
     b = FakeDecode("b", 100, 10)
-    assert run(Migrator(FakeController(a, b))) == []
+    assert run(Migrator(FakeMembership(a, b), EventLog())) == []
 
 
 def test_a_source_past_its_whole_pool_counts_a_preemption_avoided():
     a = FakeDecode("a", 100, 90, [cand("r1", 160, 320), cand("r2", 160, 320)])  # projected 130
     b = FakeDecode("b", 100, 0)
-    m = Migrator(FakeController(a, b))
+    m = Migrator(FakeMembership(a, b), EventLog())
     actions = run(m, max_moves=2)
     # the first move takes it back to its pool's size (100 of 100): the second no longer avoids
     assert [x["avoids_preemption"] for x in actions] == [True, False]
@@ -134,7 +135,7 @@ def test_a_source_past_its_whole_pool_counts_a_preemption_avoided():
 
 
 def test_settings_are_checked():
-    m = Migrator(FakeController())
+    m = Migrator(FakeMembership(), EventLog())
     with pytest.raises(ValueError):
         m.configure(mode="sometimes")
     with pytest.raises(ValueError):

@@ -107,7 +107,7 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
     members = table(tmp_path)
     spec = WorkerSpec(str(tmp_path), index_url=redis.url, index_namespace="dead-worker-test")
     controller = RealController(spec)
-    controller._workers = {w.name: w for w in members.workers}
+    controller.membership.workers = {w.name: w for w in members.workers}
     view = MembershipView(members, Controller(controller))
     backend = ClusterBackend(view, index=index)
     ids = list(range(3 * BS + 1))
@@ -127,11 +127,11 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         deadline = asyncio.get_running_loop().time() + 10
         while asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
-            dead = controller._workers["prefill-0"].state == WorkerState.DEAD
+            dead = controller.membership.workers["prefill-0"].state == WorkerState.DEAD
             if dead and index.lookup(hashes) == {"c/prefill-1": 2}:
                 break
-        assert controller._workers["prefill-0"].state == WorkerState.DEAD
-        assert controller.version == 1  # a new table for every router
+        assert controller.membership.workers["prefill-0"].state == WorkerState.DEAD
+        assert controller.membership.version == 1  # a new table for every router
         assert index.lookup(hashes) == {"c/prefill-1": 2}  # for every router, not only this one
         req = await backend._route_request(ids, None)
         assert req.cached_blocks == {"prefill-1": 2}
@@ -163,7 +163,7 @@ def test_a_hung_worker_misses_polls_without_blinding_the_router(tmp_path) -> Non
 
     members = table(tmp_path)
     controller = RealController(WorkerSpec(str(tmp_path)), HealthConfig(timeout_s=0.05))
-    controller._workers = {w.name: w for w in members.workers}
+    controller.membership.workers = {w.name: w for w in members.workers}
     view = MembershipView(members, Controller(controller))
     backend = ClusterBackend(view, tokenizer=object(), stats_timeout_s=0.1)
     hung = view.prefill[0]
@@ -179,9 +179,9 @@ def test_a_hung_worker_misses_polls_without_blinding_the_router(tmp_path) -> Non
         assert await backend.healthy()  # prefill-1 and decode-0 still take requests
         for _ in range(100):  # the controller checked it too and published SUSPECT
             await asyncio.sleep(0.01)
-            if controller._workers[hung.name].state == WorkerState.SUSPECT:
+            if controller.membership.workers[hung.name].state == WorkerState.SUSPECT:
                 break
-        assert controller._workers[hung.name].state == WorkerState.SUSPECT
+        assert controller.membership.workers[hung.name].state == WorkerState.SUSPECT
         hung.handle.hung = False
         assert await backend._poll() == [] and not backend.missed_polls
         assert hung.name in {w.name for w in view.prefill}  # this router sends to it again
@@ -289,22 +289,22 @@ def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path, monkeyp
     members = table(tmp_path)
     health = HealthConfig(timeout_s=0.05, suspect_after=2, hang_after_s=1.0, dead_after_s=0.3)
     controller = RealController(WorkerSpec(str(tmp_path)), health)
-    controller._workers = {w.name: w for w in members.workers}
+    controller.membership.workers = {w.name: w for w in members.workers}
     w = members.workers[0]
-    states = lambda: controller._workers[w.name].state  # noqa: E731
+    states = lambda: controller.membership.workers[w.name].state  # noqa: E731
 
     async def check():
-        await controller._check_one(controller._workers[w.name])
+        await controller.membership.check_one(controller.membership.workers[w.name])
 
     async def scenario():
         w.handle.hung = True
         await check()
         assert states() == WorkerState.ACTIVE  # one miss is not enough
         await check()
-        assert states() == WorkerState.SUSPECT and controller.version == 1
+        assert states() == WorkerState.SUSPECT and controller.membership.version == 1
         w.handle.hung = False
         await check()
-        assert states() == WorkerState.ACTIVE and controller.version == 2
+        assert states() == WorkerState.ACTIVE and controller.membership.version == 2
         w.handle.step_age_s = 2.0  # answers, but its engine thread is stuck
         await check()
         assert states() == WorkerState.SUSPECT
@@ -312,11 +312,16 @@ def test_the_controller_moves_a_worker_through_suspect_to_dead(tmp_path, monkeyp
         await check()
         assert states() == WorkerState.DEAD  # suspect past dead_after_s
         assert killed == [w.name]
-        assert [t[2] for t in controller.transitions] == ["SUSPECT", "ACTIVE", "SUSPECT", "DEAD"]
+        assert [t[2] for t in controller.membership.transitions] == [
+            "SUSPECT",
+            "ACTIVE",
+            "SUSPECT",
+            "DEAD",
+        ]
         other = members.workers[1]
         other.handle.dead = True
-        await controller._check_one(controller._workers[other.name])
-        assert controller._workers[other.name].state == WorkerState.DEAD  # at once
+        await controller.membership.check_one(controller.membership.workers[other.name])
+        assert controller.membership.workers[other.name].state == WorkerState.DEAD  # at once
 
     asyncio.run(scenario())
 

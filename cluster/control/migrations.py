@@ -32,6 +32,8 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from cluster.control.events import EventLog
+from cluster.control.membership import MembershipTable
 from engine.messages import MigrationResult, WorkerState, control
 from engine.settings import check, setting
 
@@ -90,24 +92,28 @@ class RebalanceState:
 
 
 class Migrator:
-    """Migration orchestration over the controller's membership table."""
+    """Migration orchestration over the controller's membership table (its ``workers`` and
+    ``set_state``); every migration it asks for is counted in flight and, once it ends, an
+    event in ``events``."""
 
-    def __init__(self, controller: Any) -> None:
-        self.controller = controller
+    def __init__(self, membership: MembershipTable, events: EventLog) -> None:
+        self.membership = membership
+        self.events = events
         self.rebalance_state = RebalanceState()
         self._loop: asyncio.Task | None = None
         self.outcomes: Counter = Counter()  # every migration asked from here, by outcome
+        self.in_flight = 0
 
     # -- the table -------------------------------------------------------------------------
 
     def _decode(self, *states: WorkerState):
         states = states or (WorkerState.ACTIVE,)
         return [
-            w for w in self.controller._workers.values() if w.role == "decode" and w.state in states
+            w for w in self.membership.workers.values() if w.role == "decode" and w.state in states
         ]
 
     def _worker(self, name: str):
-        info = self.controller._workers.get(name)
+        info = self.membership.workers.get(name)
         if info is None or info.role != "decode":
             raise ValueError(f"no decode worker named {name!r}")
         if info.state == WorkerState.DEAD:
@@ -130,17 +136,30 @@ class Migrator:
         if not loads:
             return None
         best = min(loads, key=lambda x: x.use)
-        return self.controller._workers[best.name]
+        return self.membership.workers[best.name]
 
     # -- one move ----------------------------------------------------------------------------
 
     async def move(self, source, rid: str, dest, reason: str) -> MigrationResult:
+        self.in_flight += 1
         try:
             result = await source.handle.migrate_out.remote(rid, dest.handle, dest.name, reason)
         except Exception as exc:  # noqa: BLE001 - the source died: the router resumes it
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             result = MigrationResult(rid, "source_failed", source.name, dest.name, first)
+        finally:
+            self.in_flight -= 1
         self.outcomes[result.outcome] += 1
+        self.events.add(
+            "migration",
+            request=result.request_id,
+            source=result.source,
+            dest=result.dest,
+            outcome=result.outcome,
+            cause=reason,
+            seconds=result.seconds,
+            pause_s=result.pause_s,
+        )
         return result
 
     async def migrate(
@@ -201,8 +220,8 @@ class Migrator:
 
     async def drain(self, name: str, deadline_s: float = 60.0) -> dict[str, Any]:
         source = self._worker(name)
-        self.controller._set_state(name, WorkerState.DRAINING, "drained by the operator")
-        source = self.controller._workers[name]
+        self.membership.set_state(name, WorkerState.DRAINING, "drained by the operator")
+        source = self.membership.workers[name]
         t0 = time.monotonic()
         report: dict[str, str] = {}
         seen: set[str] = set()
@@ -319,8 +338,8 @@ class Migrator:
                     action["outcome"] = "planned"
                     logger.warning("rebalance (dry run) would move %s", action)
                 else:
-                    source = self.controller._workers[src.name]
-                    dest = self.controller._workers[dst.name]
+                    source = self.membership.workers[src.name]
+                    dest = self.membership.workers[dst.name]
                     why = "preemption" if action["avoids_preemption"] else "rebalance"
                     result = await self.move(source, pick["request_id"], dest, why)
                     action["outcome"] = result.outcome
