@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.runtime import EngineWorker
 from engine.sampling_params import SamplingParams
+from engine.tracing import trace
 
 
 class ColocatedWorker(EngineWorker):
@@ -33,6 +34,7 @@ class ColocatedWorker(EngineWorker):
     ) -> None:
         """Queue a request (raises ValueError on bad input); its deltas go to
         ``outputs(client)``."""
+        trace(request_id, "worker.called")
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params, **kwargs)

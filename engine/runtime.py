@@ -48,7 +48,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import Delta, StreamBatch, aborted
-from engine.tracing import StallWatch
+from engine.tracing import StallWatch, trace
 
 logger = logging.getLogger(__name__)
 
@@ -305,6 +305,7 @@ class EngineWorker:
         ("": nowhere); its first token's delay is counted from now (the TTFT in ``stats()``).
         Retired by ``retire`` when it ends, whichever way."""
         tracked = self.requests[request_id] = Tracked(client, time.monotonic())
+        trace(request_id, "worker.added")
         return tracked
 
     def retire(self, request_id: str) -> Tracked | None:
@@ -330,6 +331,7 @@ class EngineWorker:
             if tracked.arrived is not None and (d.token_ids or d.finished):
                 if d.token_ids and d.start == 0:  # (continued from elsewhere: no TTFT here)
                     self._ttfts.append((now, now - tracked.arrived))
+                    trace(d.request_id, "worker.first_token")
                 tracked.arrived = None
             if tracked.client:
                 by_client.setdefault(tracked.client, []).append(d)

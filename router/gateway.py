@@ -52,6 +52,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.tracing import trace
 from router import admin, protocol
 from router.auth import bearer_matches
 from router.backend import Backend, Generation
@@ -444,6 +445,7 @@ class _Gateway:
     async def _generate(self, request: Request, kind: _Kind) -> Response:
         arrival = time.monotonic()
         request_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        trace(request_id, "gw.received")
         try:
             body = await self._read_body(request)
             if kind is _CHAT:
@@ -525,6 +527,7 @@ class _Gateway:
             params = protocol.completion_sampling_params(req)
             text, ids = await self._tokenize(protocol.completion_prompt, req)
             hints = PredictInput(text=text)
+        trace(request_id, "gw.tokenized")
         protocol.check_context(
             len(ids), params.max_tokens, self.backend.max_model_len, kind.prompt_param
         )
@@ -552,6 +555,7 @@ class _Gateway:
             raise api_error(exc) from None
         if not opened:
             return Response(status_code=499, headers={"x-request-id": request_id})
+        trace(request_id, "gw.first_output")
         placement = call.generation.placement
         headers = {
             "x-request-id": request_id,

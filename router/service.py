@@ -37,6 +37,7 @@ from engine.messages import WorkerState, control
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+from engine.tracing import trace
 from router.admission import Admission, QueueConfig, Ticket
 from router.backend import Placement, RouterStats
 from router.dispatch import Dispatcher
@@ -172,6 +173,7 @@ class ClusterBackend:
             hints = PredictInput(prompt_len=len(prompt_token_ids), max_tokens=params.max_tokens)
         predicted = self.predictor.predict(hints)
         ticket = await self.admission.acquire(request_id, predicted, params.max_tokens)
+        trace(request_id, "router.admitted")
         try:
             return await self._start(
                 request_id, prompt_token_ids, params, priority, cache_salt, disagg, hints, ticket
@@ -189,6 +191,7 @@ class ClusterBackend:
         if predicted is not None:  # room for the likely tail of the answer
             req.predicted_output_tokens = math.ceil(predicted.quantiles[0.9])
         p, d, reason = self._place_ticket(req, disagg, ticket)
+        trace(request_id, "router.placed")
         charged = p or d
         self._remember(req.hashes, charged)
         charge = len(prompt_token_ids) - req.cached_tokens(charged)
