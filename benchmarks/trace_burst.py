@@ -63,10 +63,16 @@ def _pcts(values: list[float]) -> dict[str, float]:
     }
 
 
+def _cell(d: dict[str, float]) -> str:
+    return "-" if not d else f"{d['p50_ms']:.1f} / {d['p90_ms']:.1f} / {d['max_ms']:.1f}"
+
+
 def stages(requests: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     out = {}
-    for a, b in zip(STAGES, STAGES[1:]):
-        out[f"{a} -> {b}"] = _pcts([ms[b] - ms[a] for ms in requests.values() if a in ms and b in ms])
+    for a, b in zip(STAGES, STAGES[1:], strict=False):
+        out[f"{a} -> {b}"] = _pcts(
+            [ms[b] - ms[a] for ms in requests.values() if a in ms and b in ms]
+        )
     out["total"] = _pcts(
         [ms[STAGES[-1]] - ms[STAGES[0]] for ms in requests.values() if STAGES[-1] in ms]
     )
@@ -104,8 +110,7 @@ def main() -> None:
     print("|---|---|---|")
     for k, v in result["all"].items():
         f = result[f"first_{args.first}"].get(k, {})
-        cell = lambda d: "-" if not d else f"{d['p50_ms']:.1f} / {d['p90_ms']:.1f} / {d['max_ms']:.1f}"  # noqa: E731
-        print(f"| {k} | {cell(v)} | {cell(f)} |")
+        print(f"| {k} | {_cell(v)} | {_cell(f)} |")
     print("\n| milestone | first request reached it (s) | last (s) |\n|---|---|---|")
     for s, (lo, hi) in result["shape_s"].items():
         print(f"| {s} | {lo:.3f} | {hi:.3f} |")

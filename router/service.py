@@ -42,6 +42,7 @@ from router.admission import Admission, QueueConfig, Ticket
 from router.backend import Placement, RouterStats
 from router.dispatch import Dispatcher
 from router.errors import ClusterError, no_live_workers
+from router.lookups import PrefixLookups
 from router.membership import MembershipView, WorkerRef
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
@@ -72,6 +73,7 @@ class ClusterBackend:
         self.members = members
         table = members.table
         self.index = index
+        self._lookups = PrefixLookups(index) if index is not None else None
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.model_name = model_name or table.model_dir.rstrip("/").rsplit("/", 1)[-1]
         self.max_model_len = table.max_model_len
@@ -305,7 +307,7 @@ class ClusterBackend:
         from engine.prefix_index import IndexUnavailable
 
         try:
-            held = await asyncio.to_thread(self.index.lookup, req.hashes)
+            held = await self._lookups.lookup(req.hashes)
         except IndexUnavailable as exc:
             self._stats.index_unavailable += 1
             logger.debug("prefix index unavailable, routing by load: %s", exc)

@@ -102,6 +102,10 @@ def test_lookup_longest_prefix_per_worker(index):
     assert index.lookup(h[:1]) == {"w-all": 1, "w-3": 1, "w-1": 1, "w-gap": 1}
     assert index.lookup(hashes(list(range(100, 132)))) == {}
     assert index.lookup([]) == {}
+    # many prompts in one round trip: the same answers, in order, an empty one included
+    prompts = [h, other, [], h[:1], hashes(list(range(100, 132)))]
+    assert index.lookup_many(prompts) == [index.lookup(p) for p in prompts]
+    assert index.lookup_many([]) == [] and index.lookup_many([[]]) == [{}]
 
 
 def test_eviction_shortens_prefix_and_salts_are_disjoint(index):
@@ -181,6 +185,7 @@ def test_lookup_fails_fast_when_redis_is_down(own_server):
     own_server.stop()
     for call in (
         lambda: index.lookup(h),
+        lambda: index.lookup_many([h, h]),
         lambda: index.publish("w0", h, []),
         lambda: index.heartbeat("w0"),
         lambda: index.remove_worker("w0"),
