@@ -196,6 +196,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.run_serve(args)
 
 
+def _serve_command(name: str):
+    """A handler that runs ``cluster.launch.serve.<name>(args)``, importing it only then."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from cluster.launch import serve
+
+        return getattr(serve, name)(args)
+
+    return handler
+
+
 def _add_stop(subparsers: argparse._SubParsersAction) -> None:
     stop = subparsers.add_parser("stop", help="stop a `tandem serve --detach`")
     stop.add_argument("--port", type=int, default=8000, help="the --port it was started with")
@@ -211,7 +222,7 @@ def _add_stop(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds to wait after that before SIGKILL of its process group",
     )
-    stop.set_defaults(handler=lambda args: __import__("cluster.launch.serve").serve.run_stop(args))
+    stop.set_defaults(handler=_serve_command("run_stop"))
 
 
 def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
@@ -229,7 +240,7 @@ def _add_gateway(subparsers: argparse._SubParsersAction) -> None:
     gw.add_argument("--cluster-id", default=None, help="which cluster (when several run)")
     gw.add_argument("--model", default="smollm2", help="the model id clients send")
     add_gateway_args(gw)
-    gw.set_defaults(handler=lambda args: __import__("cluster.launch.serve").serve.run_gateway(args))
+    gw.set_defaults(handler=_serve_command("run_gateway"))
 
 
 # ----------------------------------------------------------------------------- operator commands
