@@ -90,13 +90,13 @@ async def run_policy(backend, prompts: list[list[int]], clients: int, max_tokens
             gen = await backend.open(f"bench-{i}", ids, params)
             ttft = time.perf_counter() - t0
             last = None
-            async for out in gen.outputs():
-                last = out
+            async for step in gen.outputs():
+                last = step
             rows.append(
                 {
                     "request": i,
                     "prompt_tokens": len(ids),
-                    "cached_tokens": last.num_cached_tokens,
+                    "cached_tokens": last.usage.cached_tokens,
                     "ttft_s": ttft,
                     "prefill": gen.placement.prefill,
                     "reason": gen.placement.reason,

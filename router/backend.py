@@ -9,8 +9,9 @@ A request through it::
        places it on workers (``Generation.placement``: the response's x-tandem-prefill /
        x-tandem-decode headers) and starts it; every failure is one of router/errors.py's,
        translated to HTTP by the gateway alone
-    3. the gateway iterates ``Generation.outputs()`` (cumulative ``RequestOutput``s, the last one
-       ``finished``) into a response or SSE frames
+    3. the gateway iterates ``Generation.outputs()`` (``Step``s, router/outputs.py: what each
+       choice gained, the last one ``finished``) into SSE frames, or folds them into an
+       ``Answer`` for one response body
     4. ``Generation.aclose()`` (client gone, or an error) aborts it on every worker; calling it
        after the request finished is a no-op
 """
@@ -21,8 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from router.outputs import Step
 from router.predictor import PredictInput
 
 
@@ -40,8 +41,9 @@ class Placement:
 class Generation(Protocol):
     placement: Placement
 
-    def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs as tokens arrive; raises ClusterError on a failure."""
+    def outputs(self) -> AsyncIterator[Step]:
+        """The request's steps as tokens arrive (never cumulative: each says what its choices
+        gained, with the usage counts so far); raises ClusterError on a failure."""
 
     async def aclose(self) -> None:
         """Abort the request everywhere (idempotent; a no-op once it finished)."""

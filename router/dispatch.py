@@ -14,7 +14,9 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
     3. P's result: PrefillFailed -> D.fail_transfer(rid) (D ends the request retryably)
     4. D's deltas arrive on this router's one stream from D (``outputs(client_id)``, a batch
        per engine step for every request of this router on D); the request's queue takes its
-       own, the text is built here (detokenization and stop strings: off the engine thread)
+       own, and the ``Assembler`` makes each batch taken one ``Step`` (router/outputs.py): what
+       each choice gained, its text built here (detokenization and stop strings: off the
+       engine thread); nothing cumulative leaves it
     5. a retryable failure (transfer failed, worker died, worker silent for ``stall_timeout_s``:
        no delta and no heartbeat, or one engine step older than ``hang_timeout_s``) -> run
        again on other workers. Before any token that is a new attempt, up to
@@ -48,11 +50,11 @@ from typing import Any
 
 from engine.detokenizer import SequenceText
 from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, brief, control
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
 from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
+from router.outputs import ChoiceDelta, Step, TokenTexts, Usage, merge_choices
 from router.routed import Placer, RoutedRequest
 
 logger = logging.getLogger(__name__)
@@ -134,72 +136,114 @@ def _for_prefill(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class Assembler:
-    """A request's cumulative output, built in place from its deltas (the work per delta is
-    O(its tokens)); detokenizes and checks stop strings when the worker did not."""
+    """A request's steps, built from its engine deltas (the work per delta is O(its tokens)):
+    detokenizes and checks stop strings when the worker did not, and keeps per choice only
+    counts and where its text stands, plus the tokens a resume carries (n = 1). One Assembler
+    serves every attempt of a request, so tokens carried into a resume are never sent twice.
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer):
+    ::
+
+        apply(delta) ... apply(delta)   one batch's deltas (several per choice when a reader
+            |                           fell behind)
+        step() -> Step                  one ChoiceDelta per choice that changed, in index order
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        texts: TokenTexts | None = None,
+    ):
+        self.request_id = request_id
         self.params = params
         n = params.n
-        self.output = RequestOutput(request_id, None, prompt_ids, 0, [], False, time.time())
-        self.output.outputs = [
-            CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
-            for i in range(n)
-        ]
         self._texts = [
             SequenceText(tokenizer, prompt_ids, params.for_child(i) if n > 1 else params)
             if tokenizer is not None
             else None
             for i in range(n)
         ]
+        # completions' text offsets need each token's own text (only with logprobs)
+        self._token_texts = None
+        if params.logprobs is not None:
+            self._token_texts = texts if texts is not None else TokenTexts(tokenizer)
+        self._counts = [0] * n  # tokens per choice
+        self._offsets = [0] * n  # text offset of each choice's next token
+        self._finished = [False] * n
+        self._produced: list[int] = []  # choice 0's tokens, when n = 1: what a resume carries
+        self._pending: list[ChoiceDelta] = []  # since the last step
+        self.usage = Usage(len(prompt_ids))
+        self.predicted_tokens: tuple[float, float, float] | None = None
 
     def produced(self) -> list[int] | None:
         """The tokens a resumed attempt carries (n = 1), or None when nothing was produced."""
-        tokens = self.output.outputs[0].token_ids
-        return list(tokens) if len(self.output.outputs) == 1 and tokens else None
+        return list(self._produced) if self._produced else None
 
     @property
     def has_output(self) -> bool:
-        return any(o.token_ids for o in self.output.outputs)
+        return any(self._counts)
+
+    @property
+    def finished(self) -> bool:
+        return all(self._finished)
 
     def apply(self, d: Delta) -> bool:
         """Add one delta; True when a stop string ended its sequence here (the worker keeps
         generating until told to abort)."""
-        out = self.output.outputs[d.index]
-        out.delta_text, out.delta_token_ids = "", []
-        if out.finished:
+        i = d.index
+        if self._finished[i]:
             return False
-        if d.num_cached_tokens and not self.output.num_cached_tokens:  # the first attempt's
-            self.output.num_cached_tokens = d.num_cached_tokens
-        if d.predicted is not None and self.output.predicted_tokens is None:  # prefill's probe
-            self.output.predicted_tokens = d.predicted
+        if d.num_cached_tokens and not self.usage.cached_tokens:  # the first attempt's
+            self.usage = replace(self.usage, cached_tokens=d.num_cached_tokens)
+        if d.predicted is not None and self.predicted_tokens is None:  # prefill's probe
+            self.predicted_tokens = d.predicted
+        ids, logprobs, stopped = self._tokens(d)
+        if stopped is not None:
+            finish, stop = "stop", stopped
+        else:
+            finish, stop = d.finish_reason, d.stop_reason
+        self._finished[i] = finish is not None
+        text = self._texts[i]
+        new_text = text.next_text(self._finished[i]) if text is not None else d.text
+        self._count(i, ids)
+        if new_text or ids or finish is not None:
+            offset = self._offsets[i]
+            if self._token_texts is not None:
+                self._offsets[i] += self._token_texts.length(ids)
+            self._pending.append(ChoiceDelta(i, new_text, ids, logprobs, finish, stop, offset))
+        return stopped is not None
+
+    def _tokens(self, d: Delta) -> tuple[list[int], list[dict[int, float]] | None, str | None]:
+        """The tokens of ``d`` up to a stop string, their logprobs, and the stop string."""
         text = self._texts[d.index]
+        logprobs = [] if self.params.logprobs is not None else None
+        ids: list[int] = []
         stopped = None
-        for i, tok in enumerate(d.token_ids):
-            out.token_ids.append(tok)
-            out.delta_token_ids.append(tok)
-            if out.logprobs is not None and d.logprobs is not None:
-                out.logprobs.append(d.logprobs[i])
+        for k, tok in enumerate(d.token_ids):
+            ids.append(tok)
+            if logprobs is not None and d.logprobs is not None:
+                logprobs.append(d.logprobs[k])
             if text is None:
                 continue
-            last = i == len(d.token_ids) - 1
-            stop_token = last and d.finish_reason == "stop"
+            stop_token = k == len(d.token_ids) - 1 and d.finish_reason == "stop"
             stopped = text.add(tok, stop_token=stop_token, stop_reason=d.stop_reason)
             if stopped is not None:
                 break
-        if stopped is not None:
-            out.finish_reason, out.stop_reason = "stop", stopped
-        elif d.finish_reason is not None:
-            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
-        if text is not None:
-            out.delta_text = text.next_text(out.finished)
-            out.text += out.delta_text
-        else:
-            out.delta_text = d.text
-            out.text += d.text
-        if self.output.first_token_time is None and out.token_ids:
-            self.output.first_token_time = time.time()
-        self.output.finished = all(o.finished for o in self.output.outputs)
-        return stopped is not None
+        return ids, logprobs, stopped
+
+    def _count(self, i: int, ids: list[int]) -> None:
+        self._counts[i] += len(ids)
+        if len(self._counts) == 1:
+            self._produced.extend(ids)
+        completion = self.usage.completion_tokens + len(ids)
+        self.usage = replace(self.usage, completion_tokens=completion)
+
+    def step(self) -> Step:
+        """What the request gained since the last step."""
+        choices, self._pending = merge_choices(self._pending), []
+        return Step(choices, self.usage, self.finished, self.predicted_tokens)
 
 
 class LeastLoaded:
@@ -243,6 +287,7 @@ class Dispatcher:
     ) -> None:
         self.members = members
         self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)  # completions' text offsets (logprobs)
         self.placer: Placer = placer or LeastLoaded(members)
         self.client_id = client_id or f"router-{secrets.token_hex(4)}"
         self.reserve_timeout_s = reserve_timeout_s
@@ -269,12 +314,12 @@ class Dispatcher:
 
     # -- a request ---------------------------------------------------------------------------
 
-    async def run(self, req: RoutedRequest) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request (cumulative, built in place; the last is ``finished``). The
+    async def run(self, req: RoutedRequest) -> AsyncIterator[Step]:
+        """The steps of one request, one per batch of its deltas (the last is ``finished``). The
         first attempt runs where ``req`` was placed; a retry or a resume where ``placer`` places
         it again. Closing the iterator early aborts it everywhere (and it is never resumed)."""
         request_id, prompt_ids = req.request_id, req.prompt_ids
-        assembler = Assembler(request_id, prompt_ids, req.params, self.tokenizer)
+        assembler = Assembler(request_id, prompt_ids, req.params, self.tokenizer, self.texts)
         kwargs = req.worker_kwargs()
         failures = resumes = 0
         timeline: dict[str, Any] | None = None  # of the resume under way
@@ -356,12 +401,12 @@ class Dispatcher:
                     if timeline is not None and d.token_ids and "second" not in timeline:
                         timeline["second" if "first" in timeline else "first"] = time.time()
                     stopped = assembler.apply(d)  # a stop string: the worker does not know
-                    finished = assembler.output.finished
+                    finished = assembler.finished
                     if stopped and finished:
                         _quietly(control(workers[0].handle.abort), irid)
                     if finished:
                         break
-                yield assembler.output
+                yield assembler.step()
                 if finished:
                     return
         finally:

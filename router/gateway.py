@@ -58,6 +58,7 @@ from router.auth import bearer_matches
 from router.backend import Backend, Generation
 from router.errors import CapacityError, ClusterError, RequestError
 from router.metrics import GatewayMetrics, RequestTimer
+from router.outputs import Answer, Step
 from router.predictor import ORACLE_HEADER, PredictInput
 from router.protocol import APIError
 
@@ -576,11 +577,12 @@ class _Gateway:
         if req.stream:
             frames = self._stream(call, kind, shape, params.n, req.include_usage, timer)
             return _SSEResponse(frames, call, headers, self.write_timeout_s)
-        out = await self._collect(request, call, timer)
-        if out is None:  # the client went away; nobody reads this
+        answer = Answer(request_id, ids, params.n, params.logprobs is not None, prompt=text)
+        finished = await self._collect(request, call, answer, timer)
+        if not finished:  # the client went away; nobody reads this
             return Response(status_code=499, headers=headers)
         build = protocol.chat_response if kind is _CHAT else protocol.completion_response
-        return JSONResponse(build(shape, out), headers=headers)
+        return JSONResponse(build(shape, answer), headers=headers)
 
     async def _read_body(self, request: Request) -> bytes:
         too_large = APIError(
@@ -627,11 +629,14 @@ class _Gateway:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, fn, *args, self.backend.tokenizer)
 
-    async def _collect(self, request: Request, call: _Call, timer: RequestTimer) -> Any | None:
-        """The final output, or None when the client disconnected first; the call's error
-        when it is stopped first."""
-        finished, out = await _unless_gone(request, call, _final_output(call.generation, timer))
-        return out if finished else None
+    async def _collect(
+        self, request: Request, call: _Call, answer: Answer, timer: RequestTimer
+    ) -> bool:
+        """Fold the request's steps into ``answer``; False when the client disconnected
+        first; the call's error when it is stopped first."""
+        work = _final_output(call.generation, answer, timer)  # type: ignore[arg-type]
+        finished, _ = await _unless_gone(request, call, work)
+        return finished
 
     async def _stream(
         self,
@@ -647,24 +652,23 @@ class _Gateway:
             if kind is _CHAT:
                 for index in range(n):
                     yield protocol.sse(protocol.chat_role_chunk(shape, index))
-            cursor = protocol.OutputCursor(shape.texts)
             last = None
             try:
-                async for out in call.generation.outputs():  # type: ignore[union-attr]
-                    timer.observe(out)
-                    _check_not_aborted(out)
-                    for delta in cursor.step(out):
+                async for step in call.generation.outputs():  # type: ignore[union-attr]
+                    timer.observe(step)
+                    _check_not_aborted(step)
+                    for delta in step.choices:
                         yield protocol.sse(chunk(shape, delta))
-                    last = out
+                    last = step
                 _check_finished(last)
             except Exception as exc:  # the status line is sent: the error goes in-band
                 err = exc if isinstance(exc, APIError) else api_error(exc)
                 yield protocol.sse(err.body())
                 yield protocol.SSE_DONE
                 return
-            timer.finish(last)
+            timer.finish()
             if include_usage:
-                yield protocol.sse(protocol.usage_chunk(shape, kind.obj, last))
+                yield protocol.sse(protocol.usage_chunk(shape, kind.obj, last.usage))
             yield protocol.SSE_DONE
         finally:
             await call.close()
@@ -791,25 +795,26 @@ def _shutting_down(message: str = "the server is shutting down") -> APIError:
     )
 
 
-async def _final_output(generation: Generation, timer: RequestTimer) -> Any:
+async def _final_output(generation: Generation, answer: Answer, timer: RequestTimer) -> None:
+    """The cumulative view of a request that is not streamed, in ``answer``."""
     last = None
     try:
-        async for out in generation.outputs():
-            timer.observe(out)
-            _check_not_aborted(out)
-            last = out
+        async for step in generation.outputs():
+            timer.observe(step)
+            _check_not_aborted(step)
+            answer.add(step)
+            last = step
         _check_finished(last)
     except ClusterError as exc:
         raise api_error(exc) from None
-    timer.finish(last)
-    return last
+    timer.finish()
 
 
-def _check_not_aborted(out: Any) -> None:
-    if any(o.finish_reason == "abort" for o in out.outputs):
+def _check_not_aborted(step: Step) -> None:
+    if any(c.finish_reason == "abort" for c in step.choices):
         raise _server_error("the request was aborted in the cluster")
 
 
-def _check_finished(last: Any) -> None:
+def _check_finished(last: Step | None) -> None:
     if last is None or not last.finished:
         raise _server_error("the cluster ended the request before it finished")

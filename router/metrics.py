@@ -34,7 +34,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from engine.outputs import RequestOutput
+from router.outputs import Step
 
 logger = logging.getLogger("tandem.gateway")
 
@@ -137,27 +137,27 @@ class GatewayMetrics:
 
 
 class RequestTimer:
-    """Feeds one request's cumulative outputs into the latency and token series."""
+    """Feeds one request's steps into the latency and token series."""
 
     def __init__(self, metrics: GatewayMetrics, arrival: float) -> None:
         self._m = metrics
         self._arrival = arrival
-        self._last: float | None = None  # time of the last output that brought tokens
-        self._seen: dict[int, int] = {}  # tokens counted per choice
+        self._last: float | None = None  # time of the last step that brought tokens
+        self._reasons: dict[int, str] = {}  # how each choice finished
         self._started = False
         self.finished = False
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, step: Step) -> None:
         now = time.monotonic()
         if not self._started:
             self._started = True
-            self._m.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._m.prompt_tokens.inc(step.usage.prompt_tokens)
         new = {}
-        for o in out.outputs:
-            count = len(o.token_ids) - self._seen.get(o.index, 0)
-            if count > 0:
-                new[o.index] = count
-                self._seen[o.index] = len(o.token_ids)
+        for c in step.choices:
+            if c.token_ids:
+                new[c.index] = len(c.token_ids)
+            if c.finish_reason is not None:
+                self._reasons[c.index] = c.finish_reason
         if not new:
             return
         self._m.generation_tokens.inc(sum(new.values()))
@@ -169,14 +169,14 @@ class RequestTimer:
                 self._m.itl.observe((now - self._last) / steps)
         self._last = now
 
-    def finish(self, out: RequestOutput) -> None:
+    def finish(self) -> None:
         """A request that ended with every choice ``stop`` or ``length``."""
         if self.finished:
             return
         self.finished = True
         self._m.e2e.observe(time.monotonic() - self._arrival)
-        for o in out.outputs:
-            self._m.finished(o.finish_reason)
+        for i in sorted(self._reasons):
+            self._m.finished(self._reasons[i])
 
 
 WORKER_STATES = ("starting", "active", "suspect", "draining", "dead")

@@ -7,8 +7,10 @@ body, calls these, and owns everything asynchronous. A request through this modu
                --completion_prompt / chat_prompt--> (prompt text, prompt token ids)
                --sampling_params--> SamplingParams (its ValueError -> 400 naming the param)
                --check_context--> 400 with vLLM's wording when prompt + max_tokens > context
-    outputs    --completion_response / chat_response--> one JSON body, or
-               --OutputCursor.step--> ChoiceDeltas --completion_chunk / chat_chunk--> SSE frames
+    Answer     --completion_response / chat_response--> one JSON body, or
+    Step       --its ChoiceDeltas, each --completion_chunk / chat_chunk--> one SSE frame
+               (router/outputs.py: a request's output as steps, folded into an Answer only
+               when it is not streamed)
 
 Every failure is an :class:`APIError` carrying the HTTP status and the OpenAI error fields.
 
@@ -31,14 +33,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
+from router.outputs import Answer, ChoiceDelta, TokenTexts, Usage
 from router.predictor import PredictInput
 
 MAX_N = 128
@@ -606,62 +608,6 @@ def sse(obj: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI usage: completion tokens summed over the choices, cached prompt tokens included."""
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in out.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
-
-
-class TokenTexts:
-    """Token id -> (text, UTF-8 bytes) for logprobs, cached. Byte-level BPE tokens give their
-    exact bytes (a character split over tokens decodes to U+FFFD, its bytes do not)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._byte_level = type(decoder).__name__ == "ByteLevel"
-
-    def get(self, token_id: int) -> tuple[str, list[int]]:
-        hit = self._cache.get(token_id)
-        if hit is None:
-            hit = self._cache[token_id] = self._lookup(token_id)
-        return hit
-
-    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        if self._tokenizer is None:
-            text = f"token_id:{token_id}"
-            return text, list(text.encode())
-        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        if self._byte_level:
-            piece = self._tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str) and all(c in _BYTE_DECODER for c in piece):
-                return text, [_BYTE_DECODER[c] for c in piece]
-        return text, list(text.encode("utf-8", errors="replace"))
-
-
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
-
-
-_BYTE_DECODER = _bytes_to_unicode()
-
-
 def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     """The ``n`` most likely alternatives of one position (``entry`` holds top-N + sampled)."""
     return [(t, _finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:n]]
@@ -725,9 +671,9 @@ class Shape:
     stream_usage: bool = False  # include_usage: every chunk carries "usage" (null but the last)
 
 
-def completion_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
+def completion_response(shape: Shape, answer: Answer) -> dict[str, Any]:
     choices = []
-    for o in sorted(out.outputs, key=lambda o: o.index):
+    for o in answer.output.outputs:
         lp = None
         if shape.logprobs is not None and o.logprobs is not None:
             lp = completion_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
@@ -740,12 +686,12 @@ def completion_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
                 "stop_reason": o.stop_reason,
             }
         )
-    return _body(shape, "text_completion", choices, usage=usage(out))
+    return _body(shape, "text_completion", choices, usage=answer.usage.body())
 
 
-def chat_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
+def chat_response(shape: Shape, answer: Answer) -> dict[str, Any]:
     choices = []
-    for o in sorted(out.outputs, key=lambda o: o.index):
+    for o in answer.output.outputs:
         lp = None
         if shape.logprobs is not None and o.logprobs is not None:
             lp = chat_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
@@ -758,7 +704,7 @@ def chat_response(shape: Shape, out: RequestOutput) -> dict[str, Any]:
                 "stop_reason": o.stop_reason,
             }
         )
-    return _body(shape, "chat.completion", choices, usage=usage(out))
+    return _body(shape, "chat.completion", choices, usage=answer.usage.body())
 
 
 def _body(shape: Shape, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -767,62 +713,6 @@ def _body(shape: Shape, obj: str, choices: list[dict[str, Any]], **extra: Any) -
 
 
 # ---------------------------------------------------------------------------------- streaming
-
-
-@dataclass
-class ChoiceDelta:
-    """What one choice gained since the last SSE frame (token ids and logprobs align): the
-    frame's view, cut from the cumulative output (not the engine's ``engine.messages.Delta``,
-    which the router assembles into that output)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    text_offset: int  # completion text offset of the first token in ``token_ids``
-
-
-@dataclass
-class _Sent:
-    text: int = 0
-    tokens: int = 0
-    offset: int = 0
-    finished: bool = False
-
-
-@dataclass
-class OutputCursor:
-    """Turns cumulative outputs into per-choice ``ChoiceDelta``s. They come from the
-    cumulative fields (not ``delta_text``), so outputs a backend coalesced or skipped lose
-    nothing, and the concatenated frames equal the final text."""
-
-    texts: TokenTexts
-    sent: dict[int, _Sent] = field(default_factory=dict)
-
-    def step(self, out: RequestOutput) -> list[ChoiceDelta]:
-        deltas = []
-        for o in sorted(out.outputs, key=lambda o: o.index):
-            delta = self._advance(o, self.sent.setdefault(o.index, _Sent()))
-            if delta is not None:
-                deltas.append(delta)
-        return deltas
-
-    def _advance(self, o: CompletionOutput, sent: _Sent) -> ChoiceDelta | None:
-        text = o.text[sent.text :]
-        ids = o.token_ids[sent.tokens :]
-        lps = None if o.logprobs is None else o.logprobs[sent.tokens :]
-        newly_finished = o.finished and not sent.finished
-        if not text and not ids and not newly_finished:
-            return None
-        offset = sent.offset
-        sent.offset += sum(len(self.texts.get(t)[0]) for t in ids) if lps is not None else 0
-        sent.text, sent.tokens = max(sent.text, len(o.text)), max(sent.tokens, len(o.token_ids))
-        sent.finished = o.finished
-        reason = o.finish_reason if newly_finished else None
-        stop = o.stop_reason if newly_finished else None
-        return ChoiceDelta(o.index, text, ids, lps, reason, stop, offset)
 
 
 def completion_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
@@ -871,6 +761,6 @@ def _chunk(shape: Shape, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
     return _body(shape, obj, [choice], **extra)
 
 
-def usage_chunk(shape: Shape, obj: str, out: RequestOutput) -> dict[str, Any]:
+def usage_chunk(shape: Shape, obj: str, usage: Usage) -> dict[str, Any]:
     """The last frame with ``stream_options.include_usage``: no choices, the usage."""
-    return _body(shape, obj, [], usage=usage(out))
+    return _body(shape, obj, [], usage=usage.body())

@@ -34,7 +34,6 @@ from typing import Any
 
 from engine.block_manager import prefix_block_hashes
 from engine.messages import WorkerState, control
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.tracing import trace
@@ -44,6 +43,7 @@ from router.dispatch import Dispatcher
 from router.errors import ClusterError, no_live_workers
 from router.lookups import PrefixLookups
 from router.membership import MembershipView, WorkerRef
+from router.outputs import Step, Usage, merge_choices
 from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
 from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
 from router.routed import RoutedRequest
@@ -239,22 +239,17 @@ class ClusterBackend:
         per = self.admission.cfg.slots_per_worker
         return sum(per or w.max_num_seqs or 256 for w in self.members.token_pool)
 
-    def _progress(self, ticket: Ticket, out: RequestOutput) -> None:
+    def _progress(self, ticket: Ticket, step: Step) -> None:
         if ticket.first_token_at is None:
             self.admission.first_token(ticket)
             # the engine's probe, after the prefill (an exact predictor keeps its own)
-            if out.predicted_tokens is not None and self.predictor.refinable:
-                self.admission.refine(ticket, out.predicted_tokens)
-        ticket.produced = max((len(o.token_ids) for o in out.outputs), default=0)
+            if step.predicted_tokens is not None and self.predictor.refinable:
+                self.admission.refine(ticket, step.predicted_tokens)
+        ticket.produced = step.usage.completion_tokens  # one sequence (n > 1 is a _Fanout)
 
-    def _ended(self, ticket: Ticket, hints: PredictInput, out: RequestOutput | None) -> None:
-        """The request's end: its slot frees; a finished one's length is what the predictor
-        learns from (online adaptation)."""
-        finished = (
-            out is not None
-            and out.finished
-            and all(o.finish_reason in ("stop", "length") for o in out.outputs)
-        )
+    def _ended(self, ticket: Ticket, hints: PredictInput, finished: bool) -> None:
+        """The request's end: its slot frees; the length of one that ``finished`` (every
+        choice by stop or length) is what the predictor learns from (online adaptation)."""
         actual = ticket.produced if finished else None
         self.admission.release(ticket, actual)
         if actual is None:
@@ -553,16 +548,16 @@ class ControllerAdmin:
 
 
 class _Generation:
-    """One request's outputs; the first is fetched by ``start`` (errors before any token raise
-    there). Its queued prompt tokens (``charge``) go back once, at the first output or at the
-    end; each output is the request's progress to admission; its slot goes back once, at the
+    """One request's steps; the first is fetched by ``start`` (errors before any token raise
+    there). Its queued prompt tokens (``charge``) go back once, at the first step or at the
+    end; each step is the request's progress to admission; its slot goes back once, at the
     end (``ClusterBackend._ended``)."""
 
     def __init__(
         self,
         backend: ClusterBackend,
         req: RoutedRequest,
-        gen: AsyncIterator[RequestOutput],
+        gen: AsyncIterator[Step],
         placement: Placement,
         charge: _Charge,
     ) -> None:
@@ -570,14 +565,15 @@ class _Generation:
         self._backend, self._req, self._gen = backend, req, gen
         self._charge: _Charge | None = charge
         self._slot_returned = False
-        self._first: RequestOutput | None = None
+        self._first: Step | None = None
+        self._clean = True  # no choice finished other than by stop or length
         self._closed = False
 
-    def _ending(self, out: RequestOutput | None) -> None:
-        """Once: the request's slot is given back, with its last output if any."""
+    def _ending(self, finished: bool) -> None:
+        """Once: the request's slot is given back (``finished``: it ran to its end)."""
         if not self._slot_returned:
             self._slot_returned = True
-            self._backend._ended(self._req.ticket, self._req.hints, out)
+            self._backend._ended(self._req.ticket, self._req.hints, finished and self._clean)
 
     def _settle(self) -> None:
         if self._charge is not None:
@@ -593,82 +589,88 @@ class _Generation:
         finally:
             self._settle()
 
-    async def _next(self) -> RequestOutput:
+    async def _next(self) -> Step:
         try:
-            out = await self._gen.__anext__()
-            self._backend._progress(self._req.ticket, out)
-            if out.finished:
-                self._ending(out)
-            return out
+            step = await self._gen.__anext__()
         except StopAsyncIteration:
             raise ClusterError("the request's stream ended without finishing") from None
+        self._backend._progress(self._req.ticket, step)
+        for c in step.choices:
+            if c.finish_reason is not None and c.finish_reason not in ("stop", "length"):
+                self._clean = False
+        if step.finished:
+            self._ending(True)
+        return step
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        out = self._first
-        while out is not None:
-            yield out
-            if out.finished:
+    async def outputs(self) -> AsyncIterator[Step]:
+        step = self._first
+        while step is not None:
+            yield step
+            if step.finished:
                 return
-            out = await self._next()
+            step = await self._next()
 
     async def aclose(self) -> None:
         self._settle()
-        self._ending(None)
+        self._ending(False)
         if not self._closed:
             self._closed = True
             await self._gen.aclose()
 
 
 class _Fanout:
-    """``n`` single-sample generations presented as one request with ``n`` outputs (index i is
-    child i); an output is emitted whenever a child progresses, the last when all finished."""
+    """``n`` single-sample generations presented as one request with ``n`` choices (choice i
+    is child i). Each child is read as fast as it goes; a step of the fanout is everything the
+    children gained since the last one (each child's steps merged), the last one when all
+    finished."""
 
     def __init__(self, request_id: str, children: list[_Generation]) -> None:
         self.request_id = request_id
         self.children = children
         self.placement = children[0].placement
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        latest: list[RequestOutput | None] = [None] * len(self.children)
+    async def outputs(self) -> AsyncIterator[Step]:
+        latest: list[Step | None] = [None] * len(self.children)
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, child: _Generation) -> None:
             try:
-                async for out in child.outputs():
-                    await queue.put((i, out))
+                async for step in child.outputs():
+                    await queue.put((i, step))
             except BaseException as exc:  # noqa: BLE001 - re-raised by the reader
                 await queue.put((i, exc))
 
         tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(self.children)]
         try:
-            while not all(o is not None and o.finished for o in latest):
-                i, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                latest[i] = item
-                yield self._merge(latest, i)
+            while not all(s is not None and s.finished for s in latest):
+                items = [await queue.get()]
+                while not queue.empty():  # what the children gained meanwhile comes along
+                    items.append(queue.get_nowait())
+                failed = next((x for _, x in items if isinstance(x, BaseException)), None)
+                steps = [(i, x) for i, x in items if not isinstance(x, BaseException)]
+                if failed is None or steps:
+                    yield self._merge(latest, steps)
+                if failed is not None:
+                    raise failed
         finally:
             for t in tasks:
                 t.cancel()
 
-    def _merge(self, latest: list[RequestOutput | None], changed: int) -> RequestOutput:
-        base = latest[changed]
-        outputs = []
-        for i, out in enumerate(latest):
-            if out is None:
-                outputs.append(CompletionOutput(i))
-                continue
-            seq = replace(out.outputs[0], index=i)
-            if i != changed:  # only the child that moved has a delta in this output
-                seq = replace(seq, delta_text="", delta_token_ids=[])
-            outputs.append(seq)
-        return replace(
-            base,
-            request_id=self.request_id,
-            outputs=outputs,
-            finished=all(o is not None and o.finished for o in latest),
-            num_cached_tokens=min(o.num_cached_tokens for o in latest if o is not None),
+    def _merge(self, latest: list[Step | None], steps: list[tuple[int, Step]]) -> Step:
+        """One step of the fanout from its children's (each child's choice 0 is choice i)."""
+        choices = []
+        for i, step in steps:
+            latest[i] = step
+            choices += [replace(c, index=i) for c in step.choices]
+        started = [s for s in latest if s is not None]
+        usage = Usage(
+            started[0].usage.prompt_tokens,
+            sum(s.usage.completion_tokens for s in started),
+            min(s.usage.cached_tokens for s in started),
         )
+        predicted = next((s.predicted_tokens for _, s in reversed(steps)), None)
+        finished = all(s is not None and s.finished for s in latest)
+        return Step(merge_choices(choices), usage, finished, predicted)
 
     async def aclose(self) -> None:
         for child in self.children:

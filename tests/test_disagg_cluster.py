@@ -21,6 +21,7 @@ from cluster_checks import assert_idle
 from hf_oracle import hf_greedy_ids
 
 from engine import SamplingParams
+from router.outputs import Answer
 
 ray = pytest.importorskip("ray")
 transformers = pytest.importorskip("transformers")
@@ -70,6 +71,14 @@ def prompts(cluster):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def _answer(rid, ids, gen, n=1):
+    """A ClusterBackend generation's steps folded into its final cumulative output."""
+    answer = Answer(rid, ids, n, logprobs=False)
+    async for step in gen.outputs():
+        answer.add(step)
+    return answer.output
 
 
 async def collect(cluster, prompt, params=GREEDY, **kw):
@@ -234,7 +243,7 @@ def test_sjf_queue_starts_the_shortest_predicted_first(cluster, prompts) -> None
             started.append(rid)
             assert gen.placement.predicted_tokens == n
             try:
-                last = [o async for o in gen.outputs()][-1]
+                last = await _answer(rid, ids, gen)
             finally:
                 await gen.aclose()
             return len(last.outputs[0].token_ids)
@@ -280,7 +289,7 @@ def test_the_probe_s_estimate_replaces_the_router_s_but_not_the_oracle_s(cluster
             hints = PredictInput(text="Hello", max_tokens=16, headers=headers)
             gen = await backend.open(f"probe-{predictor}", prompts[0], params, hints=hints)
             try:
-                last = [o async for o in gen.outputs()][-1]
+                last = await _answer(f"probe-{predictor}", prompts[0], gen)
             finally:
                 await gen.aclose()
             return gen.placement, last, backend.admission

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -20,12 +19,12 @@ import openai
 import openai._base_client
 import pytest
 
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from router.backend import Placement, RouterStats
 from router.errors import CapacityError, ClusterError
 from router.gateway import create_app
+from router.outputs import ChoiceDelta, Step, TokenTexts, Usage
 
 pytestmark = pytest.mark.anyio  # async tests run on anyio's pytest plugin, asyncio backend
 
@@ -62,29 +61,32 @@ class FakeGeneration:
         b, p = self.backend, self.params
         limit = p.max_tokens or (b.max_model_len - len(self.ids))
         cycle = b.cycle
-        seqs = [
-            CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None)
-            for i in range(p.n)
-        ]
+        texts = TokenTexts(b.tokenizer)
+        tokens: list[list[int]] = [[] for _ in range(p.n)]
+        offsets, sent = [0] * p.n, [0] * p.n  # text sent per choice (a split character waits)
+        completion = 0
         for step in range(limit):
             await asyncio.sleep(b.delay)
             if b.fail_after is not None and step == b.fail_after:
                 raise ClusterError("decode worker died")
-            for seq in seqs:
-                token = cycle[(seq.index + step) % len(cycle)]
-                seq.token_ids.append(token)
-                seq.text = b.tokenizer.decode(seq.token_ids)
-                if seq.logprobs is not None:
-                    seq.logprobs.append(self._logprobs(token, p.logprobs))
-                if step == limit - 1:
-                    seq.finish_reason = b.finish_reason
-            snapshot = [
-                replace(s, token_ids=list(s.token_ids), logprobs=s.logprobs and list(s.logprobs))
-                for s in seqs
-            ]
-            cached = min(b.cached_tokens, len(self.ids))
             done = step == limit - 1
-            yield RequestOutput(self.request_id, None, self.ids, cached, snapshot, finished=done)
+            choices = []
+            for i, seq in enumerate(tokens):
+                token = cycle[(i + step) % len(cycle)]
+                seq.append(token)
+                text = b.tokenizer.decode(seq)
+                if text.endswith("\ufffd") and not done:
+                    text = ""
+                else:
+                    text, sent[i] = text[sent[i] :], len(text)
+                logprobs = [self._logprobs(token, p.logprobs)] if p.logprobs is not None else None
+                reason = b.finish_reason if done else None
+                choices.append(ChoiceDelta(i, text, [token], logprobs, reason, None, offsets[i]))
+                if logprobs is not None:
+                    offsets[i] += texts.length([token])
+            completion += p.n
+            usage = Usage(len(self.ids), completion, min(b.cached_tokens, len(self.ids)))
+            yield Step(choices, usage, finished=done)
 
     def _logprobs(self, token: int, n: int) -> dict[int, float]:
         """The sampled token is the most likely; the next n-1 are fixed alternatives."""

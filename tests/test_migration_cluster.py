@@ -22,6 +22,7 @@ from hf_oracle import hf_greedy_ids
 
 from engine import SamplingParams
 from engine.messages import control
+from router.outputs import Answer
 
 ray = pytest.importorskip("ray")
 transformers = pytest.importorskip("transformers")
@@ -247,9 +248,10 @@ def test_n_samples_through_the_router_migrate_one_by_one(cluster, tok, model):
         backend = ClusterBackend(cluster.members, tokenizer=cluster.tokenizer)
         gen = await backend.open("fan", prompt, params)
         moved, last = None, None
+        answer = Answer("fan", prompt, params.n, logprobs=False)
         try:
-            async for out in gen.outputs():
-                last = out
+            async for step in gen.outputs():
+                last = out = answer.add(step)
                 if moved is None and len(out.outputs[0].token_ids) >= 20:  # to the other one
                     moved = asyncio.ensure_future(migrate(cluster, "fan.0", None))
             return last, await moved

@@ -2,8 +2,9 @@
 
 * a channel merges the steps a slow reader missed into one delta per sequence (bounded by the
   tokens produced, never a growing queue of messages), and counts the merged steps;
-* the router's ``Assembler`` builds the text from token deltas with the engine's own rules
-  (stop strings, a stop token's text left out) and tells when a stop string ended a sequence;
+* the router's ``Assembler`` builds each step's choice deltas from token deltas with the
+  engine's own rules (stop strings, a stop token's text left out) and tells when a stop string
+  ended a sequence;
 * a worker whose reader went away aborts that reader's requests after the grace period;
 * a batch crosses processes columnar (Ray pickles it) and arrives equal, in order.
 """
@@ -72,18 +73,26 @@ def test_assembler_applies_stop_strings_and_stop_tokens(tokenizer) -> None:
     ids = tokenizer("The capital of France is Paris. It is big.")["input_ids"]
     params = SamplingParams(stop=["."], max_tokens=50)
     asm = Assembler("r", [1, 2], params, tokenizer)
-    stopped = [asm.apply(Delta("r", [t])) for t in ids]
-    out = asm.output.outputs[0]
-    assert out.text == "The capital of France is Paris"  # the stop string is not shown
-    assert (out.finish_reason, out.stop_reason) == ("stop", ".")
+    stopped, steps = [], []
+    for t in ids:
+        stopped.append(asm.apply(Delta("r", [t])))
+        steps.append(asm.step())
+    choices = [c for s in steps for c in s.choices]
+    assert "".join(c.text for c in choices) == "The capital of France is Paris"  # no stop string
+    assert [(c.finish_reason, c.stop_reason) for c in choices if c.finish_reason] == [("stop", ".")]
     assert stopped.count(True) == 1  # the worker is told once; later deltas change nothing
-    assert out.token_ids == ids[: stopped.index(True) + 1]
+    assert sum((c.token_ids for c in choices), []) == ids[: stopped.index(True) + 1]
+    assert steps[stopped.index(True)].finished and not steps[-1].choices
+    assert steps[-1].usage.completion_tokens == stopped.index(True) + 1
     # A stop token (eos) ends the text without being part of it.
     eos = tokenizer.eos_token_id
     asm = Assembler("e", [1, 2], SamplingParams(), tokenizer)
     asm.apply(Delta("e", ids[:3]))
     asm.apply(Delta("e", [eos], finish_reason="stop"))
-    assert asm.output.finished and asm.output.outputs[0].text == tokenizer.decode(ids[:3])
+    step = asm.step()  # one batch: the two deltas as one choice delta
+    assert step.finished and len(step.choices) == 1
+    assert step.choices[0].text == tokenizer.decode(ids[:3])
+    assert step.choices[0].token_ids == [*ids[:3], eos]
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

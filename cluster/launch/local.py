@@ -25,7 +25,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from engine.tokenizer import encode_prompt, load_tokenizer
 from router.dispatch import Dispatcher
 from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
+from router.outputs import Answer
 from router.routed import RoutedRequest
 
 logger = logging.getLogger(__name__)
@@ -421,8 +422,10 @@ class LocalCluster:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come (cumulative; the last has ``finished``).
-        Closing the iterator early aborts the request everywhere. ``prefill`` / ``decode`` pin
+        """Outputs of one request as they come (cumulative, the router's steps folded into one
+        ``RequestOutput`` built in place: each choice's ``delta_*`` is what the last step
+        added; the last has ``finished``). Closing the iterator early aborts the request
+        everywhere. ``prefill`` / ``decode`` pin
         the first attempt to the named workers (a retry goes to the least loaded others); a
         colocated request is pinned by either."""
         params = params or SamplingParams()
@@ -437,10 +440,10 @@ class LocalCluster:
         else:
             raise RequestError(f"mode {mode!r} has no workers in this cluster")
         req = RoutedRequest(rid, ids, params, p, d, priority=priority, cache_salt=cache_salt)
-        async for out in self.dispatcher().run(req):
-            if isinstance(prompt, str):
-                out = replace(out, prompt=prompt)
-            yield out
+        text = prompt if isinstance(prompt, str) else None
+        answer = Answer(rid, ids, params.n, params.logprobs is not None, prompt=text)
+        async for step in self.dispatcher().run(req):
+            yield answer.add(step)
 
     @staticmethod
     def _pick(pool: list[WorkerRef], pin: str | None) -> str:

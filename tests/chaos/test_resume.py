@@ -25,6 +25,7 @@ from cluster_checks import assert_idle
 from hf_oracle import hf_greedy_ids
 
 from engine import SamplingParams
+from router.outputs import Answer
 
 ray = pytest.importorskip("ray")
 transformers = pytest.importorskip("transformers")
@@ -199,9 +200,10 @@ def test_n_samples_through_the_router_resume_when_their_worker_hangs(
         gen = await backend.open("fan-resume", prompts[0], params)
         victim = gen.children[0].placement.decode
         pid, stopped, last = _pid(cluster, victim), False, None
+        answer = Answer("fan-resume", prompts[0], params.n, logprobs=False)
         try:
-            async for out in gen.outputs():
-                last = out
+            async for step in gen.outputs():
+                last = out = answer.add(step)
                 if not stopped and min(len(o.token_ids) for o in out.outputs) >= 3:
                     os.kill(pid, signal.SIGSTOP)
                     stopped = True
