@@ -346,9 +346,13 @@ class ClusterBackend:
 
     def place_again(self, req: RoutedRequest) -> tuple[str | None, str]:
         """A retry's or a resume's placement (the dispatcher's ``Placer``): the policy again,
-        on the same kind of pool, the workers that failed it excluded."""
-        assert req.route is not None  # every request this router placed carries its route
-        p, d, _ = self._place(req.route, not req.colocated, req.avoid)
+        on the same kind of pool, the workers that failed it excluded. A request its caller
+        placed itself (pinned to named workers: scripts and tests) carries no route: the
+        policy places it by load alone."""
+        route = req.route
+        if route is None:
+            route = RouteRequest(len(req.prompt_ids), self.block_size, index_available=False)
+        p, d, _ = self._place(route, not req.colocated, req.avoid)
         return p, d
 
     def _place(self, req: RouteRequest, disagg: bool, avoid: set[str]):
@@ -460,6 +464,12 @@ class ClusterBackend:
                 )
                 self.members.suspect(w.name, "stats", why)
         return silent
+
+    def watch(self) -> None:
+        """Start following the workers now (health and stats polls, the controller's table),
+        in the running event loop; the first request does it anyway. For callers that send
+        requests past ``open`` (``LocalCluster``'s pinned ones). Idempotent."""
+        self._ensure_poller()
 
     def _ensure_poller(self) -> None:
         loop = asyncio.get_running_loop()

@@ -366,6 +366,26 @@ def test_abort_mid_transfer_frees_both_sides(cluster) -> None:
     assert out[-1].finished
 
 
+def test_an_unpinned_request_takes_the_gateways_path(cluster) -> None:
+    """LocalCluster's requests go through the gateway's own router (admission, the placement
+    policy, dispatch) unless pinned to named workers: the policy counts a decision for each
+    unpinned one and none for a pinned one, and both answer the same greedy tokens."""
+
+    async def scenario():
+        router = cluster.router()
+        before = sum(router.router_stats().decisions.values())
+        free = await collect(cluster, "The lighthouse keeper")
+        between = sum(router.router_stats().decisions.values())
+        pinned = await collect(cluster, "The lighthouse keeper", prefill="prefill-0")
+        after = sum(router.router_stats().decisions.values())
+        return free, pinned, (between - before, after - between)
+
+    free, pinned, decisions = run(scenario())
+    assert decisions == (1, 0)
+    assert free[-1].finished and pinned[-1].finished
+    assert free[-1].outputs[0].token_ids == pinned[-1].outputs[0].token_ids
+
+
 def test_a_hung_prefill_worker_fails_over_before_the_transfer_timeout(cluster) -> None:
     """SIGSTOP the prefill worker mid-transfer: the controller finds it unresponsive (SUSPECT)
     within seconds and the request is placed again on the other prefill worker, long before

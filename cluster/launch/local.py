@@ -41,6 +41,7 @@ from router.errors import CapacityError, ClusterError, RequestError
 from router.membership import MembershipView, WorkerRef
 from router.outputs import Answer
 from router.routed import RoutedRequest
+from router.service import ClusterBackend
 
 logger = logging.getLogger(__name__)
 
@@ -356,9 +357,8 @@ class LocalCluster:
         self.max_model_len = table.max_model_len
         self.index_url = table.index_url
         self.index_namespace = table.index_namespace
-        self._dispatcher: Dispatcher | None = None
-        self._dispatcher_loop: asyncio.AbstractEventLoop | None = None
-        self._follower: asyncio.Task | None = None
+        self._router: ClusterBackend | None = None
+        self._router_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def prefill(self) -> list[WorkerRef]:
@@ -382,26 +382,38 @@ class LocalCluster:
 
         self.members.apply(ray.get(self.controller.members.remote()))
 
-    # -- requests (tests and scripts; the gateway uses router/service.py) -------------------------
+    # -- requests (tests and scripts), through the gateway's own router (router/service.py) ----
 
-    def dispatcher(self) -> Dispatcher:
-        """This process's dispatcher (made on first use, inside the running event loop)."""
+    def router(self) -> ClusterBackend:
+        """This process's router (made on first use, inside the running event loop): the
+        gateway's own (router/service.py ``ClusterBackend``: admission, the length predictor,
+        the placement policy, the prefix index, dispatch) over this cluster's workers."""
         loop = asyncio.get_running_loop()
-        if self._dispatcher is None or self._dispatcher_loop is not loop:
-            self._dispatcher_loop = loop
+        if self._router is None or self._router_loop is not loop:
+            self._router_loop = loop
             for w in self.members.all_workers:  # the old loop's streams are gone, and with
                 self.members.clear(w.name, "stream")  # them what they suspected
-            # like every router: follow the controller's table while this loop runs
-            self._follower = loop.create_task(self.members.follow())
-            self._dispatcher = Dispatcher(
+            cfg = self.config
+            index = None
+            if cfg.index_url:
+                from engine.prefix_index import PrefixIndex
+
+                index = PrefixIndex(cfg.index_url, self.index_namespace)
+            self._router = ClusterBackend(
                 self.members,
-                self.tokenizer,
-                reserve_timeout_s=self.config.reserve_timeout_s,
-                max_resumes=self.config.max_resumes,
-                stall_timeout_s=self.config.stall_timeout_s,
-                hang_timeout_s=self.config.hang_timeout_s,
+                tokenizer=self.tokenizer,
+                index=index,
+                reserve_timeout_s=cfg.reserve_timeout_s,
+                max_resumes=cfg.max_resumes,
+                stall_timeout_s=cfg.stall_timeout_s,
+                hang_timeout_s=cfg.hang_timeout_s,
             )
-        return self._dispatcher
+            self._router.watch()
+        return self._router
+
+    def dispatcher(self) -> Dispatcher:
+        """The router's dispatcher (its resume log, its in-flight requests)."""
+        return self.router().dispatcher
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -425,12 +437,27 @@ class LocalCluster:
         """Outputs of one request as they come (cumulative, the router's steps folded into one
         ``RequestOutput`` built in place: each choice's ``delta_*`` is what the last step
         added; the last has ``finished``). Closing the iterator early aborts the request
-        everywhere. ``prefill`` / ``decode`` pin
-        the first attempt to the named workers (a retry goes to the least loaded others); a
-        colocated request is pinned by either."""
+        everywhere. It takes the gateway's path through the router (``router()``): admitted,
+        placed by the policy. ``prefill`` / ``decode`` pin the first attempt to the named
+        workers instead (a colocated request is pinned by either), and ``mode`` picks the
+        colocated or the disaggregated pool of a cluster with both; such a request skips
+        admission and the policy, and its retries are placed by the policy."""
         params = params or SamplingParams()
         rid = request_id or f"req-{secrets.token_hex(4)}"
         ids = self._encode(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        answer = Answer(rid, ids, params.n, params.logprobs is not None, prompt=text)
+        router = self.router()
+        if prefill is None and decode is None and mode == "auto":
+            generation = await router.open(
+                rid, ids, params, prompt=text, priority=priority, cache_salt=cache_salt
+            )
+            try:
+                async for step in generation.outputs():
+                    yield answer.add(step)
+            finally:
+                await generation.aclose()
+            return
         if mode == "auto":
             mode = "disagg" if self.prefill else "colocated"
         if mode == "disagg" and self.prefill and self.decode:
@@ -440,9 +467,7 @@ class LocalCluster:
         else:
             raise RequestError(f"mode {mode!r} has no workers in this cluster")
         req = RoutedRequest(rid, ids, params, p, d, priority=priority, cache_salt=cache_salt)
-        text = prompt if isinstance(prompt, str) else None
-        answer = Answer(rid, ids, params.n, params.logprobs is not None, prompt=text)
-        async for step in self.dispatcher().run(req):
+        async for step in router.dispatcher.run(req):
             yield answer.add(step)
 
     @staticmethod
@@ -479,17 +504,14 @@ class LocalCluster:
                     await asyncio.gather(*(one(x, p) for x, p in zip(prompts, params, strict=True)))
                 )
             finally:
-                await self._close_dispatcher()
+                await self._close_router()
 
         return asyncio.run(run())
 
-    async def _close_dispatcher(self) -> None:
-        if self._dispatcher is not None:
-            await self._dispatcher.aclose()
-            self._dispatcher = None
-        if self._follower is not None:
-            self._follower.cancel()
-            self._follower = None
+    async def _close_router(self) -> None:
+        if self._router is not None:
+            await self._router.aclose()
+            self._router = None
 
     # -- operations ------------------------------------------------------------------------------
 
