@@ -45,6 +45,7 @@ from benchmarks.gpu_engine import log, make_llm  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402
     StepFactory,
     attention_flops,
+    linear_flops,
     time_step,
     with_graphs,
 )
@@ -73,28 +74,33 @@ def _kernel_kind(name: str) -> str:
 
 class Step:
     """The byte and FLOP arithmetic of one step: ``decodes`` rows at ``context`` tokens of
-    context plus one prefill chunk of ``chunk`` tokens (0: none)."""
+    context plus one prefill chunk of ``chunk`` tokens (0: none), over a model whose linear
+    layers and LM head hold ``weight_bytes``."""
 
-    def __init__(self, cfg, decodes: int, context: int, chunk: int) -> None:
-        self.cfg, self.decodes, self.context, self.chunk = cfg, decodes, context, chunk
+    def __init__(self, cfg, weight_bytes: int, decodes: int, context: int, chunk: int) -> None:
+        self.cfg, self.weight_bytes = cfg, weight_bytes
+        self.decodes, self.context, self.chunk = decodes, context, chunk
         self.tokens = decodes + chunk
-        self.sampled = decodes + (1 if chunk else 0)
+        # the decode rows' K and V in every layer (bf16)
+        self.decode_kv = 2 * cfg.num_kv_heads * cfg.head_dim * 2 * decodes * (context + 1)
+        self.decode_kv *= cfg.num_layers
+
+    def floor(self, bw: float, flops: float) -> float:
+        """The whole step: weights and KV read once, plus the chunk's linear FLOPs."""
+        chunk = linear_flops(self.cfg, self.chunk) / flops if self.chunk else 0.0
+        return (self.weight_bytes + self.decode_kv) / bw + chunk
 
     def floors(self, bw: float, flops: float) -> dict[str, float]:
         c, t, e = self.cfg, self.tokens, 2  # bf16
         kv_row = c.num_kv_heads * c.head_dim * e  # one token's K (or V) in one layer
         q_row = c.num_heads * c.head_dim * e
-        decode_kv = 2 * kv_row * self.decodes * (self.context + 1) * c.num_layers
         extend_flops = attention_flops(c, self.chunk) if self.chunk else 0.0
         extend_bytes = (2 * kv_row + 2 * q_row) * self.chunk * c.num_layers
         inter = c.intermediate_size
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        linear_weights = c.hidden_size * (2 * q + 2 * kv + 3 * inter) * c.num_layers
-        linear_weights = (linear_weights + c.vocab_size * c.hidden_size) * e
         return {
             # decode at batch 1: every linear layer and the LM head as Triton GEMVs
-            "gemv": (linear_weights + 2 * c.hidden_size * t * c.num_layers) / bw,
-            "decode attention (split)": (decode_kv + q_row * self.decodes * c.num_layers) / bw,
+            "gemv": (self.weight_bytes + 2 * c.hidden_size * t * c.num_layers) / bw,
+            "decode attention (split)": (self.decode_kv + q_row * self.decodes * c.num_layers) / bw,
             "extend attention": max(extend_flops / flops, extend_bytes / bw),
             # k and v of each new token read and written once
             "KV write": 2 * 2 * kv_row * t * c.num_layers / bw,
@@ -204,36 +210,31 @@ def main() -> None:
     cfg = runner.model_cfg
     factory = StepFactory(runner.cfg.block_size, runner.num_kv_blocks)
     decodes = [factory.chunk(CONTEXT, 1) for _ in range(BATCH)]
-    steps = (
-        ("decode-256", SchedulerOutput(scheduled=decodes), Step(cfg, BATCH, CONTEXT, 0)),
-        ("decode-1", SchedulerOutput(scheduled=decodes[:1]), Step(cfg, 1, CONTEXT, 0)),
-        (
-            "mixed 256 + 2048",
-            SchedulerOutput(scheduled=decodes + [factory.chunk(0, CHUNK)]),
-            Step(cfg, BATCH, CONTEXT, CHUNK),
-        ),
-    )
-    weight_bytes = sum(
+    weight_bytes = sum(  # what a step reads: the embedding only if it is the LM head too
         p.numel() * p.element_size()
         for name, p in runner.model.named_parameters()
         if "embed_tokens" not in name or cfg.tie_word_embeddings
     )
+    steps = (
+        ("decode-256", decodes, Step(cfg, weight_bytes, BATCH, CONTEXT, 0)),
+        ("decode-1", decodes[:1], Step(cfg, weight_bytes, 1, CONTEXT, 0)),
+        (
+            "mixed 256 + 2048",
+            decodes + [factory.chunk(0, CHUNK)],
+            Step(cfg, weight_bytes, BATCH, CONTEXT, CHUNK),
+        ),
+    )
     tables = []
-    for name, out, arith in steps:
+    for name, scheduled, arith in steps:
         log(f"{name}: timing under graphs, then profiling eagerly")
+        out = SchedulerOutput(scheduled=scheduled)
         wall = time_step(runner, out, 20)
         linears, kernels = profile_step(runner, out, args.reps)
         t = step_table(name, wall, linears, kernels, arith.floors(bw, flops), bw, flops)
-        kv = (
-            2 * cfg.num_kv_heads * cfg.head_dim * 2 * arith.decodes * (CONTEXT + 1) * cfg.num_layers
-        )
-        t["step_floor_s"] = (weight_bytes + kv) / bw  # the whole step's bytes, read once
-        if arith.chunk:
-            from benchmarks.gpu_step import linear_flops
-
-            t["step_floor_s"] += linear_flops(cfg, arith.chunk) / flops
+        t["step_floor_s"] = arith.floor(bw, flops)
         tables.append(t)
         print_table(t)
+        kv = arith.decode_kv
         print(f"\nstep floor (weights {weight_bytes / 1e9:.1f} GB + KV {kv / 1e9:.2f} GB over HBM"
               f"{' + the chunk FLOPs' if arith.chunk else ''}): {t['step_floor_s'] * 1e3:.2f} ms;"
               f" wall / floor {wall / t['step_floor_s']:.3f}x")  # fmt: skip

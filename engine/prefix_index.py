@@ -38,6 +38,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -187,10 +188,10 @@ class PrefixIndex:
         if not hashes:
             return {}
         try:
-            flat = self._lookup(keys=[self.block_key(h) for h in hashes], args=[self._alive_prefix])
+            flat = self._run_lookup(hashes)
         except (redis.RedisError, OSError) as e:
             raise IndexUnavailable(f"lookup of {len(hashes)} blocks: {e}") from e
-        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return _held(flat)
 
     def lookup_many(self, batch: Sequence[Sequence[bytes]]) -> list[dict[str, int]]:
         """``lookup`` of each prompt's hashes in ``batch``, all in one round trip (a pipeline of
@@ -201,18 +202,27 @@ class PrefixIndex:
             return out
         pipe = self._r.pipeline(transaction=False)
         for i in todo:
-            keys = [self.block_key(h) for h in batch[i]]
-            self._lookup(keys=keys, args=[self._alive_prefix], client=pipe)
+            self._run_lookup(batch[i], client=pipe)
         try:
             results = pipe.execute()
         except (redis.RedisError, OSError) as e:
             raise IndexUnavailable(f"lookup of {len(todo)} prompts: {e}") from e
         for i, flat in zip(todo, results, strict=True):
-            out[i] = {flat[j]: int(flat[j + 1]) for j in range(0, len(flat), 2)}
+            out[i] = _held(flat)
         return out
+
+    def _run_lookup(self, hashes: Sequence[bytes], client: Any = None) -> Any:
+        """The lookup script over ``hashes``' block keys (queued on ``client``, a pipeline)."""
+        keys = [self.block_key(h) for h in hashes]
+        return self._lookup(keys=keys, args=[self._alive_prefix], client=client)
 
     def close(self) -> None:
         self._r.close()
+
+
+def _held(flat: list) -> dict[str, int]:
+    """The lookup script's flat [worker, blocks, worker, blocks, ...] answer as a dict."""
+    return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 class IndexPublisher:

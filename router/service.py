@@ -135,7 +135,7 @@ class ClusterBackend:
         cache_salt: str | None = None,
         hints: PredictInput | None = None,
     ):
-        self._ensure_poller()
+        self.watch()
         members = self.members
         if not members.routable():
             raise no_live_workers()
@@ -224,7 +224,7 @@ class ClusterBackend:
 
     async def healthy(self) -> bool:
         """Cheap, from state (no worker is called): some request can be placed now."""
-        self._ensure_poller()
+        self.watch()
         return self.members.routable()
 
     async def worker_stats(self) -> list[dict[str, Any]]:
@@ -466,12 +466,9 @@ class ClusterBackend:
         return silent
 
     def watch(self) -> None:
-        """Start following the workers now (health and stats polls, the controller's table),
-        in the running event loop; the first request does it anyway. For callers that send
-        requests past ``open`` (``LocalCluster``'s pinned ones). Idempotent."""
-        self._ensure_poller()
-
-    def _ensure_poller(self) -> None:
+        """Follow the workers (health and stats polls, the controller's table) from the running
+        event loop, if not already: ``open`` and ``healthy`` call it, and so do callers that
+        send requests past ``open`` (``LocalCluster``'s pinned ones). Idempotent."""
         loop = asyncio.get_running_loop()
         if self._poller is None or self._poller.done():
             self._poller = loop.create_task(self._poll_forever())
