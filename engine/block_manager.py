@@ -70,6 +70,8 @@ class BlockManager:
         self.record_events = False  # keep stored / evicted hashes for drain_events
         self._stored: list[bytes] = []
         self._evicted: list[bytes] = []
+        self.record_full = False  # keep (block id, hash) of newly full blocks for drain_full
+        self._full: list[tuple[int, bytes]] = []
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
 
@@ -147,6 +149,25 @@ class BlockManager:
         self._cache_full_blocks(request, num_tokens)
         return new_blocks
 
+    def allocate_for_load(
+        self, request: Request, computed_blocks: Sequence[int], num_blocks: int
+    ) -> list[int] | None:
+        """The prefix hits ``computed_blocks`` plus ``num_blocks`` fresh blocks that a lower KV
+        tier fills (the request waits while it does). Their hashes are registered when the
+        request next computes (``allocate_slots``), once their contents are in, as ``reserve``
+        does. Returns the fresh block ids, or ``None`` (nothing changed) when they do not fit."""
+        if request.request_id in self._req_blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks")
+        hits_in_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        if num_blocks > len(self._free) - hits_in_free:
+            return None
+        for block_id in computed_blocks:
+            self._touch(block_id)
+        new_blocks = [self._pop_free() for _ in range(num_blocks)]
+        self._req_blocks[request.request_id] = [*computed_blocks, *new_blocks]
+        self._req_num_hashed[request.request_id] = len(computed_blocks)
+        return new_blocks
+
     def reserve(self, request: Request, num_tokens: int) -> list[int] | None:
         """Blocks for the first ``num_tokens`` tokens of a request whose KV will be written by
         someone else (a remote prefill worker). Their hashes are registered only once the request
@@ -193,6 +214,12 @@ class BlockManager:
                 self._evicted.append(h)
         self._cached.clear()
         return True
+
+    def drain_full(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of every block registered full since the last call (recorded only
+        while ``record_full`` is set): what the lower KV tiers copy down."""
+        full, self._full = self._full, []
+        return full
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         """Hashes stored and evicted since the last call (for the global prefix index; recorded
@@ -241,6 +268,8 @@ class BlockManager:
                 self._cached[h] = block.block_id
                 if self.record_events:
                     self._stored.append(h)
+                if self.record_full:
+                    self._full.append((block.block_id, h))
         self._req_num_hashed[request.request_id] = end
 
     def check_invariant(self, expect_idle: bool = False) -> None:

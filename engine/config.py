@@ -179,6 +179,26 @@ class EngineConfig:
             "max": PIECEWISE_MAX_TOKENS,
         },
     )
+    kv_offload_cpu_gb: float = field(
+        default=0.0,
+        metadata={
+            "help": "host-memory KV tier under the device pool, in GiB (pinned on CUDA): full "
+            "blocks are copied down as they fill, a prefix found there is loaded back instead "
+            "of recomputed; 0 turns it off",
+            "min": 0.0,
+        },
+    )
+    kv_offload_disk_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "folder of the disk KV tier (one checked file per block; kept across "
+            "restarts, shareable by the workers of a node); unset turns it off",
+        },
+    )
+    kv_offload_disk_gb: float = field(
+        default=16.0,
+        metadata={"help": "size bound of the disk KV tier, in GiB", "min": 0.0},
+    )
     sm_carveout: int = 0  # CUDA: SMs cuBLAS matmuls leave free (for the KV stream's NCCL kernels)
     # Schedule and prepare step N+1 while step N runs on the device, its sampled tokens fed to
     # N+1 on the device (vLLM V1's async scheduling, SGLang's overlap scheduler). None: on for
@@ -198,6 +218,10 @@ class EngineConfig:
     # Hidden states to hand back on each RequestOutput (``prompt_hidden``) at the last prompt
     # token: a layer's output, or -1 for after the final norm (collecting a probe's data).
     prompt_hidden_layers: tuple[int, ...] = ()
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offload_cpu_gb > 0 or bool(self.kv_offload_disk_dir)
 
     def __post_init__(self) -> None:
         defaults = DEVICE_DEFAULTS["cuda" if self.device.startswith("cuda") else "cpu"]
@@ -228,6 +252,16 @@ class EngineConfig:
             raise ValueError(
                 f"cuda_graph_max_tokens must be in [0, {PIECEWISE_MAX_TOKENS}] (0: no piecewise "
                 f"graphs), got {self.cuda_graph_max_tokens}"
+            )
+        if self.kv_offload_cpu_gb < 0 or self.kv_offload_disk_gb < 0:
+            raise ValueError(
+                f"kv_offload_cpu_gb and kv_offload_disk_gb must be >= 0, got "
+                f"{self.kv_offload_cpu_gb}, {self.kv_offload_disk_gb}"
+            )
+        if self.kv_tiers_enabled and not self.enable_prefix_caching:
+            raise ValueError(
+                "the KV tiers (kv_offload_cpu_gb, kv_offload_disk_dir) find blocks by their "
+                "prefix hashes: they need enable_prefix_caching=True"
             )
         if self.sm_carveout < 0:
             raise ValueError(f"sm_carveout must be >= 0, got {self.sm_carveout}")

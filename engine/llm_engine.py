@@ -25,6 +25,7 @@ from typing import Protocol
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import SequenceText
+from engine.kv_tiers import STAGING_BLOCKS, BlockLayout, DiskTier, KVTiers, kv_identity
 from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
 from engine.model_runner import LaunchedStep, ModelRunner
@@ -120,8 +121,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
         )
+        self.tiers = self._make_tiers() if cfg.kv_tiers_enabled else None
+        self.block_manager.record_full = self.tiers is not None
         sched_cfg = SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_len)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.tiers)
         self._groups: dict[str, _Group] = {}
         self._seq_owner: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
@@ -133,6 +136,31 @@ class LLMEngine:
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
+
+    def _make_tiers(self) -> KVTiers:
+        """The host and disk KV tiers under the device pool (EngineConfig.kv_offload_*), their
+        load costs and the recompute cost measured now."""
+        cfg, mc = self.cfg, self.model_config
+        caches = self.runner.kv_caches
+        layout = BlockLayout(
+            mc.num_layers, mc.num_kv_heads, cfg.block_size, mc.head_dim, caches[0].dtype
+        )
+        host_slots = int(cfg.kv_offload_cpu_gb * (1 << 30) // layout.nbytes)
+        if cfg.kv_offload_cpu_gb and host_slots < 1:
+            raise ValueError(
+                f"kv_offload_cpu_gb={cfg.kv_offload_cpu_gb} holds no block of "
+                f"{layout.nbytes / 2**20:.1f} MiB; raise it or set 0"
+            )
+        disk = None
+        if cfg.kv_offload_disk_dir:
+            identity = kv_identity(mc, cfg, layout)
+            disk = DiskTier(
+                cfg.kv_offload_disk_dir, identity, int(cfg.kv_offload_disk_gb * (1 << 30)), layout
+            )
+        staging = host_slots == 0
+        tiers = KVTiers(caches, layout, host_slots or STAGING_BLOCKS, disk, host_is_staging=staging)
+        tiers.measure(self.runner.time_prefill())
+        return tiers
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -413,6 +441,8 @@ class LLMEngine:
         of an engine with a step observer, is waited for in the call that launches it."""
         sched_out = self.scheduler.schedule()
         launched = self._launch(sched_out) if not sched_out.is_empty else None
+        if launched is None and self._inflight is None and self.scheduler.loading:
+            self.tiers.wait(0.005)  # only loads in flight: wait for one, do not spin
         # The step before is forgotten before it is read: one whose read fails (the device
         # faulted) is not read again by every later call.
         before, self._inflight = self._inflight, launched
@@ -457,8 +487,13 @@ class LLMEngine:
         observer = self.step_observer
         hook = observer.begin_step(sched_out) if observer is not None else None
         try:
-            return _InFlight(sched_out, self.runner.launch(sched_out, hook), observer=observer)
+            launched = self.runner.launch(sched_out, hook)
+            if self.tiers is not None:  # queued behind the step that fills them
+                self.tiers.save(self.block_manager.drain_full())
+            return _InFlight(sched_out, launched, observer=observer)
         except Exception as exc:
+            if self.tiers is not None:
+                self.block_manager.drain_full()  # a faulted step's blocks are not copied down
             if observer is not None:
                 raise  # its hooks already streamed layers of this step: no re-execution
             self._drain()  # the step before may hold this one's inputs: know them first

@@ -200,6 +200,37 @@ class ModelRunner:
         graph_pool = peak * min(self.piecewise_max_tokens, tokens) // tokens
         return peak + 3 * logits_bytes + graph_pool
 
+    @torch.inference_mode()
+    def time_prefill(self, num_tokens: int | None = None) -> float:
+        """Seconds per token of a prefill chunk (the second of two runs, into the first blocks
+        of the empty pool: call it before serving). What recomputing a prefix costs, against
+        which the KV tiers price loading it."""
+        cap = self.num_kv_blocks * self.cfg.block_size
+        default = 512 if self.device.type == "cuda" else 128
+        tokens = max(
+            1,
+            min(
+                num_tokens or default, self.cfg.max_num_batched_tokens, self.max_model_len - 1, cap
+            ),
+        )
+        blocks = list(range(-(-tokens // self.cfg.block_size)))
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens, device=self.device)
+        elapsed = 0.0
+        for _ in range(2):
+            meta = self.backend.build(
+                [ChunkSpec(0, tokens, blocks)], self.cfg.block_size, self.device
+            )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            hidden = self.model(ids, positions, self.kv_caches, meta, self.backend)
+            self.model.compute_logits(hidden[-1:])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - t0
+        return elapsed / tokens
+
     # -- the step --------------------------------------------------------------------------------
 
     @torch.inference_mode()

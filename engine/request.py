@@ -32,11 +32,14 @@ class RequestStatus(enum.IntEnum):
     ``WAITING`` / ``RUNNING`` / ``PREEMPTED``: in the scheduler's queue or batch.
     ``WAITING_FOR_REMOTE_KV``: blocks reserved on a decode worker, its KV still coming (a
     prefill worker streams it, or a migration copies it); not in the scheduler until admitted.
+    ``LOADING``: admitted with blocks whose KV a lower tier (host memory, disk) is filling; in
+    the scheduler, out of the batch until the load lands.
     ``PAUSED``: taken out of the batch with its blocks held (a migration's last stage); put
     back, or released when it continues elsewhere."""
 
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
+    LOADING = enum.auto()
     RUNNING = enum.auto()
     PAUSED = enum.auto()
     PREEMPTED = enum.auto()

@@ -21,12 +21,24 @@ its blocks are freed and it goes back to the waiting queue, in (priority, arriva
 the front under FCFS), to be recomputed later (its prefix-cached blocks usually make that
 cheap). Waiting requests are admitted, best first, while the budget, ``max_num_seqs`` and the
 free blocks allow, and only in steps with no preemption.
+
+With lower KV tiers (engine.kv_tiers, the ``LowerTiers`` below), admission looks past the
+device's prefix hits: the leading blocks found in host memory or on disk, when loading them is
+cheaper than recomputing them, get fresh blocks and are loaded while the request waits in
+``LOADING`` (out of the batch, counted against ``max_num_seqs``); the step after they land it
+runs from the end of its loaded prefix. A request aborted mid-load keeps its blocks until the
+load lands (a copy may still be writing them), then frees them::
+
+    waiting --admit--> running --preempt--> waiting
+       |                  ^
+       +--admit--> loading  (landed: computed = device hits + loaded blocks)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
@@ -42,6 +54,24 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class LowerTiers(Protocol):
+    """KV tiers below the device pool, as the scheduler sees them (engine.kv_tiers.KVTiers)."""
+
+    def plan(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` to load (found below, cheaper than recompute)."""
+
+    def start_load(
+        self, request_id: str, hashes: Sequence[bytes], block_ids: Sequence[int]
+    ) -> None:
+        """Start filling ``block_ids`` with those blocks."""
+
+    def landed(self) -> dict[str, int]:
+        """Request id -> blocks loaded, for each load finished since the last call."""
+
+    def on_preempt(self, num_full_blocks: int) -> str:
+        """A preemption: ``swap`` (its blocks are below and cheap to load) or ``recompute``."""
 
 
 @dataclass
@@ -75,11 +105,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        tiers: LowerTiers | None = None,
+    ):
         self.config = config
         self.block_manager = block_manager
+        self.tiers = tiers
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # their KV coming up from a lower tier
+        self._abandoned: dict[str, Request] = {}  # aborted mid-load: freed once it lands
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # in total (a metric)
 
@@ -115,7 +153,12 @@ class Scheduler:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading or self._abandoned)
+
+    @property
+    def num_seqs(self) -> int:
+        """Requests holding a place in the batch: running, and loading to run."""
+        return len(self.running) + len(self.loading)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests wherever they are (abort, stop string); frees their blocks at once."""
@@ -126,10 +169,14 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.LOADING:
+                del self.loading[request_id]
+                self._abandoned[request_id] = request  # its blocks: once the load lands
             else:
                 self.waiting.remove(request)
+            if request_id not in self._abandoned:
+                self.block_manager.free(request)
             request.status = status
-            self.block_manager.free(request)
             finished.append(request)
         return finished
 
@@ -137,6 +184,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.loading or self._abandoned:
+            self._land_loads()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=Request.sort_key)
         i = 0
@@ -164,11 +213,17 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_seqs < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted while its last token was pending: it is known next step
             hits = self.block_manager.get_computed_blocks(request)
+            if self.tiers is not None:
+                loads = self._admit_loading(request, hits)
+                if loads is None:
+                    break
+                if loads:
+                    continue
             num_hit_tokens = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.block_manager.allocate_slots(request, num_new, hits) is None:
@@ -182,6 +237,44 @@ class Scheduler:
             out.scheduled.append(self._chunk(request, num_hit_tokens, num_new))
             budget -= num_new
 
+    def _admit_loading(self, request: Request, hits: list[int]) -> bool | None:
+        """Admit ``request`` to ``LOADING`` when blocks after its prefix hits are worth loading
+        from a lower tier. True: admitted; False: nothing to load (admit it as usual); None:
+        its blocks do not fit now."""
+        bm = self.block_manager
+        limit = (request.num_tokens - 1) // bm.block_size  # one token is always computed
+        below = request.block_hashes[len(hits) : limit]
+        num_load = self.tiers.plan(below) if below else 0
+        if not num_load:
+            return False
+        fresh = bm.allocate_for_load(request, hits, num_load)
+        if fresh is None:
+            return None
+        self.waiting.pop(0)
+        request.status = RequestStatus.LOADING
+        request.num_computed_tokens = len(hits) * bm.block_size
+        self.loading[request.request_id] = request
+        self.tiers.start_load(request.request_id, below[:num_load], fresh)
+        return True
+
+    def _land_loads(self) -> None:
+        """Requests whose loads landed run from the end of what arrived (a block that could
+        not be read is recomputed, with every block after it)."""
+        bs = self.block_manager.block_size
+        for request_id, num_blocks in self.tiers.landed().items():
+            abandoned = self._abandoned.pop(request_id, None)
+            if abandoned is not None:
+                self.block_manager.free(abandoned)
+                continue
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            request.num_computed_tokens += num_blocks * bs
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
     def _chunk(self, request: Request, start: int, num_tokens: int) -> ScheduledRequest:
         """The chunk ``[start, start + num_tokens)`` of ``request``; its progress moves past it
         now (the step writes that KV before any later step reads it)."""
@@ -193,6 +286,8 @@ class Scheduler:
         return chunk
 
     def _preempt(self, request: Request) -> None:
+        if self.tiers is not None:
+            self.tiers.on_preempt(request.num_computed_tokens // self.block_manager.block_size)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
