@@ -147,6 +147,9 @@ class HostTier:
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()  # I/O threads unpin
         self.evictions = 0
+        self.record_events = False  # keep stored / evicted hashes for KVTiers.drain_events
+        self.stored_hashes: list[bytes] = []
+        self.evicted_hashes: list[bytes] = []
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._held
@@ -171,6 +174,8 @@ class HostTier:
                 if not self._pins.get(slot):
                     del self._held[h]
                     self.evictions += 1
+                    if self.record_events:
+                        self.evicted_hashes.append(h)
                     return slot
         return None
 
@@ -180,6 +185,8 @@ class HostTier:
         if block_hash in self._held:
             return False
         self._held[block_hash] = slot
+        if self.record_events:
+            self.stored_hashes.append(block_hash)
         return True
 
     def give_back(self, slot: int) -> None:
@@ -227,6 +234,9 @@ class DiskTier:
         self._known: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, oldest first
         self._lock = threading.Lock()
         self.stored = self.evictions = self.rejected = 0
+        self.record_events = False  # keep stored / evicted hashes for KVTiers.drain_events
+        self._stored: list[bytes] = []
+        self._evicted: list[bytes] = []
         self._scan()
 
     def _scan(self) -> None:
@@ -283,6 +293,8 @@ class DiskTier:
             self._known[path.name] = path.stat().st_size
             self._known.move_to_end(path.name)
             self.stored += count
+            if count and self.record_events:
+                self._stored.append(block_hash)
             self._evict_over()
         return True
 
@@ -292,6 +304,23 @@ class DiskTier:
             self._known.pop(path.name, None)
         with _quiet():
             path.unlink()
+
+    def _forget(self, name: str) -> None:
+        """Caller holds the lock: a file of ours is gone (evicted, or rejected)."""
+        if self._known.pop(name, None) is not None and self.record_events:
+            self._evicted.append(bytes.fromhex(name.removesuffix(".kv")))
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes this worker stored on disk and those of its files gone since the last call."""
+        with self._lock:
+            stored, evicted = self._stored, self._evicted
+            self._stored, self._evicted = [], []
+        return stored, evicted
+
+    def known(self) -> list[bytes]:
+        """Hashes of the files this worker knows (found at start, written, or read)."""
+        with self._lock:
+            return [bytes.fromhex(n.removesuffix(".kv")) for n in self._known]
 
     def read_into(self, block_hash: bytes, out: np.ndarray) -> bool:
         """Read a block into ``out`` (uint8, the block's size) after checking its header and
@@ -339,7 +368,7 @@ class DiskTier:
         logger.warning("KV disk tier: ignoring %s: %s", path, why)
         with self._lock:
             self.rejected += 1
-            self._known.pop(path.name, None)
+            self._forget(path.name)
         with _quiet():
             path.unlink()
         return False
@@ -347,10 +376,11 @@ class DiskTier:
     def _evict_over(self) -> None:
         total = sum(self._known.values())
         while total > self.capacity_bytes and self._known:
-            name, size = self._known.popitem(last=False)
+            name = next(iter(self._known))
+            total -= self._known[name]
+            self._forget(name)
             with _quiet():
                 (self.dir / name[:2] / name).unlink()
-            total -= size
             self.evictions += 1
 
 
@@ -720,6 +750,27 @@ class KVTiers:
             return "swap"
         self.stats.preempt_recomputed += 1
         return "recompute"
+
+    # -- what the global prefix index learns -----------------------------------------------------
+
+    def record_events(self) -> list[tuple[str, bytes]]:
+        """Start keeping per-tier events for ``drain_events``; returns what the tiers hold now
+        (``(tier, hash)``: the disk files found at start), to publish first."""
+        self.host.record_events = True
+        held = [("host", h) for h in self.host._held]
+        if self.disk is not None:
+            self.disk.record_events = True
+            held += [("disk", h) for h in self.disk.known()]
+        return held
+
+    def drain_events(self) -> dict[str, tuple[list[bytes], list[bytes]]]:
+        """Per tier (``host``, ``disk``): hashes stored and evicted since the last call."""
+        host = (self.host.stored_hashes, self.host.evicted_hashes)
+        self.host.stored_hashes, self.host.evicted_hashes = [], []
+        events = {"host": host}
+        if self.disk is not None:
+            events["disk"] = self.disk.drain_events()
+        return events
 
     # -- start-up costs and stats -----------------------------------------------------------------
 
