@@ -855,10 +855,17 @@ class KVTiers:
             }
         return out
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop: blocks queued for disk are written first (up to ``timeout_s``). Callable from
+        another thread than the engine's (it touches only the writer's queue)."""
         if self._closed:
             return
         self._closed = True
-        self.flush(timeout_s=10.0)
+        deadline = time.monotonic() + timeout_s
+        while self._writes is not None and self._writes.unfinished_tasks:
+            if time.monotonic() > deadline:
+                logger.warning("KV disk tier: %d blocks not written at close", self._writes.qsize())
+                break
+            time.sleep(0.002)
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)

@@ -527,7 +527,10 @@ class EngineWorker:
             "steps": self.steps,
             "prefix_queries_tokens": bm.prefix_queries,
             "prefix_hit_tokens": bm.prefix_hits,
+            "loading": len(sched.loading),
         }
+        if self.engine.tiers is not None:
+            stats["kv_tiers"] = self.engine.tiers.snapshot()
         for role in self.roles:
             for key, value in role.stats().items():
                 stats[key] = stats[key] + value if key in stats else value
@@ -572,6 +575,8 @@ class EngineWorker:
                 self._send_to_loop(ch.ready.set)
         if self._publisher is not None:
             self._publisher.close()  # its entries stop counting at once
+        if self.engine.tiers is not None:
+            self.engine.tiers.close()  # blocks on their way to disk land there
 
 
 def _quantiles(

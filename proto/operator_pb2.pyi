@@ -48,7 +48,7 @@ class Latency(_message.Message):
     def __init__(self, p50_s: _Optional[float] = ..., p99_s: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "node_id", "node_ip", "pid", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_use", "kv_projected_use", "ttft", "itl", "migrations_out", "migrations_in", "max_num_seqs", "error")
+    __slots__ = ("name", "role", "state", "node_id", "node_ip", "pid", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_use", "kv_projected_use", "ttft", "itl", "migrations_out", "migrations_in", "max_num_seqs", "error", "kv_host", "kv_disk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class WorkerStatus(_message.Message):
     MIGRATIONS_IN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: Role
     state: WorkerState
@@ -85,7 +87,19 @@ class WorkerStatus(_message.Message):
     migrations_in: int
     max_num_seqs: int
     error: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., node_id: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_use: _Optional[float] = ..., kv_projected_use: _Optional[float] = ..., ttft: _Optional[_Union[Latency, _Mapping]] = ..., itl: _Optional[_Union[Latency, _Mapping]] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    kv_host: KVTier
+    kv_disk: KVTier
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., node_id: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_use: _Optional[float] = ..., kv_projected_use: _Optional[float] = ..., ttft: _Optional[_Union[Latency, _Mapping]] = ..., itl: _Optional[_Union[Latency, _Mapping]] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., error: _Optional[str] = ..., kv_host: _Optional[_Union[KVTier, _Mapping]] = ..., kv_disk: _Optional[_Union[KVTier, _Mapping]] = ...) -> None: ...
+
+class KVTier(_message.Message):
+    __slots__ = ("used_bytes", "capacity_bytes", "hits")
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    capacity_bytes: int
+    hits: int
+    def __init__(self, used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class RebalancePolicy(_message.Message):
     __slots__ = ("mode", "high", "low", "interval_s", "max_moves")

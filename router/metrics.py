@@ -367,6 +367,67 @@ class BackendCollector:
             _add(kv_seconds, name, s.get("kv_transfer_seconds"))
         yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds)
         yield from self._migration_metrics()
+        yield from self._tier_metrics()
+
+    def _tier_metrics(self) -> Iterator[Metric]:
+        """The KV tiers below each worker's pool, from ``stats()["kv_tiers"]`` (engine.kv_tiers
+        ``KVTiers.snapshot``); a worker without tiers adds no series."""
+        w = ["model_name", "worker", "tier"]
+        blocks = GaugeMetricFamily(
+            "tandem:kv_tier_used_bytes", "Bytes a KV tier below the pool holds.", labels=w
+        )
+        hits = CounterMetricFamily(
+            "tandem:kv_tier_hits", "KV blocks loaded from a lower tier into the pool.", labels=w
+        )
+        stored = CounterMetricFamily(
+            "tandem:kv_tier_stored", "KV blocks written into a lower tier.", labels=w
+        )
+        evicted = CounterMetricFamily(
+            "tandem:kv_tier_evictions", "KV blocks a lower tier dropped (LRU).", labels=w
+        )
+        moved = CounterMetricFamily(
+            "tandem:kv_tier_bytes",
+            "KV bytes moved between the pool and the tiers below it (down: pool to host; up: "
+            "host to pool; disk_read: read from disk files).",
+            labels=["model_name", "worker", "direction"],
+        )
+        loads = CounterMetricFamily(
+            "tandem:kv_tier_loads", "Prefix loads from the tiers below the pool.", labels=w[:2]
+        )
+        load_time = CounterMetricFamily(
+            "tandem:kv_tier_load_seconds",
+            "Time requests waited in LOADING for their prefix to come up.",
+            labels=w[:2],
+        )
+        preempt = CounterMetricFamily(
+            "tandem:kv_preemptions",
+            "Preemptions by how the victim's KV comes back: swap (loaded from a tier below, "
+            "cheaper than recompute) or recompute.",
+            labels=["model_name", "worker", "mode"],
+        )
+        for i, s in enumerate(self._workers):
+            t = s.get("kv_tiers")
+            if not isinstance(t, dict):
+                continue
+            name = [self._model, str(s.get("name", f"worker-{i}"))]
+            host, disk = t["host"], t.get("disk")
+            _add(blocks, [*name, "host"], host["blocks"] * t["block_bytes"])
+            for tier, d in (("host", host), ("disk", disk)):
+                if d is None:
+                    continue
+                _add(hits, [*name, tier], d["hits"])
+                _add(stored, [*name, tier], d["stored"])
+                _add(evicted, [*name, tier], d["evictions"])
+            if disk is not None:
+                _add(blocks, [*name, "disk"], disk["used_bytes"])
+                _add(moved, [*name, "disk_read"], disk["bytes_read"])
+            _add(moved, [*name, "down"], host["bytes_in"])
+            _add(moved, [*name, "up"], host["bytes_out"])
+            _add(loads, name, t["loads"])
+            _add(load_time, name, t["load_time_s"])
+            _add(preempt, [*name, "swap"], t["preempt_swapped"])
+            _add(preempt, [*name, "recompute"], t["preempt_recomputed"])
+        yield from (blocks, hits, stored, evicted, moved, loads, load_time, preempt)
 
     def _migration_metrics(self) -> Iterator[Metric]:
         """Live migration, from each decode worker's ``stats()["migrations"]`` (a worker

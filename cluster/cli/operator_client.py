@@ -266,6 +266,14 @@ def _duration(latency: dict[str, Any] | None) -> str:
     return f"{one(latency['p50_s'])}/{one(latency['p99_s'])}"
 
 
+def _tier(t: dict[str, Any] | None) -> str:
+    """A KV tier's use: bytes held (and the share of its bound), or ``-`` without one."""
+    if not t:
+        return "-"
+    used, cap = int(t.get("used_bytes", 0)), int(t.get("capacity_bytes", 0))
+    return f"{used / 2**30:.1f}G({used / max(cap, 1):.0%})"
+
+
 def status_table(status: dict[str, Any]) -> str:
     """``tandem status``'s table: a header line, then one aligned row per worker."""
     reb = status["policy"]["rebalance"]
@@ -289,11 +297,12 @@ def status_table(status: dict[str, Any]) -> str:
         "TTFT p50/p99",
         "ITL p50/p99",
         "MIGR out/in",
+        "TIERS host/disk",
     ]
     rows = []
     for w in status["workers"]:
         if w["error"]:
-            figures = ["-"] * 6 + [w["error"]]
+            figures = ["-"] * 7 + [w["error"]]
         else:
             kv = f"{w['kv_use']:.0%}"
             if w["role"] == "decode":
@@ -305,6 +314,7 @@ def status_table(status: dict[str, Any]) -> str:
                 _duration(w.get("ttft")),
                 _duration(w.get("itl")),
                 f"{w['migrations_out']}/{w['migrations_in']}" if w["role"] == "decode" else "-",
+                f"{_tier(w.get('kv_host'))}/{_tier(w.get('kv_disk'))}",
             ]
         rows.append([w["role"], w["name"], w["node_ip"] or "-", w["state"], *figures])
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns) - 1)]

@@ -250,6 +250,7 @@ class Controller:
             itl=latency.get("step_gap_s") if w.role != "prefill" else None,
             migrations_out=migrating.get("out", 0),
             migrations_in=migrating.get("in", 0),
+            **tier_use(s.get("kv_tiers")),
         )
         return row
 
@@ -330,3 +331,26 @@ class Controller:
         self.autoscaling.stop()
         self.migrator.stop()
         await self.membership.shutdown_workers()
+
+
+def tier_use(tiers: dict[str, Any] | None) -> dict[str, dict[str, int]]:
+    """A worker's KV tiers (its stats' ``kv_tiers``) as ``tandem status`` shows them: each
+    tier's bytes held and bound, and the blocks it served; nothing for a tier it lacks."""
+    if not tiers:
+        return {}
+    out = {}
+    host = tiers["host"]
+    if host["enabled"]:
+        out["kv_host"] = {
+            "used_bytes": host["blocks"] * tiers["block_bytes"],
+            "capacity_bytes": host["capacity_blocks"] * tiers["block_bytes"],
+            "hits": host["hits"],
+        }
+    disk = tiers.get("disk")
+    if disk:
+        out["kv_disk"] = {
+            "used_bytes": disk["used_bytes"],
+            "capacity_bytes": disk["capacity_bytes"],
+            "hits": disk["hits"],
+        }
+    return out

@@ -433,6 +433,9 @@ def worker_pb(w: dict[str, Any]) -> pb.WorkerStatus:
     for name in ("ttft", "itl"):
         if w.get(name):
             getattr(msg, name).CopyFrom(pb.Latency(**_latency(w[name])))
+    for name in ("kv_host", "kv_disk"):
+        if w.get(name):
+            getattr(msg, name).CopyFrom(pb.KVTier(**w[name]))
     return msg
 
 

@@ -1,0 +1,154 @@
+"""The KV tiers through `tandem serve` over a socket (SmolLM2 fp32 on CPU, real workers, real
+Redis): a prefix pushed out of a small device pool comes back from the host tier; the second
+turn of a disaggregated conversation loads the first turn's answer, which the decode worker wrote
+to the disk tier the prefill worker reads; after a stop and a new `tandem serve` on the same
+folder, prefixes come back from disk. Greedy tokens equal transformers' throughout."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+from cli_process import CliProcess
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 16
+PROMPT_LEN = 200  # 12 full blocks; one token is always computed, so 192 can be cached
+# 40 blocks of 16 tokens per worker: a third 200-token prompt pushes the first one out
+ENGINE = ["num_kv_blocks=40", "max_num_seqs=4"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def env():
+    return {**os.environ, "TANDEM_TORCH_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(300, 40000) for _ in range(PROMPT_LEN)] for _ in range(4)]
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    """transformers' greedy ids of a prompt, and their text."""
+    import torch
+    import transformers
+    from hf_oracle import hf_greedy_ids
+
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+
+    def greedy(prompt: list[int], n: int = 8) -> tuple[list[int], str]:
+        ids = hf_greedy_ids(model.eval(), prompt, n)
+        return ids, tok.decode(ids, skip_special_tokens=True)
+
+    return greedy
+
+
+def serve(smollm2_dir, env, topology: list[str], engine: list[str]) -> tuple[CliProcess, str]:
+    port = free_port()
+    args = ["serve", "--model", str(smollm2_dir), "--device", "cpu", "--port", str(port)]
+    args += [*topology, "--shutdown-timeout", "3"]
+    for setting in [*ENGINE, *engine]:
+        args += ["--engine", setting]
+    proc = CliProcess(args, env)
+    proc.wait_for(r"^serving http://", 300)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def complete(client, prompt: list[int], max_tokens: int = 8) -> tuple[str, int]:
+    """(greedy text, cached prompt tokens) of one completion."""
+    out = client.completions.create(
+        model=client.model_name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    details = out.usage.prompt_tokens_details
+    return out.choices[0].text, (details.cached_tokens if details else 0) or 0
+
+
+def make_client(url: str):
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+    client.model_name = client.models.list().data[0].id
+    return client
+
+
+def wait_for_files(folder: Path, hashes: list[bytes], timeout_s: float = 60.0) -> None:
+    """Until a block file of each hash is in the disk tier's folder (written by an I/O thread)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [h for h in hashes if not list(folder.glob(f"*/{h.hex()[:2]}/{h.hex()}.kv"))]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"{len(missing)} block files never written"
+        time.sleep(0.05)
+
+
+def test_host_tier_and_a_conversation_across_prefill_and_decode(
+    smollm2_dir, env, disk_dir, prompts, hf
+):
+    from engine.block_manager import prefix_block_hashes
+
+    tiers = ["kv_offload_cpu_gb=0.1", f"kv_offload_disk_dir={disk_dir}"]
+    proc, url = serve(smollm2_dir, env, ["--prefill", "1", "--decode", "1"], tiers)
+    try:
+        client = make_client(url)
+        first, cached = complete(client, prompts[0])
+        assert (first, cached) == (hf(prompts[0])[1], 0)
+        for p in prompts[1:3]:  # push prompt 0 out of the prefill worker's device pool
+            complete(client, p)
+        again, cached = complete(client, prompts[0])
+        assert (again, cached) == (first, 192), "from the prefill worker's host tier"
+
+        # A conversation: turn 2 is turn 1's prompt, its answer, and a new message. The decode
+        # worker computed the answer's KV; it wrote those blocks to the shared disk tier.
+        answer, text = hf(prompts[3], 40)
+        assert complete(client, prompts[3], max_tokens=40)[0] == text
+        turn1 = prompts[3] + answer
+        hashes = prefix_block_hashes(turn1[:-1], BLOCK)  # the last token has no KV yet
+        assert len(hashes) == 14
+        wait_for_files(disk_dir, hashes[12:])
+        turn2 = turn1 + prompts[1][:30]
+        text, cached = complete(client, turn2)
+        assert cached == 14 * BLOCK, "prompt blocks from the prefill worker, answer from disk"
+        assert text == hf(turn2)[1]
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0, proc.tail()
+
+    # A new `tandem serve` on the same folder, no host tier: prefixes come back from disk.
+    proc, url = serve(smollm2_dir, env, ["--colocated", "1"], [f"kv_offload_disk_dir={disk_dir}"])
+    try:
+        client = make_client(url)
+        again, cached = complete(client, prompts[0])
+        assert (again, cached) == (first, 192), "from disk after a restart"
+        # turn 2's own blocks were written when it ran: 16 of its 269 tokens' full blocks
+        assert complete(client, turn2) == (hf(turn2)[1], 16 * BLOCK)
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0, proc.tail()
