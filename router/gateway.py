@@ -572,6 +572,7 @@ class _Gateway:
             params.logprobs,
             self.texts,
             stream_usage=req.include_usage,
+            prompt_token_ids=list(ids) if req.return_token_ids else None,
         )
         timer = self.metrics.timer(arrival)
         if req.stream:
@@ -653,12 +654,18 @@ class _Gateway:
                 for index in range(n):
                     yield protocol.sse(protocol.chat_role_chunk(shape, index))
             last = None
+            started: set[int] = set()  # choices whose first frame went out
             try:
                 async for step in call.generation.outputs():  # type: ignore[union-attr]
                     timer.observe(step)
                     _check_not_aborted(step)
                     for delta in step.choices:
-                        yield protocol.sse(chunk(shape, delta))
+                        if kind is _CHAT:
+                            yield protocol.sse(chunk(shape, delta))
+                        else:
+                            first = delta.index not in started
+                            started.add(delta.index)
+                            yield protocol.sse(chunk(shape, delta, first))
                     last = step
                 _check_finished(last)
             except Exception as exc:  # the status line is sent: the error goes in-band

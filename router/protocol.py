@@ -114,7 +114,6 @@ _UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (),
     "logits_processors": ([],),
     "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
     "kv_transfer_params": ({},),
     "vllm_xargs": ({},),
     "request_id": (),
@@ -238,6 +237,9 @@ class _GenerationBody(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extra: each choice carries its token ids (streamed: each chunk's new ones), and the
+    # prompt's token ids come back too (completions: on each choice; chat: on the response)
+    return_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -669,6 +671,12 @@ class Shape:
     logprobs: int | None  # top alternatives per token; None: no logprobs
     texts: TokenTexts
     stream_usage: bool = False  # include_usage: every chunk carries "usage" (null but the last)
+    # return_token_ids: the prompt's ids (None: not asked), sent on the first frame of a stream
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
 
 
 def completion_response(shape: Shape, answer: Answer) -> dict[str, Any]:
@@ -677,15 +685,16 @@ def completion_response(shape: Shape, answer: Answer) -> dict[str, Any]:
         lp = None
         if shape.logprobs is not None and o.logprobs is not None:
             lp = completion_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
-        choices.append(
-            {
-                "index": o.index,
-                "text": o.text,
-                "logprobs": lp,
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            }
-        )
+        choice = {
+            "index": o.index,
+            "text": o.text,
+            "logprobs": lp,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        if shape.token_ids:
+            choice.update(prompt_token_ids=shape.prompt_token_ids, token_ids=list(o.token_ids))
+        choices.append(choice)
     return _body(shape, "text_completion", choices, usage=answer.usage.body())
 
 
@@ -695,16 +704,18 @@ def chat_response(shape: Shape, answer: Answer) -> dict[str, Any]:
         lp = None
         if shape.logprobs is not None and o.logprobs is not None:
             lp = chat_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
-        choices.append(
-            {
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": lp,
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            }
-        )
-    return _body(shape, "chat.completion", choices, usage=answer.usage.body())
+        choice = {
+            "index": o.index,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": lp,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        if shape.token_ids:
+            choice["token_ids"] = list(o.token_ids)
+        choices.append(choice)
+    extra = {"prompt_token_ids": shape.prompt_token_ids} if shape.token_ids else {}
+    return _body(shape, "chat.completion", choices, usage=answer.usage.body(), **extra)
 
 
 def _body(shape: Shape, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -715,7 +726,8 @@ def _body(shape: Shape, obj: str, choices: list[dict[str, Any]], **extra: Any) -
 # ---------------------------------------------------------------------------------- streaming
 
 
-def completion_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
+def completion_chunk(shape: Shape, d: ChoiceDelta, first: bool = False) -> dict[str, Any]:
+    """One choice's step; ``first``: its first frame (the prompt's ids go on it, when asked)."""
     lp = None
     if shape.logprobs is not None and d.logprobs is not None:
         lp = completion_logprobs(
@@ -728,6 +740,10 @@ def completion_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
         "finish_reason": d.finish_reason,
         "stop_reason": d.stop_reason,
     }
+    if shape.token_ids:
+        choice["token_ids"] = list(d.token_ids)
+        if first:
+            choice["prompt_token_ids"] = shape.prompt_token_ids
     return _chunk(shape, "text_completion", choice)
 
 
@@ -739,7 +755,8 @@ def chat_role_chunk(shape: Shape, index: int) -> dict[str, Any]:
         "logprobs": None,
         "finish_reason": None,
     }
-    return _chunk(shape, "chat.completion.chunk", choice)
+    extra = {"prompt_token_ids": shape.prompt_token_ids} if shape.token_ids else {}
+    return {**_chunk(shape, "chat.completion.chunk", choice), **extra}
 
 
 def chat_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
@@ -753,6 +770,8 @@ def chat_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
         "finish_reason": d.finish_reason,
         "stop_reason": d.stop_reason,
     }
+    if shape.token_ids:
+        choice["token_ids"] = list(d.token_ids)
     return _chunk(shape, "chat.completion.chunk", choice)
 
 

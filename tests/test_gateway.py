@@ -295,6 +295,40 @@ async def test_completion_stream_equals_unstreamed_with_n2_and_usage(app, backen
         assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
 
 
+async def test_return_token_ids_streamed_and_not(app, backend, tokenizer) -> None:
+    """vLLM's ``return_token_ids``: each choice's ids (streamed: each chunk's new ones) and
+    the prompt's ids (completions: on the choice, streamed on its first chunk; chat: on the
+    response, streamed on the role frame). Absent unless asked."""
+    client = oai(app)
+    extra = {"return_token_ids": True}
+    args = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=5, n=2, extra_body=extra)
+    whole = await client.completions.create(**args)
+    for c in whole.choices:
+        assert c.prompt_token_ids == [5, 6, 7]
+        assert tokenizer.decode(c.token_ids) == c.text and len(c.token_ids) == 5
+    chunks = [c async for c in await client.completions.create(**args, stream=True)]
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert [t for c in mine for t in c.token_ids] == whole.choices[i].token_ids
+        assert mine[0].prompt_token_ids == [5, 6, 7]
+        assert all(getattr(c, "prompt_token_ids", None) is None for c in mine[1:])
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=4, extra_body=extra
+    )
+    prompt = apply_chat_template(tokenizer, CHAT["messages"], add_generation_prompt=True)
+    assert chat.prompt_token_ids == prompt and len(chat.choices[0].token_ids) == 4
+    frames = [
+        c
+        async for c in await client.chat.completions.create(
+            model=MODEL, messages=CHAT["messages"], max_tokens=4, extra_body=extra, stream=True
+        )
+    ]
+    assert frames[0].prompt_token_ids == prompt
+    assert [t for f in frames[1:] for t in f.choices[0].token_ids] == chat.choices[0].token_ids
+    plain = await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_dump(exclude_unset=True)
+
+
 async def test_streamed_completion_has_placement_headers_and_done(app) -> None:
     async with http(app) as c:
         r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
