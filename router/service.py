@@ -309,7 +309,7 @@ class ClusterBackend:
             req.index_available = False
             return req
         names = {w.index_id: w.name for w in self.members.workers if w.index_id}
-        req.cached_blocks = {names[k]: n for k, n in held.items() if k in names}
+        req.cached_blocks = {names[k]: len(tiers) for k, tiers in held.items() if k in names}
         for worker, n in self._recently_sent(req.hashes).items():
             req.cached_blocks[worker] = max(n, req.cached_blocks.get(worker, 0))
         return req
