@@ -21,6 +21,11 @@ queue of messages, and what is held is bounded by the tokens its running request
 When a router's reader goes away and none comes back within ``orphan_grace_s``, that router's
 requests are aborted (their blocks are freed).
 
+With a global prefix index (engine.prefix_index), the engine thread hands the publisher each
+tier's block-stored / block-evicted hashes after every step (the device pool's, and the host and
+disk tiers' below it), and at start what the tiers hold already (the disk files found); while
+disk writes are in flight an idle thread wakes every ``TIER_EVENTS_S`` to hand theirs over too.
+
 A worker actor is an ``EngineWorker`` (the thread, the inbox, the channels, one ``Tracked``
 record per request) plus a list of ``Role`` components: prefill (prefill_worker/), decode and
 migration (decode_worker/). Its abort, tick, stats, fault handling and shutdown loop over the

@@ -4,11 +4,13 @@ For each request::
 
     1. hash the prompt's full blocks (chained sha256, the engine's own function, with the
        request's cache_salt) and ask the prefix index, in one round trip, how many leading
-       blocks every prefill (or colocated) worker holds; Redis down: no hits, counted, and the
-       policy routes by load alone (no client sees an error)
+       blocks every prefill (or colocated) worker holds and at which KV tier each (device,
+       host, disk); Redis down: no hits, counted, and the policy routes by load alone (no
+       client sees an error)
     2. the placement policy picks the prefill and the decode worker from that and the load view
        (this router's in-flight requests and queued prefill tokens, plus each worker's free
-       blocks, running and waiting requests, polled every ``stats_interval_s``)
+       blocks, running and waiting requests and measured KV tier costs, polled every
+       ``stats_interval_s``)
     3. the dispatcher (router/dispatch.py) runs it there: reserve, prefill, stream; a failed
        attempt is placed again by the same policy with the failed workers excluded
     4. ``open`` returns once the first output is there, so errors before the first token are
