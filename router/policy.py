@@ -8,16 +8,18 @@ candidate worker, and returns its choice with a reason (counted in
 ``cache_aware`` (default)
     prefill: the least estimated prefill work, in tokens recomputed: ``uncached prompt tokens +
     the cached prefix's load cost + tokens already queued there``. A block in the device pool is
-    free; one in host memory or on disk costs its measured load time over its recompute time (the
-    worker's ``TierCosts``) of a block's tokens; a miss costs every token. So a worker holding the
-    prefix on device beats one holding it in host memory, which beats a miss, until its queue
-    costs more than the difference. Reasons: ``prefix_hit`` (the chosen worker's prefix saves
-    the most, all on device), ``prefix_hit_host`` / ``prefix_hit_disk`` (part of it is loaded
-    from host memory / disk), ``prefix_overloaded`` (a better holder's queue outweighed its
-    hit), ``load`` (no worker holds any of it). decode: among workers with room for the prompt (+ the predicted output's 90th
-    percentile) in free blocks, the least work: with a length predictor the output tokens its
-    requests are still predicted to produce, else requests (running + waiting + in flight). Ties: a random pick among the
-    equals, never the first in the list (concurrent requests must not herd onto one worker).
+    free; one in host memory or on disk costs a block's tokens times its measured load time over
+    its recompute time (the worker's ``TierCosts``); a miss costs every token. So a device hit
+    beats a host hit, which beats a disk hit, which beats a miss, until the holder's queue costs
+    more than the difference. Reasons: ``prefix_hit`` (the chosen worker's prefix saves the
+    most, all on device), ``prefix_hit_host`` / ``prefix_hit_disk`` (part of it loads from host
+    memory / disk), ``prefix_overloaded`` (a better holder's queue outweighed its hit), ``load``
+    (no worker holds any of it).
+    decode: among workers with room for the prompt (+ the predicted output's 90th percentile) in
+    free blocks, the least work: with a length predictor the output tokens its requests are
+    still predicted to produce, else requests (running + waiting + in flight). Ties: a random
+    pick among the equals, never the first in the list (concurrent requests must not herd onto
+    one worker).
 ``least_loaded``
     prefill and decode by queued work only (no index): the fallback when Redis is down.
 ``round_robin``
