@@ -1,30 +1,45 @@
-"""Global prefix index in Redis: which worker's prefix cache holds which KV block. Plain Python.
+"""Global prefix index in Redis: which worker holds which KV block, and at which tier. Plain Python.
 
 Key layout (``ns`` is the model's name; the tenant's ``cache_salt`` is already folded into the
 chained block hashes of ``engine.block_manager.prefix_block_hashes``, so salts never collide)::
 
-    tandem:{ns}:b:{hex digest}   SET of worker ids whose prefix cache holds that block
+    tandem:{ns}:bt:{hex digest}  HASH worker id -> tier code of the workers holding that block
     tandem:{ns}:w:{worker}       liveness key, "1" with a TTL of heartbeat_ttl_s, set by heartbeat()
 
+A worker's KV lives in tiers (engine.kv_tiers): the device pool's prefix cache, host memory and
+disk, each keyed by the same hash. The index keeps, per block and worker, the best (cheapest) tier
+that worker holds it at, as one character, ordered by cost::
+
+    "0" device   free: the engine's prefix hit
+    "1" host     loaded back from host memory
+    "2" disk     read from a block file, then loaded
+
 A worker counts only while its liveness key exists: once it expires (or ``remove_worker``
-deletes it) the worker's set members are ignored at once and removed lazily by lookups.
+deletes it) the worker's hash fields are ignored at once and removed lazily by lookups.
 
 Life of a block hash::
 
     worker process                                                         Redis
-    engine thread: BlockManager.drain_events() -> IndexPublisher.push()
-                   (applies the events to the local mirror, marks the hashes dirty; no I/O)
-    publisher thread, every interval_s:   dirty hashes -> publish()    ->  SADD / SREM
+    engine thread: BlockManager.drain_events()        -> push(.., "device")
+                   KVTiers.drain_events()["host"]     -> push(.., "host")
+                   KVTiers.drain_events()["disk"]     -> push(.., "disk")
+                   (at start: KVTiers.record_events(), the files found on disk, pushed first)
+                   (applies the events to the local mirror, hash -> tiers held; marks a hash
+                   dirty when its best tier changes; no I/O)
+    publisher thread, every interval_s:   dirty hashes -> publish()    ->  HSET / HDEL
                      every heartbeat_s:   heartbeat()  -> False?       ->  re-publish the mirror
-    router process:  lookup(prompt hashes) -> {worker: leading blocks held}  (one EVALSHA)
+    router process:  lookup(prompt hashes) -> {worker: tier code per leading block}  (one EVALSHA)
 
-``lookup`` walks the prompt's hashes in order, keeping the alive workers that hold every block so
-far: a worker's count is the length of its cached prefix. A worker holding block 3 but not block 0
-has no usable prefix and is absent from the result (absent means 0).
+A block that leaves the device pool but stays in host memory is lowered to "1" (host); one that
+leaves its last tier (a host LRU eviction with no disk tier, a disk file evicted or rejected) is
+removed. ``lookup`` walks the prompt's hashes in order, keeping the alive workers that hold every
+block so far, at any tier: a worker's answer is one tier code per block of its leading run, e.g.
+``"00011"`` (three blocks on device, two in host memory). A worker holding block 3 but not block
+0 has no usable prefix and is absent from the result (absent means none).
 
-The mirror (the set of hashes the worker holds) is the truth. If Redis loses its data (restart)
-the heartbeat finds its liveness key gone and the publisher re-publishes the mirror; after Redis
-was unreachable it does so too, and removes the hashes evicted meanwhile (kept as dirty hashes,
+The mirror (the tiers each hash is held at) is the truth. If Redis loses its data (restart) the
+heartbeat finds its liveness key gone and the publisher re-publishes the mirror; after Redis was
+unreachable it does so too, and removes the hashes evicted meanwhile (kept as dirty hashes,
 bounded by ``max_pending``; past that, all of this worker's entries are purged by a SCAN first).
 
 The lookup script touches liveness keys it does not declare in KEYS: single-node Redis only.
@@ -37,7 +52,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -46,26 +61,35 @@ from redis.retry import Retry
 
 logger = logging.getLogger(__name__)
 
-# KEYS: the prompt's block keys in order. ARGV[1]: liveness key prefix. Returns [w1, n1, w2, n2..].
+# Tier codes, cheapest first: what a block's field holds, and the characters of a lookup's answer.
+DEVICE, HOST, DISK = "0", "1", "2"
+TIER_CODES = {"device": DEVICE, "host": HOST, "disk": DISK}
+
+# KEYS: the prompt's block keys in order. ARGV[1]: liveness key prefix.
+# Returns [w1, tiers1, w2, tiers2, ..]: each worker's tier code per block of its leading run.
 _LOOKUP_LUA = """
 local alive_prefix = ARGV[1]
-local live, depth = {}, {}
-for _, w in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+local first = redis.call('HGETALL', KEYS[1])
+local live, tiers = {}, {}
+for j = 1, #first, 2 do
+  local w = first[j]
   if redis.call('EXISTS', alive_prefix .. w) == 1 then
     live[#live + 1] = w
-    depth[w] = 1
+    tiers[w] = {first[j + 1]}
   else
-    redis.call('SREM', KEYS[1], w)
+    redis.call('HDEL', KEYS[1], w)
   end
 end
 local order = live
 local i = 2
 while #live > 0 and i <= #KEYS do
+  local held = redis.call('HMGET', KEYS[i], unpack(live))
   local keep = {}
-  for _, w in ipairs(live) do
-    if redis.call('SISMEMBER', KEYS[i], w) == 1 then
+  for j, w in ipairs(live) do
+    if held[j] then
       keep[#keep + 1] = w
-      depth[w] = i
+      local t = tiers[w]
+      t[#t + 1] = held[j]
     end
   end
   live = keep
@@ -74,7 +98,7 @@ end
 local out = {}
 for _, w in ipairs(order) do
   out[#out + 1] = w
-  out[#out + 1] = depth[w]
+  out[#out + 1] = table.concat(tiers[w])
 end
 return out
 """
@@ -108,7 +132,7 @@ class PrefixIndex:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {heartbeat_ttl_s}")
         self.namespace = namespace
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self._block_prefix = f"tandem:{namespace}:b:"
+        self._block_prefix = f"tandem:{namespace}:bt:"
         self._alive_prefix = f"tandem:{namespace}:w:"
         self._r = redis.Redis.from_url(
             url,
@@ -125,14 +149,25 @@ class PrefixIndex:
     def worker_key(self, worker: str) -> str:
         return self._alive_prefix + worker
 
-    def publish(self, worker: str, stored: Iterable[bytes], evicted: Iterable[bytes]) -> None:
-        """SADD ``worker`` to every stored block's set and SREM it from every evicted one, in one
-        pipeline (stored first: a hash in both ends up absent)."""
+    def publish(
+        self,
+        worker: str,
+        stored: Iterable[bytes] | Mapping[bytes, str],
+        evicted: Iterable[bytes],
+        tier: str = "device",
+    ) -> None:
+        """Set ``worker``'s tier code in every stored block's hash (``stored`` maps hash -> tier
+        code, or lists hashes all held at ``tier``: device, host or disk) and delete its field
+        from every evicted one, in one pipeline (stored first: a hash in both ends up absent)."""
+        if isinstance(stored, Mapping):
+            items: Iterable[tuple[bytes, str]] = stored.items()
+        else:
+            items = ((h, TIER_CODES[tier]) for h in stored)
         pipe = self._r.pipeline(transaction=False)
-        for h in stored:
-            pipe.sadd(self.block_key(h), worker)
+        for h, code in items:
+            pipe.hset(self.block_key(h), worker, code)
         for h in evicted:
-            pipe.srem(self.block_key(h), worker)
+            pipe.hdel(self.block_key(h), worker)
         if len(pipe) == 0:
             return
         try:
@@ -159,7 +194,7 @@ class PrefixIndex:
             raise IndexUnavailable(f"remove_worker {worker!r}: {e}") from e
 
     def purge_worker(self, worker: str) -> int:
-        """Remove ``worker`` from every block set of the namespace (a SCAN: O(keys), rare).
+        """Remove ``worker`` from every block hash of the namespace (a SCAN: O(keys), rare).
         Returns how many entries were removed."""
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self._block_prefix) + "*"
         removed = 0
@@ -168,23 +203,24 @@ class PrefixIndex:
             for key in self._r.scan_iter(match=pattern, count=1000):
                 keys.append(key)
                 if len(keys) >= _PIPELINE_CHUNK:
-                    removed += self._srem_all(keys, worker)
+                    removed += self._hdel_all(keys, worker)
                     keys = []
-            return removed + self._srem_all(keys, worker)
+            return removed + self._hdel_all(keys, worker)
         except (redis.RedisError, OSError) as e:
             raise IndexUnavailable(f"purge_worker {worker!r}: {e}") from e
 
-    def _srem_all(self, keys: list[str], worker: str) -> int:
+    def _hdel_all(self, keys: list[str], worker: str) -> int:
         if not keys:
             return 0
         pipe = self._r.pipeline(transaction=False)
         for key in keys:
-            pipe.srem(key, worker)
+            pipe.hdel(key, worker)
         return sum(pipe.execute())
 
-    def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """For every alive worker holding ``hashes[0]``: how many leading blocks of ``hashes`` it
-        holds. Workers with no prefix are absent. One round trip; ``{}`` for no hashes."""
+    def lookup(self, hashes: Sequence[bytes]) -> dict[str, str]:
+        """For every alive worker holding ``hashes[0]``: the tier code of each leading block of
+        ``hashes`` it holds, at any tier (``len`` of it: the blocks of its cached prefix).
+        Workers with no prefix are absent. One round trip; ``{}`` for no hashes."""
         if not hashes:
             return {}
         try:
@@ -193,11 +229,11 @@ class PrefixIndex:
             raise IndexUnavailable(f"lookup of {len(hashes)} blocks: {e}") from e
         return _held(flat)
 
-    def lookup_many(self, batch: Sequence[Sequence[bytes]]) -> list[dict[str, int]]:
+    def lookup_many(self, batch: Sequence[Sequence[bytes]]) -> list[dict[str, str]]:
         """``lookup`` of each prompt's hashes in ``batch``, all in one round trip (a pipeline of
         the same script): a router with many prompts at once pays one hop, not one each."""
         todo = [i for i, hashes in enumerate(batch) if hashes]
-        out: list[dict[str, int]] = [{} for _ in batch]
+        out: list[dict[str, str]] = [{} for _ in batch]
         if not todo:
             return out
         pipe = self._r.pipeline(transaction=False)
@@ -220,16 +256,21 @@ class PrefixIndex:
         self._r.close()
 
 
-def _held(flat: list) -> dict[str, int]:
-    """The lookup script's flat [worker, blocks, worker, blocks, ...] answer as a dict."""
-    return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+def _held(flat: list) -> dict[str, str]:
+    """The lookup script's flat [worker, tiers, worker, tiers, ...] answer as a dict."""
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _best(tiers: int) -> str | None:
+    """The cheapest tier code of a mirror entry (bit i set: held at tier code i), or None."""
+    return str((tiers & -tiers).bit_length() - 1) if tiers else None
 
 
 class IndexPublisher:
-    """Publishes one worker's prefix-cache events from a daemon thread, started by the
+    """Publishes one worker's block events, per tier, from a daemon thread, started by the
     constructor. ``push`` is the only call the engine thread makes: no I/O, never raises.
 
-    Counters (plain ints, written by the publisher thread only): ``published_events`` (SADD/SREM
+    Counters (plain ints, written by the publisher thread only): ``published_events`` (HSET/HDEL
     commands acknowledged), ``failures`` (rounds that hit IndexUnavailable), ``republished``
     (full re-publishes of the mirror; the first heartbeat makes one).
     """
@@ -259,8 +300,9 @@ class IndexPublisher:
         self.failures = 0
         self.republished = 0
         self._lock = threading.Lock()
-        self._mirror: set[bytes] = set()  # hashes this worker holds (the truth)
-        self._dirty: set[bytes] = set()  # hashes whose state Redis may not have yet
+        # hash -> the tiers this worker holds it at, bit i for tier code i (the truth)
+        self._mirror: dict[bytes, int] = {}
+        self._dirty: set[bytes] = set()  # hashes whose best tier Redis may not have yet
         self._full = True  # next round re-publishes the whole mirror
         self._purge = False  # dirty overflowed: stale entries may be in Redis, purge them first
         self._down = False
@@ -275,22 +317,30 @@ class IndexPublisher:
     def num_held(self) -> int:
         return len(self._mirror)
 
-    def push(self, stored: Sequence[bytes], evicted: Sequence[bytes]) -> None:
-        """Apply a ``drain_events()`` batch to the mirror. Within one batch a hash's events
-        alternate (stored, evicted, stored, ...), so it is held iff held + #stored - #evicted > 0,
-        whatever the interleaving the two lists lost."""
+    def push(self, stored: Sequence[bytes], evicted: Sequence[bytes], tier: str = "device") -> None:
+        """Apply one tier's ``drain_events()`` batch (``tier``: device, host or disk) to the
+        mirror. Within one batch a hash's events alternate (stored, evicted, stored, ...), so it
+        is held there iff held + #stored - #evicted > 0, whatever the interleaving the two lists
+        lost. The tiers are independent: their batches may come in any order. A hash is dirty
+        (published next round) when its best tier changed."""
         if not stored and not evicted:
             return
         try:
+            bit = 1 << int(TIER_CODES[tier])
             delta = Counter(stored)
             delta.subtract(evicted)
             with self._lock:
                 for h, d in delta.items():
-                    if (h in self._mirror) + d > 0:
-                        self._mirror.add(h)
+                    old = self._mirror.get(h, 0)
+                    new = old | bit if bool(old & bit) + d > 0 else old & ~bit
+                    if new == old:
+                        continue
+                    if new:
+                        self._mirror[h] = new
                     else:
-                        self._mirror.discard(h)
-                    self._dirty.add(h)
+                        del self._mirror[h]
+                    if _best(new) != _best(old):
+                        self._dirty.add(h)
                 self._check_overflow()
         except Exception:  # never let the index hurt the engine
             logger.exception("prefix index push failed for worker %s", self.worker)
@@ -350,12 +400,13 @@ class IndexPublisher:
             full = full or self._full
             self._full = False
             dirty, self._dirty = self._dirty, set()
-            held = list(self._mirror) if full else [h for h in dirty if h in self._mirror]
+            todo = self._mirror if full else dirty
+            held = [(h, _best(self._mirror[h])) for h in todo if h in self._mirror]
             gone = [h for h in dirty if h not in self._mirror]
         try:
             for i in range(0, max(len(held), 1), _PIPELINE_CHUNK):
                 self.index.publish(
-                    self.worker, held[i : i + _PIPELINE_CHUNK], gone if i == 0 else ()
+                    self.worker, dict(held[i : i + _PIPELINE_CHUNK]), gone if i == 0 else ()
                 )
         except Exception:
             with self._lock:

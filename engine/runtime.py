@@ -21,6 +21,11 @@ queue of messages, and what is held is bounded by the tokens its running request
 When a router's reader goes away and none comes back within ``orphan_grace_s``, that router's
 requests are aborted (their blocks are freed).
 
+With a global prefix index (engine.prefix_index), the engine thread hands the publisher each
+tier's block-stored / block-evicted hashes after every step (the device pool's, and the host and
+disk tiers' below it), and at start what the tiers hold already (the disk files found); while
+disk writes are in flight an idle thread wakes every ``TIER_EVENTS_S`` to hand theirs over too.
+
 A worker actor is an ``EngineWorker`` (the thread, the inbox, the channels, one ``Tracked``
 record per request) plus a list of ``Role`` components: prefill (prefill_worker/), decode and
 migration (decode_worker/). Its abort, tick, stats, fault handling and shutdown loop over the
@@ -58,6 +63,9 @@ LATENCY_WINDOW = 256  # latency samples a worker keeps (its stats() report their
 # stats()["latency_recent"]: the kept samples of the last this many seconds only (the
 # autoscaler's view: a worker that has gone quiet has no recent latency, not its old one)
 LATENCY_RECENT_S = 30.0
+# The idle engine thread wakes this often while disk writes are in flight, to publish their
+# block events (engine.prefix_index)
+TIER_EVENTS_S = 0.05
 
 
 @dataclass
@@ -209,6 +217,10 @@ class EngineWorker:
                 PrefixIndex(index["url"], index["namespace"]), index["worker"]
             )
             self.engine.block_manager.record_events = True
+            if self.engine.tiers is not None:  # what the tiers hold now: the disk files found
+                held = self.engine.tiers.record_events()
+                for tier in ("host", "disk"):
+                    self._publisher.push([h for t, h in held if t == tier], [], tier)
         # Started by ``start()`` once every role is built (``ready()`` calls it: the
         # first call the controller makes), so no constructor races the engine thread.
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
@@ -232,8 +244,14 @@ class EngineWorker:
         return self.engine.has_work()
 
     def _wait_timeout(self) -> float | None:
-        """How long the idle engine thread may block (None: until the inbox has something)."""
-        return None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic())
+        """How long the idle engine thread may block (None: until the inbox has something).
+        While disk writes are in flight, ``TIER_EVENTS_S`` at most: their events (a file
+        stored, an older one evicted) reach the prefix index without waiting for a step."""
+        wait = None if self._wake_at is None else max(0.0, self._wake_at - time.monotonic())
+        tiers = self.engine.tiers
+        if self._publisher is not None and tiers is not None and tiers.writes_pending:
+            wait = TIER_EVENTS_S if wait is None else min(wait, TIER_EVENTS_S)
+        return wait
 
     def _run(self) -> None:
         last_end: float | None = None  # the previous step's end, while steps follow each other
@@ -257,7 +275,7 @@ class EngineWorker:
                     last_end = end
                     self.steps += 1
                     self.emit(deltas)
-                    self._publish_blocks()
+                self._publish_blocks()
             except Exception as exc:  # noqa: BLE001 - a bug must not kill the thread silently
                 self._step_started = None
                 error_id = secrets.token_hex(4)
@@ -286,13 +304,19 @@ class EngineWorker:
                 return
 
     def _publish_blocks(self) -> None:
-        """Hand the step's block-stored / block-evicted hashes to the index publisher (its own
-        thread talks to Redis; this never blocks or raises)."""
+        """Hand the block-stored / block-evicted hashes of every tier (the device pool's, and
+        the host and disk tiers' below it) to the index publisher, after each step and each
+        idle wake (its own thread talks to Redis; this never blocks or raises)."""
         if self._publisher is None:
             return
-        stored, evicted = self.engine.block_manager.drain_events()
-        if stored or evicted:
-            self._publisher.push(stored, evicted)
+        try:
+            stored, evicted = self.engine.block_manager.drain_events()
+            self._publisher.push(stored, evicted, "device")
+            if self.engine.tiers is not None:
+                for tier, (stored, evicted) in self.engine.tiers.drain_events().items():
+                    self._publisher.push(stored, evicted, tier)
+        except Exception:  # noqa: BLE001 - the index is a hint: never fail the engine for it
+            logger.exception("publishing block events of %s failed", self.name)
 
     def _tick(self) -> None:
         """Engine thread, once per loop iteration: every role's tick (deadlines); the earliest
@@ -529,8 +553,8 @@ class EngineWorker:
             "prefix_hit_tokens": bm.prefix_hits,
             "loading": len(sched.loading),
         }
-        if self.engine.tiers is not None:
-            stats["kv_tiers"] = self.engine.tiers.snapshot()
+        if self.engine.tiers is not None:  # per tier use, counters, and the measured costs
+            stats["kv_tiers"] = self.engine.tiers.snapshot()  # the router prices hits by them
         for role in self.roles:
             for key, value in role.stats().items():
                 stats[key] = stats[key] + value if key in stats else value

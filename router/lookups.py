@@ -30,8 +30,9 @@ class PrefixLookups:
         self.batches = 0  # round trips made (for tests and stats)
         self.looked_up = 0  # prompts looked up
 
-    async def lookup(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """Which workers hold how many leading blocks of ``hashes`` (``PrefixIndex.lookup``)."""
+    async def lookup(self, hashes: Sequence[bytes]) -> dict[str, str]:
+        """Which workers hold which leading blocks of ``hashes``, at which tier
+        (``PrefixIndex.lookup``)."""
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((hashes, fut))
         if not self._running:

@@ -4,11 +4,13 @@ For each request::
 
     1. hash the prompt's full blocks (chained sha256, the engine's own function, with the
        request's cache_salt) and ask the prefix index, in one round trip, how many leading
-       blocks every prefill (or colocated) worker holds; Redis down: no hits, counted, and the
-       policy routes by load alone (no client sees an error)
+       blocks every prefill (or colocated) worker holds and at which KV tier each (device,
+       host, disk); Redis down: no hits, counted, and the policy routes by load alone (no
+       client sees an error)
     2. the placement policy picks the prefill and the decode worker from that and the load view
        (this router's in-flight requests and queued prefill tokens, plus each worker's free
-       blocks, running and waiting requests, polled every ``stats_interval_s``)
+       blocks, running and waiting requests and measured KV tier costs, polled every
+       ``stats_interval_s``)
     3. the dispatcher (router/dispatch.py) runs it there: reserve, prefill, stream; a failed
        attempt is placed again by the same policy with the failed workers excluded
     4. ``open`` returns once the first output is there, so errors before the first token are
@@ -34,6 +36,7 @@ from typing import Any
 
 from engine.block_manager import prefix_block_hashes
 from engine.messages import WorkerState, control
+from engine.prefix_index import DEVICE
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.tracing import trace
@@ -44,7 +47,7 @@ from router.errors import ClusterError, no_live_workers
 from router.lookups import PrefixLookups
 from router.membership import MembershipView, WorkerRef
 from router.outputs import Step, Usage, merge_choices
-from router.policy import PlacementPolicy, RouteRequest, WorkerView, make_policy
+from router.policy import PlacementPolicy, RouteRequest, WorkerView, load_fractions, make_policy
 from router.predictor import LengthPredictor, NoPredictor, PredictInput, make_predictor
 from router.routed import RoutedRequest
 
@@ -196,10 +199,10 @@ class ClusterBackend:
         trace(request_id, "router.placed")
         charged = p or d
         self._remember(req.hashes, charged)
-        charge = len(prompt_token_ids) - req.cached_tokens(charged)
+        charge = round(req.prefill_tokens(charged, self._tier_load(charged)))
         self._queued[charged] += charge
         median = round(predicted.median) if predicted is not None else None
-        placement = Placement(p, d, reason, req.cached_blocks.get(charged, 0), median)
+        placement = Placement(p, d, reason, len(req.cached_tiers.get(charged, "")), median)
         routed = RoutedRequest(
             request_id,
             prompt_token_ids,
@@ -309,9 +312,9 @@ class ClusterBackend:
             req.index_available = False
             return req
         names = {w.index_id: w.name for w in self.members.workers if w.index_id}
-        req.cached_blocks = {names[k]: n for k, n in held.items() if k in names}
-        for worker, n in self._recently_sent(req.hashes).items():
-            req.cached_blocks[worker] = max(n, req.cached_blocks.get(worker, 0))
+        req.cached_tiers = {names[k]: tiers for k, tiers in held.items() if k in names}
+        for worker, n in self._recently_sent(req.hashes).items():  # computed there: on device
+            req.cached_tiers[worker] = DEVICE * n + req.cached_tiers.get(worker, "")[n:]
         return req
 
     def _remember(self, hashes: list[bytes], worker: str) -> None:
@@ -387,9 +390,14 @@ class ClusterBackend:
                     running=s.get("running", 0),
                     waiting=s.get("waiting", 0),
                     predicted_work=work.get(w.name, 0.0) if work else None,
+                    tier_load=self._tier_load(w.name),
                 )
             )
         return views
+
+    def _tier_load(self, name: str) -> dict[str, float]:
+        """The worker's lower-tier load costs relative to recompute, from its last stats."""
+        return load_fractions((self._polled.get(name, {}).get("kv_tiers") or {}).get("costs"))
 
     def _predicted_work(self) -> collections.Counter[str] | None:
         """Per worker, the output tokens this router's running requests there are still
@@ -503,7 +511,7 @@ class ClusterBackend:
 
 @dataclass(frozen=True)
 class _Charge:
-    """Prompt tokens a placement queued on a worker (its prefill load, ``_queued``)."""
+    """Prefill work a placement queued on a worker, in tokens recomputed (``_queued``)."""
 
     worker: str
     tokens: int

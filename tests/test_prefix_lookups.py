@@ -15,8 +15,9 @@ from router.lookups import PrefixLookups
 
 
 class SlowIndex:
-    """``lookup_many`` answers each prompt with its own first hash; the first call waits for
-    ``release`` (so requests pile up behind it), ``fail`` makes the next call raise."""
+    """``lookup_many`` answers each prompt with its own first hash (every block on device); the
+    first call waits for ``release`` (so requests pile up behind it), ``fail`` makes the next
+    call raise."""
 
     def __init__(self) -> None:
         self.calls: list[int] = []  # prompts per round trip
@@ -29,7 +30,7 @@ class SlowIndex:
             self.release.wait(5)
         if self.fail:
             raise IndexUnavailable("redis is down")
-        return [{f"w-{hashes[0].hex()}": len(hashes)} for hashes in batch]
+        return [{f"w-{hashes[0].hex()}": "0" * len(hashes)} for hashes in batch]
 
 
 def _prompt(i: int) -> list[bytes]:
@@ -51,7 +52,7 @@ def test_a_burst_shares_round_trips_and_each_gets_its_answer() -> None:
     first, rest = asyncio.run(scenario())
     assert index.calls == [1, 49]  # 50 requests, two round trips
     answers = [first, *rest]
-    assert answers == [{f"w-{_prompt(i)[0].hex()}": len(_prompt(i))} for i in range(50)]
+    assert answers == [{f"w-{_prompt(i)[0].hex()}": "0" * len(_prompt(i))} for i in range(50)]
     assert lookups.batches == 2 and lookups.looked_up == 50
 
 
@@ -82,7 +83,7 @@ def test_a_failure_reaches_every_request_of_its_batch_and_the_next_batch_works()
 
     results, after = asyncio.run(scenario())
     assert all(isinstance(r, IndexUnavailable) for r in results)
-    assert after == {f"w-{_prompt(5)[0].hex()}": len(_prompt(5))}
+    assert after == {f"w-{_prompt(5)[0].hex()}": "0" * len(_prompt(5))}
 
 
 @pytest.mark.parametrize("max_batch", [1, 16])

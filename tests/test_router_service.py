@@ -47,6 +47,7 @@ class Handle:
         self.health = Method(self._health)
         self.ready = Method(self._ready)
         self.name = name
+        self.extra_stats: dict = {}
 
     def _answer(self, value):
         if self.dead:
@@ -59,7 +60,7 @@ class Handle:
         if self.step_age_s > 0:  # stats wait for the engine thread
             return self._answer(asyncio.Event().wait())
         stats = {"name": self.name, "free_blocks": 100, "cached_blocks": 0, "running": 0}
-        return self._answer(stats)
+        return self._answer({**stats, **self.extra_stats})
 
     def _health(self):
         return self._answer({"name": self.name, "steps": 1, "step_age_s": self.step_age_s})
@@ -128,11 +129,11 @@ def test_a_dead_worker_stops_counting_at_once(redis, tmp_path) -> None:
         while asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
             dead = controller.membership.workers["prefill-0"].state == WorkerState.DEAD
-            if dead and index.lookup(hashes) == {"c/prefill-1": 2}:
+            if dead and index.lookup(hashes) == {"c/prefill-1": "00"}:
                 break
         assert controller.membership.workers["prefill-0"].state == WorkerState.DEAD
         assert controller.membership.version == 1  # a new table for every router
-        assert index.lookup(hashes) == {"c/prefill-1": 2}  # for every router, not only this one
+        assert index.lookup(hashes) == {"c/prefill-1": "00"}  # for every router, not only this one
         req = await backend._route_request(ids, None)
         assert req.cached_blocks == {"prefill-1": 2}
         assert await backend.healthy()  # a prefill and a decode worker are left
@@ -343,6 +344,42 @@ def test_a_new_prefix_in_flight_follows_its_first_request(redis, tmp_path) -> No
         backend.recent_ttl_s = 0.0
         backend._remember(hashes, "prefill-1")
         assert (await backend._route_request(ids, None)).cached_blocks == {}  # expired
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        index.close()
+
+
+def test_a_host_hit_is_priced_by_the_holders_measured_tier_costs(redis, tmp_path) -> None:
+    """The index says prefill-0 holds the prompt's blocks in host memory: once its stats report
+    its tier costs (``kv_tiers.costs``) the hit is priced at the load, and it wins the prompt;
+    without them a lower tier is priced as a recompute (both equal: no hit to prefer)."""
+    from engine.prefix_index import PrefixIndex
+    from router.service import ClusterBackend
+
+    index = PrefixIndex(redis.url, "tier-cost-test")
+    members = table(tmp_path)
+    backend = ClusterBackend(MembershipView(members), index=index)
+    ids = list(range(200, 200 + 3 * BS + 1))
+    hashes = prefix_block_hashes(ids, BS)
+    holder = members.workers[0]
+    index.heartbeat(holder.index_id)
+    index.publish(holder.index_id, hashes, [], tier="host")
+
+    async def scenario():
+        await backend._poll()
+        req = await backend._route_request(ids, None)
+        assert req.cached_tiers == {"prefill-0": "111"}
+        assert backend._place(req, True, set())[2] == "load"
+        costs = {"host_load_s": 1e-4, "disk_load_s": float("inf"), "recompute_s": 1e-3}
+        holder.handle.extra_stats = {"kv_tiers": {"costs": costs}}
+        await backend._poll()
+        for _ in range(10):
+            assert backend._place(req, True, set()) == ("prefill-0", "decode-0", "prefix_hit_host")
+        assert req.prefill_tokens("prefill-0", backend._tier_load("prefill-0")) == pytest.approx(
+            1 + 3 * BS * 0.1
+        )
 
     try:
         asyncio.run(scenario())
