@@ -3,7 +3,7 @@ memory, and multi-turn conversations through `tandem serve` with the host tier a
 
     python benchmarks/gpu_kv_tiers.py copy --out DIR                      # copy rates
     python benchmarks/gpu_kv_tiers.py serve --model DIR --out DIR \\
-        [--variants off,host,off-miss,host-miss] [--pool-blocks 2048] [--users 128]
+        [--variants off,host] [--pool-blocks 2048] [--users 128] [--miss-conversations 300]
     python benchmarks/gpu_kv_tiers.py report DIR [--plot PNG]
 
 ``copy``: blocks of the Llama-3-8B shape (32 layers x K,V x 8 KV heads x 16 tokens x 128, bf16:
@@ -15,9 +15,10 @@ the device, then a scatter into the pool, on the load stream); beside them a pla
 ``serve``: one colocated worker, dummy weights, its device pool cut to ``--pool-blocks`` blocks
 (so that the users' conversations outgrow it several times: the working set's peak is printed),
 driven by benchmarks/multiturn.py. Variants: ``off`` (no tier), ``host`` (``--host-gb`` of
-pinned host memory); ``-miss``: every conversation's first turn only, so nothing is reused (what
-the tier costs when it never hits). Each run's JSON goes under ``--out``; ``report`` prints the
-table and plots TTFT and throughput per variant.
+pinned host memory). After its multi-turn run each server takes the first turns of
+``--miss-conversations`` other conversations (``off-miss``, ``host-miss``): nothing is reused,
+what the tier costs when it never hits. Each run's JSON goes under ``--out``; ``report`` prints
+the table and plots TTFT and throughput per run.
 """
 
 from __future__ import annotations
@@ -122,50 +123,63 @@ def copy_rates(args: argparse.Namespace) -> dict[str, Any]:
 # -- multi-turn serving --------------------------------------------------------------------------
 
 
-def serve_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]]:
+    """One server of ``variant`` (``off``, ``host``): the multi-turn run, then (with
+    ``--miss-conversations``) the first turns of as many other conversations, which find
+    nothing cached: what the tier costs when it never hits."""
     from benchmarks.gpu_serve import Server
 
-    tier, _, miss = variant.partition("-")
     engine = [
         "load_format=dummy",
         f"max_model_len={args.max_context + args.max_output + 64}",
         f"num_kv_blocks={args.pool_blocks}",
         *args.engine,
     ]
-    if tier == "host":
+    if variant == "host":
         engine.append(f"kv_offload_cpu_gb={args.host_gb}")
+    out = Path(args.out) / variant
+    out.mkdir(parents=True, exist_ok=True)
     ns = argparse.Namespace(
         gpus=None,
         device=args.device,
         model=args.model,
-        out=args.out,
+        out=str(out),
         max_concurrent=max(args.users * 2, 256),
         engine=engine,
     )
     server = Server(ns, "one")
+    results = []
     try:
         server.wait(600)
-        mt = argparse.Namespace(
-            url=server.url,
-            data=str(multiturn.DATA),
-            users=args.users,
-            conversations=args.conversations,
-            think_s=args.think_s,
-            max_output=args.max_output,
-            max_context=args.max_context,
-            first_turns=miss == "miss",
-            seed=0,
-            timeout_s=600.0,
-        )
-        result = asyncio.run(multiturn.run(mt))
+        runs = [(variant, False, 0, args.conversations)]
+        if args.miss_conversations:
+            runs.append((f"{variant}-miss", True, args.conversations, args.miss_conversations))
+        for name, first_turns, offset, count in runs:
+            mt = argparse.Namespace(
+                url=server.url,
+                data=str(multiturn.DATA),
+                users=args.users,
+                conversations=count,
+                offset=offset,
+                think_s=args.think_s,
+                max_output=args.max_output,
+                max_context=args.max_context,
+                first_turns=first_turns,
+                seed=0,
+                timeout_s=600.0,
+            )
+            result = asyncio.run(multiturn.run(mt))
+            result.update(
+                variant=name,
+                engine=engine,
+                working_set_peak_tokens=working_set_peak(result["turns"]),
+                pool_tokens=args.pool_blocks * 16,
+            )
+            print(multiturn.table(name, result["summary"]), flush=True)
+            results.append(result)
     finally:
         server.stop()
-    result["variant"] = variant
-    result["engine"] = engine
-    result["working_set_peak_tokens"] = working_set_peak(result["turns"])
-    result["pool_tokens"] = args.pool_blocks * 16
-    print(multiturn.table(variant, result["summary"]), flush=True)
-    return result
+    return results
 
 
 def working_set_peak(turns: list[dict]) -> int:
@@ -195,8 +209,8 @@ def serve(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for variant in args.variants.split(","):
         log(f"variant {variant}")
-        result = serve_variant(args, variant)
-        (out / f"multiturn-{variant}.json").write_text(json.dumps(result))
+        for result in serve_variant(args, variant):
+            (out / f"multiturn-{result['variant']}.json").write_text(json.dumps(result))
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -291,7 +305,8 @@ def main() -> None:
     s = sub.add_parser("serve")
     s.add_argument("--model", required=True)
     s.add_argument("--out", required=True)
-    s.add_argument("--variants", default="off,host,off-miss,host-miss")
+    s.add_argument("--variants", default="off,host")
+    s.add_argument("--miss-conversations", type=int, default=300)
     s.add_argument("--pool-blocks", type=int, default=2048)
     s.add_argument("--host-gb", type=float, default=48.0)
     s.add_argument("--users", type=int, default=128)

@@ -141,7 +141,8 @@ async def run(args) -> dict[str, Any]:
     import httpx
 
     doc = json.loads(Path(args.data).read_text())
-    convs = doc["conversations"][: args.conversations]
+    first = getattr(args, "offset", 0)
+    convs = doc["conversations"][first : first + args.conversations]
     queue: asyncio.Queue = asyncio.Queue()
     for i, c in enumerate(convs):
         queue.put_nowait((i, c["turns"]))
@@ -188,6 +189,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-output", type=int, default=512)
     ap.add_argument("--max-context", type=int, default=8000)
     ap.add_argument("--first-turns", action="store_true")
+    ap.add_argument("--offset", type=int, default=0, help="skip this many conversations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=600.0)
 

@@ -88,19 +88,51 @@ class BlockLayout:
             2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim
         )
 
-    def gather(self, caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    def stacked(self, caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Every layer's cache as one ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]``
+        raw view, when the layers are consecutive slices of one allocation (the model runner
+        allocates them so): a gather or scatter is then one kernel for all layers. None
+        otherwise."""
+        first = caches[0]
+        step = first.numel()
+        for i, cache in enumerate(caches):
+            if (
+                not cache.is_contiguous()
+                or cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or cache.storage_offset() != first.storage_offset() + i * step
+            ):
+                return None
+        pool = self._pool_view(first)
+        return pool.as_strided((len(caches), *pool.shape), (step, *pool.stride()))
+
+    def gather(
+        self,
+        caches: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        stacked: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``[n, numel]`` raw bits of blocks ``block_ids``, each block's layers contiguous."""
         n = block_ids.numel()
+        if stacked is not None:
+            picked = stacked.index_select(3, block_ids)  # [L, 2, H, n, bs, D]
+            return picked.permute(3, 0, 1, 2, 4, 5).reshape(n, self.numel)
         out = torch.empty((n, *self.shape), dtype=self.raw_dtype, device=caches[0].device)
         for layer, cache in enumerate(caches):
             out[:, layer] = self._pool_view(cache).index_select(2, block_ids).permute(2, 0, 1, 3, 4)
         return out.view(n, self.numel)
 
     def scatter(
-        self, caches: Sequence[torch.Tensor], block_ids: torch.Tensor, src: torch.Tensor
+        self,
+        caches: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        src: torch.Tensor,
+        stacked: torch.Tensor | None = None,
     ) -> None:
         """Write ``src`` (``[n, numel]`` raw bits, on the pool's device) into blocks ``block_ids``."""
         blocks = src.view(-1, *self.shape)
+        if stacked is not None:
+            stacked.index_copy_(3, block_ids, blocks.permute(1, 2, 3, 0, 4, 5))
+            return
         for layer, cache in enumerate(caches):
             self._pool_view(cache).index_copy_(
                 2, block_ids, blocks[:, layer].permute(1, 2, 0, 3, 4)
@@ -480,6 +512,7 @@ class KVTiers:
         disk_queue: int = 4096,
     ) -> None:
         self.caches, self.layout, self.disk = caches, layout, disk
+        self.stacked = layout.stacked(caches)  # one kernel per gather / scatter, when possible
         self.device = caches[0].device
         self.cuda = self.device.type == "cuda"
         self.host = HostTier(layout, host_slots, pin=self.cuda)
@@ -528,7 +561,7 @@ class KVTiers:
         if not chunk:
             return
         ids = torch.tensor([b for b, _ in chunk], dtype=torch.long).to(self.device)
-        staged = self.layout.gather(self.caches, ids)
+        staged = self.layout.gather(self.caches, ids, self.stacked)
         hashes = [(h, s) for (_, h), s in zip(chunk, slots, strict=True)]
         self.stats.bytes_down += len(chunk) * self.layout.nbytes
         if not self.cuda:
@@ -691,7 +724,7 @@ class KVTiers:
         block_ids = load.block_ids[:n] if load is not None else list(range(n))
         ids = torch.tensor(block_ids, dtype=torch.long).to(self.device)
         if not self.cuda:
-            self.layout.scatter(self.caches, ids, self.host.data[slots])
+            self.layout.scatter(self.caches, ids, self.host.data[slots], self.stacked)
             return
         # After everything queued so far on the compute stream: a block handed to this request
         # may still be read there by a step of the request that held it before.
@@ -703,7 +736,7 @@ class KVTiers:
             for i, slot in enumerate(slots):
                 staged[i].copy_(self.host.data[slot], non_blocking=True)
             ids.record_stream(self._load_stream)
-            self.layout.scatter(self.caches, ids, staged)
+            self.layout.scatter(self.caches, ids, staged, self.stacked)
             event = torch.cuda.Event()
             event.record()
         if load is not None:

@@ -110,12 +110,13 @@ class ModelRunner:
         return min(self.cfg.cuda_graph_max_tokens, self.cfg.max_num_batched_tokens)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
-        """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py)."""
+        """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py): the
+        consecutive slices of one allocation, so the KV tiers gather a block's every layer in
+        one kernel (engine.kv_tiers.BlockLayout.stacked)."""
         mc = self.model_cfg
         shape = (2, mc.num_kv_heads, num_blocks * self.cfg.block_size, mc.head_dim)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
+        pool = torch.zeros((mc.num_layers, *shape), dtype=self.dtype, device=self.device)
+        return list(pool.unbind(0))
 
     # -- set-up ----------------------------------------------------------------------------------
 

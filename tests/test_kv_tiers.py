@@ -284,3 +284,17 @@ def test_tiers_report_costs_measured_at_start(tiny, tmp_path):
     costs = tiers.costs
     assert 0 < costs.host_load_s <= costs.disk_load_s and costs.recompute_s > 0
     assert not list(tiers.disk.dir.glob("*/*")), "the disk probe's files are gone"
+
+
+def test_one_allocation_gathers_like_separate_layers():
+    pool = torch.randn(2, 2, 2, 8 * 4, 16)
+    caches = list(pool.unbind(0))
+    stacked = LAYOUT.stacked(caches)
+    assert stacked is not None and LAYOUT.stacked([c.clone() for c in caches]) is None
+    ids = torch.tensor([5, 1, 6])
+    assert torch.equal(LAYOUT.gather(caches, ids, stacked), LAYOUT.gather(caches, ids))
+    src = torch.randn(3, LAYOUT.numel).view(torch.int32)
+    fresh, loop = [torch.zeros_like(pool).unbind(0) for _ in range(2)]
+    LAYOUT.scatter(fresh, ids, src, LAYOUT.stacked(fresh))
+    LAYOUT.scatter(loop, ids, src)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, loop, strict=True))
