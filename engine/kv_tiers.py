@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.attention import host_to_device
+
 logger = logging.getLogger(__name__)
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element width -> raw view dtype
@@ -560,7 +562,8 @@ class KVTiers:
         chunk = chunk[: len(slots)]
         if not chunk:
             return
-        ids = torch.tensor([b for b, _ in chunk], dtype=torch.long).to(self.device)
+        # pinned and queued, never pageable: that copy would wait for the step in flight
+        ids = host_to_device(np.array([b for b, _ in chunk], dtype=np.int64), self.device)
         staged = self.layout.gather(self.caches, ids, self.stacked)
         hashes = [(h, s) for (_, h), s in zip(chunk, slots, strict=True)]
         self.stats.bytes_down += len(chunk) * self.layout.nbytes
@@ -721,15 +724,16 @@ class KVTiers:
         if not slots:
             return
         n = len(slots)
-        block_ids = load.block_ids[:n] if load is not None else list(range(n))
-        ids = torch.tensor(block_ids, dtype=torch.long).to(self.device)
+        block_ids = np.array(load.block_ids[:n] if load is not None else range(n), dtype=np.int64)
         if not self.cuda:
+            ids = torch.from_numpy(block_ids)
             self.layout.scatter(self.caches, ids, self.host.data[slots], self.stacked)
             return
         # After everything queued so far on the compute stream: a block handed to this request
         # may still be read there by a step of the request that held it before.
         self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._load_stream):
+            ids = host_to_device(block_ids, self.device)
             staged = torch.empty(
                 (n, self.layout.numel), dtype=self.layout.raw_dtype, device=self.device
             )
