@@ -183,10 +183,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _forward_fp8(self, q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale):
         """``forward`` over an fp8 cache: store quantized, read dequantized; a prefill chunk's
-        cached prefix comes from the cache, its own tokens from k, v (as the Triton kernel)."""
+        cached prefix comes from the cache, its own tokens from k, v (as the Triton kernel).
+        Writes and gathers move bytes (uint8 views): torch lacks fp8 ``index_copy_`` on CPU."""
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         for new, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
             quantized = quantize_fp8(new.transpose(0, 1), s).view(torch.uint8)
-            cache.view(torch.uint8).index_copy_(1, meta.slot_mapping, quantized)
+            cache.index_copy_(1, meta.slot_mapping, quantized)
         if out is None:
             out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
@@ -486,8 +488,8 @@ def _decode_attention(
     q, k_cache, v_cache, g: DecodeGroup, block_size: int, scale: float, kv_scales=None
 ) -> torch.Tensor:
     """q [B, H, D] against each row's gathered blocks; GQA by grouping the heads of a KV head.
-    ``kv_scales``: (k_scale, v_scale) of an fp8 cache, whose gathered blocks are dequantized
-    to fp32."""
+    ``kv_scales``: (k_scale, v_scale) of an fp8 cache (passed as its bytes, uint8), whose
+    gathered blocks are dequantized to fp32."""
     b, num_heads, head_dim = q.shape
     kvh = k_cache.shape[0]
     ks = k_cache.view(kvh, -1, block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)

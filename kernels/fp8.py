@@ -24,7 +24,10 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x * scale`` computed in fp32, returned in ``dtype``."""
+    """``x * scale`` computed in fp32, returned in ``dtype``. ``x``: fp8, or its bytes (uint8:
+    gathers on fp8 tensors lack kernels in some torch builds, so callers gather bytes)."""
+    if x.dtype == torch.uint8:
+        x = x.view(FP8)
     return (x.float() * scale).to(dtype)
 
 
