@@ -20,6 +20,8 @@ What is asserted, and why:
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hf_oracle import save_tiny
@@ -147,3 +149,26 @@ def test_kv_cache_dtype_is_checked() -> None:
         EngineConfig(model_dir="x", kv_cache_dtype="fp16")
     assert EngineConfig(model_dir="x", dtype="bfloat16").kv_dtype == "bfloat16"
     assert EngineConfig(model_dir="x", kv_cache_dtype="fp8").kv_dtype == "float8_e4m3fn"
+
+
+def test_fp8_blocks_round_trip_through_the_host_tier(tiny) -> None:
+    """A prefix pushed out of an fp8 pool to the host tier (engine/kv_tiers.py moves raw bytes)
+    and loaded back gives the tokens of a prefix hit on the device, whose blocks never left."""
+    from engine.kv_tiers import TierCosts
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(320) for _ in range(60)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = {"kv_cache_dtype": "fp8", "block_size": 4}
+    device = LLM(tiny, num_kv_blocks=256, **kw)
+    device.generate([prompts[0]], params)
+    hit = device.generate([prompts[0]], params)[0]
+    tiered = LLM(tiny, num_kv_blocks=24, kv_offload_cpu_gb=0.001, **kw)  # 2 prompts do not fit
+    tiered.engine.tiers.costs = TierCosts(host_load_s=1e-6, disk_load_s=1e-5, recompute_s=1.0)
+    for p in prompts:
+        tiered.generate([p], params)
+    back = tiered.generate([prompts[0]], params)[0]
+    assert hit.num_cached_tokens == back.num_cached_tokens == 56
+    assert tiered.engine.tiers.snapshot()["host"]["hits"] == 14
+    assert back.outputs[0].token_ids == hit.outputs[0].token_ids
+    tiered.engine.block_manager.check_invariant(expect_idle=True)
