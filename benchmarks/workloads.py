@@ -42,9 +42,10 @@ def sharegpt_path() -> Path:
     return Path(spec.origin).parent / SHAREGPT_FILE
 
 
-def sharegpt_records() -> Iterator[dict]:
-    """Every complete conversation record of the packaged file, in file order (17,671)."""
-    text = sharegpt_path().read_text(encoding="utf-8")
+def sharegpt_records(path: str | Path | None = None) -> Iterator[dict]:
+    """Every complete conversation record of a ShareGPT-style JSON list (default: the packaged
+    file, 17,671), in file order; a truncated tail is dropped."""
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
     while True:
@@ -57,10 +58,11 @@ def sharegpt_records() -> Iterator[dict]:
         yield record
 
 
-def first_turns(limit: int | None = None) -> list[tuple[str, str]]:
-    """(human, gpt) text of each conversation's first exchange, in file order."""
+def first_turns(limit: int | None = None, path: str | Path | None = None) -> list[tuple[str, str]]:
+    """(human, gpt) text of each conversation's first exchange, in file order (``path``: a
+    ShareGPT-style file, default the packaged one)."""
     pairs: list[tuple[str, str]] = []
-    for conv in sharegpt_records():
+    for conv in sharegpt_records(path):
         if limit is not None and len(pairs) >= limit:
             break
         turns = conv.get("conversations", [])

@@ -54,7 +54,7 @@ from decode_worker.decode import DecodeRole
 from decode_worker.migration_config import MigrationConfig
 from engine.attention import host_to_device, slot_array
 from engine.histogram import Buckets
-from engine.kv_transfer import KVConnector, KVLimits, TransferEvent, TransferOutcome
+from engine.kv_transfer import KVConnector, KVLimits, TransferEvent, TransferOutcome, byte_view
 from engine.messages import (
     Delta,
     Full,
@@ -384,7 +384,7 @@ class MigrationRole(Role):
         c0 = caches[0]
         stacked = c0.new_empty((len(caches), c0.shape[0], c0.shape[1], len(index), c0.shape[3]))
         for layer, cache in enumerate(caches):  # every layer of the chunk: one message
-            torch.index_select(cache, 2, index, out=stacked[layer])
+            torch.index_select(byte_view(cache), 2, index, out=byte_view(stacked[layer]))
         sender.send_layers(0, entries, stacked)
         state.sent = end
 

@@ -16,6 +16,11 @@ token each, shortest context first, so rows of similar length form padded groups
 prefill chunks. Every layer first writes the step's new K/V into their
 slots, then attends: a request admitted in this step on top of blocks another request is filling
 in this same step reads them after they are written.
+
+An fp8 KV cache (``kv_cache_dtype="fp8"``: ``torch.float8_e4m3fn``) stores ``k / k_scale`` and
+``v / v_scale`` (kernels/fp8.py), the layer's scales passed with every call; whatever is read
+from the cache is dequantized (``fp8 * scale``). A prefill chunk's own new tokens attend to each
+other unquantized, as they come from the projection; every later step reads them from the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kernels.fp8 import FP8, dequantize_fp8, quantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +82,9 @@ class AttentionBackend(abc.ABC):
     """Contract: ``build`` turns a step's chunks (decode chunks first) into metadata once per
     step; ``forward`` is called once per layer with that step's q, k, v and writes k, v into the
     layer's cache before reading it. Output is ``[num_tokens, num_heads * head_dim]``, written
-    into ``out`` when given (a static buffer of the piecewise CUDA graphs)."""
+    into ``out`` when given (a static buffer of the piecewise CUDA graphs). The caches hold q's
+    dtype, or fp8 (``torch.float8_e4m3fn``): then k, v are stored as ``k / k_scale`` and
+    ``v / v_scale`` and read back times the scales; other caches ignore the scales."""
 
     name: str
 
@@ -95,6 +104,8 @@ class AttentionBackend(abc.ABC):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 
@@ -103,7 +114,9 @@ def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[i
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Plain PyTorch, CPU and GPU: batched gather for decodes, SDPA per prefill chunk."""
+    """Plain PyTorch, CPU and GPU: batched gather for decodes, SDPA per prefill chunk. An fp8
+    cache is written through a byte view (torch has no fp8 ``index_copy_`` on CPU) and what is
+    gathered from it is dequantized to q's dtype."""
 
     name = "torch"
 
@@ -143,13 +156,15 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_tables(self, decodes, block_size, device) -> dict:
         return {}
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
+    def _decode(self, q, k_cache, v_cache, meta, scale, out, kv_scales=None) -> None:
         for g in meta.decode_groups:
             rows = slice(g.first, g.first + g.num_rows)
-            o = _decode_attention(q[rows], k_cache, v_cache, g, meta.block_size, scale)
+            o = _decode_attention(q[rows], k_cache, v_cache, g, meta.block_size, scale, kv_scales)
             out[rows] = o.reshape(g.num_rows, -1)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, k_scale=1.0, v_scale=1.0):
+        if k_cache.dtype == FP8:
+            return self._forward_fp8(q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale)
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -162,6 +177,29 @@ class TorchAttentionBackend(AttentionBackend):
                 ks, vs = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
             else:
                 ks, vs = k_cache[:, ctx], v_cache[:, ctx]
+            o = _prefill_attention(q[row : row + n], ks, vs, start, scale)
+            out[row : row + n] = o.reshape(n, -1)
+        return out
+
+    def _forward_fp8(self, q, k, v, k_cache, v_cache, meta, scale, out, k_scale, v_scale):
+        """``forward`` over an fp8 cache: store quantized, read dequantized; a prefill chunk's
+        cached prefix comes from the cache, its own tokens from k, v (as the Triton kernel).
+        Writes and gathers move bytes (uint8 views): torch lacks fp8 ``index_copy_`` on CPU."""
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        for new, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            quantized = quantize_fp8(new.transpose(0, 1), s).view(torch.uint8)
+            cache.index_copy_(1, meta.slot_mapping, quantized)
+        if out is None:
+            out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            kv_scales = (k_scale, v_scale)
+            self._decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale, out, kv_scales)
+        for row, n, ctx, start in meta.prefills:
+            ks, vs = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+            if ctx is not None:
+                prefix = ctx[:start]
+                ks = torch.cat([dequantize_fp8(k_cache[:, prefix], k_scale, q.dtype), ks], 1)
+                vs = torch.cat([dequantize_fp8(v_cache[:, prefix], v_scale, q.dtype), vs], 1)
             o = _prefill_attention(q[row : row + n], ks, vs, start, scale)
             out[row : row + n] = o.reshape(n, -1)
         return out
@@ -187,7 +225,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             "decode_context_lens": torch.tensor([c.start + 1 for c in decodes]),
         }
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, out) -> None:
+    def _decode(self, q, k_cache, v_cache, meta, scale, out, kv_scales=None) -> None:
         o = self.kernel.paged_decode_attention(
             q.contiguous(),
             k_cache,
@@ -221,7 +259,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     @torch.inference_mode()
     def warm_up(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, block_size: int
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
     ):
         """Launch every variant of the three kernels that serving can meet, once, on dummy rows
         (nothing is written to the cache: every slot is -1, and extends read no prefix), so
@@ -232,11 +275,12 @@ class TritonAttentionBackend(AttentionBackend):
         loads (chunks of 1024 tokens or more use them), the decode in one split (written
         directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits).
         Integer arguments that vary per step (table widths, split counts) are not specialised
-        on (``do_not_specialize`` in kernels/), so these are all there are."""
+        on (``do_not_specialize`` in kernels/), so these are all there are. ``dtype``: the
+        model's (q, k, v), when the cache holds another (fp8)."""
         from kernels.paged_decode_attention import _MAX_SPLITS
 
         kv_heads, _, head_dim = k_cache.shape
-        device, dtype = k_cache.device, k_cache.dtype
+        device, dtype = k_cache.device, dtype or k_cache.dtype
         for t in (16, 1024):
             q = torch.zeros(t, num_heads, head_dim, dtype=dtype, device=device)
             k = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
@@ -299,8 +343,8 @@ class TritonAttentionBackend(AttentionBackend):
             **fields,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None):
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, k_scale=1.0, v_scale=1.0):
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         t, num_heads, head_dim = q.shape
         if out is None:
             out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -317,6 +361,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_size,
                 scale,
                 out=out[:nd],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if nd < t:
             self._extend(
@@ -332,6 +378,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.block_size,
                 scale,
                 out=out[nd:],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out.view(t, num_heads * head_dim)
 
@@ -365,10 +413,13 @@ def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 BACKENDS = ("auto", "torch", "triton")
 
 
-def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The fastest backend that runs here: Triton on CUDA, native CPU decode for fp32 on CPU,
-    else torch. ``TANDEM_ATTENTION_BACKEND`` forces one: ``torch`` anywhere, ``triton`` also on
-    CPU under ``TRITON_INTERPRET=1`` (for tests)."""
+def select_backend(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The fastest backend that runs here: Triton on CUDA, native CPU decode for fp32 on CPU
+    (an fp32 cache: the native kernel reads no fp8), else torch. ``TANDEM_ATTENTION_BACKEND``
+    forces one: ``torch`` anywhere, ``triton`` also on CPU under ``TRITON_INTERPRET=1`` (for
+    tests). ``kv_dtype``: what the KV cache holds (default: ``dtype``)."""
     choice = os.environ.get("TANDEM_ATTENTION_BACKEND", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"TANDEM_ATTENTION_BACKEND must be one of {BACKENDS}, got {choice!r}")
@@ -380,7 +431,8 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend
         except ImportError as exc:  # no triton for this platform: plain torch still works
             logger.warning("Triton unavailable (%s); using the torch attention backend", exc)
             return TorchAttentionBackend()
-    if choice == "auto" and device.type == "cpu" and dtype == torch.float32:
+    native = dtype == torch.float32 and kv_dtype in (None, dtype)
+    if choice == "auto" and device.type == "cpu" and native:
         from kernels.cpu.paged_decode import load_kernel
 
         kernel = load_kernel()
@@ -433,13 +485,18 @@ def _decode_group(first: int, run: list[ChunkSpec], block_size: int, device) -> 
 
 
 def _decode_attention(
-    q, k_cache, v_cache, g: DecodeGroup, block_size: int, scale: float
+    q, k_cache, v_cache, g: DecodeGroup, block_size: int, scale: float, kv_scales=None
 ) -> torch.Tensor:
-    """q [B, H, D] against each row's gathered blocks; GQA by grouping the heads of a KV head."""
+    """q [B, H, D] against each row's gathered blocks; GQA by grouping the heads of a KV head.
+    ``kv_scales``: (k_scale, v_scale) of an fp8 cache (passed as its bytes, uint8), whose
+    gathered blocks are dequantized to fp32."""
     b, num_heads, head_dim = q.shape
     kvh = k_cache.shape[0]
     ks = k_cache.view(kvh, -1, block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
     vs = v_cache.view(kvh, -1, block_size, head_dim)[:, g.blocks].view(kvh, b, -1, head_dim)
+    if kv_scales is not None:
+        ks = dequantize_fp8(ks, kv_scales[0], torch.float32)
+        vs = dequantize_fp8(vs, kv_scales[1], torch.float32)
     qg = q.view(b, kvh, num_heads // kvh, head_dim).transpose(0, 1)  # [KVH, B, G, D]
     if qg.dtype != torch.float32:  # keep scores and the weighted sum in fp32, as fused kernels do
         qg, ks, vs = qg.float(), ks.float(), vs.float()

@@ -15,6 +15,10 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = ("float32", "bfloat16", "float16")
+# What the KV pool may hold: "auto" is the model's dtype; "fp8" is e4m3 (torch.float8_e4m3fn,
+# max 448) with a per-layer K and V scale (engine/attention.py, kernels/).
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_DTYPE = "float8_e4m3fn"
 # Largest piecewise graph bucket allowed: each bucket is L + 1 graphs and a working set that grows
 # with its tokens; past this a step is GPU-bound and graphs win nothing.
 PIECEWISE_MAX_TOKENS = 16384
@@ -155,6 +159,15 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0  # used on CPU when num_kv_blocks is None
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "what the KV cache stores: 'auto' (the model's dtype) or 'fp8' (e4m3, one "
+            "scale per layer for K and one for V, from the checkpoint's k_scale / v_scale or "
+            "1.0): half the bytes of bf16 per token, so twice the blocks in the same memory "
+            "and half the bytes a decode step reads and a KV transfer sends"
+        },
+    )
     gpu_memory_utilization: float = 0.9
     # None: the device's default (DEVICE_DEFAULTS: on CUDA the fastest of the sweep in
     # benchmarks/gpu_sweep.py, NOTES "engine defaults"; on CPU what the CPU benchmarks ran)
@@ -237,6 +250,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} ('auto': the model's dtype), "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -269,3 +287,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the KV pool holds, by torch's name: the model's, or ``float8_e4m3fn``."""
+        return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.dtype

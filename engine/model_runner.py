@@ -29,7 +29,12 @@ from engine.weights import init_dummy_weights, iterate_weights
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # kv_cache_dtype="fp8" (EngineConfig.kv_dtype)
+}
 
 
 class ModelRunner:
@@ -38,6 +43,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.max_model_len = max_model_len
         self.dtype = _DTYPES[cfg.dtype]
+        self.kv_dtype = _DTYPES[cfg.kv_dtype]  # what the KV pool holds
         if self.device.type == "cpu" and self.dtype == torch.float16:
             raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
         self.memory_report: dict[str, float] = {}  # CUDA: how the KV pool was sized
@@ -47,7 +53,7 @@ class ModelRunner:
             # Process-wide: one engine per worker process.
             torch._C._set_sm_carveout_experimental(cfg.sm_carveout)
         self.model = self._load_model(max_model_len)
-        self.backend: AttentionBackend = select_backend(self.device, self.dtype)
+        self.backend: AttentionBackend = select_backend(self.device, self.dtype, self.kv_dtype)
         if self.backend.name == "triton":
             self.model.ops = TritonOps()
             if self.device.type == "cuda":
@@ -58,7 +64,7 @@ class ModelRunner:
         if self.device.type == "cuda" and self.backend.name == "triton":
             t0 = time.perf_counter()
             kv = self.kv_caches[0]
-            self.backend.warm_up(kv[0], kv[1], model_cfg.num_heads, cfg.block_size)
+            self.backend.warm_up(kv[0], kv[1], model_cfg.num_heads, cfg.block_size, self.dtype)
             logger.info("attention kernels warmed up in %.1f s", time.perf_counter() - t0)
         # Hidden states kept at each new prompt's last token (``take_prompt_hidden``): layer i's
         # output (before the final norm), or -1: after the final norm, what feeds the LM head.
@@ -110,12 +116,12 @@ class ModelRunner:
         return min(self.cfg.cuda_graph_max_tokens, self.cfg.max_num_batched_tokens)
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
-        """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py): the
-        consecutive slices of one allocation, so the KV tiers gather a block's every layer in
-        one kernel (engine.kv_tiers.BlockLayout.stacked)."""
+        """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py) in
+        ``kv_dtype``: the consecutive slices of one allocation, so the KV tiers gather a block's
+        every layer in one kernel (engine.kv_tiers.BlockLayout.stacked)."""
         mc = self.model_cfg
         shape = (2, mc.num_kv_heads, num_blocks * self.cfg.block_size, mc.head_dim)
-        pool = torch.zeros((mc.num_layers, *shape), dtype=self.dtype, device=self.device)
+        pool = torch.zeros((mc.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
         return list(pool.unbind(0))
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -135,12 +141,18 @@ class ModelRunner:
             use_cpu_linears(model)
         model.eval()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
+        if self.kv_dtype == torch.float8_e4m3fn:  # 1.0 unless the checkpoint has k/v_scale
+            ks = [layer.self_attn.k_scale for layer in model.layers]
+            vs = [layer.self_attn.v_scale for layer in model.layers]
+            logger.info(
+                "fp8 KV cache: k_scale %g..%g, v_scale %g..%g", min(ks), max(ks), min(vs), max(vs)
+            )
         return model
 
     def _num_kv_blocks(self) -> int:
         if self.cfg.num_kv_blocks is not None:
             return self.cfg.num_kv_blocks
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         block_bytes = self.model_cfg.kv_bytes_per_token * elem * self.cfg.block_size
         if self.device.type == "cuda":
             activations = self._profile_peak_activations()

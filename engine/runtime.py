@@ -232,11 +232,12 @@ class EngineWorker:
                 self._thread.start()
 
     def kv_spec(self):
-        """This worker's per-layer KV shape and dtype, as pair channels compare them."""
+        """This worker's per-layer KV shape, KV cache dtype and block size, as pair channels
+        (prefill to decode, migration) compare them."""
         from engine.kv_transfer import KVSpec
 
-        mc = self.engine.model_config
-        return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.engine.cfg.dtype)
+        mc, cfg = self.engine.model_config, self.engine.cfg
+        return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype, cfg.block_size)
 
     # -- the engine thread -----------------------------------------------------------------------
 

@@ -28,7 +28,15 @@ through TMA descriptors on 2-D ``[T, heads * D]`` views where the GPU has TMA, h
 in memory and rows 16-byte aligned (fused qkv slices are), else through pointer loads too.
 
 Softmax is online in base 2 (``exp2`` with ``scale * log2(e)``), statistics and accumulator in
-fp32. The grid is ``(H, m-blocks, N)`` with m-blocks in reverse, so the longest rows of the
+fp32.
+
+An fp8 cache (``torch.float8_e4m3fn``, ``FP8`` a constexpr) holds ``K / k_scale`` and
+``V / v_scale`` (kernels/kv_cache_write.py). Phase 1 upcasts each tile in registers to q's dtype
+(exact: every e4m3 value is a bf16 / fp16 / fp32 value) and applies the scales in fp32 where
+they are cheapest: ``k_scale`` in the prefix tiles' score scale (``q . (K8 * ks) = (q . K8) *
+ks``), ``v_scale`` on the probabilities before the P @ V product (``P (V8 * vs) = (P * vs) V8``).
+Phase 2 reads the chunk's own keys unquantized from k, v, as caches of the model's dtype do: a
+prompt's tokens see each other at full precision; later steps see them through the cache. The grid is ``(H, m-blocks, N)`` with m-blocks in reverse, so the longest rows of the
 causal triangle start first and short ones fill the tail; programs past a chunk's end exit.
 """
 
@@ -42,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.fp8 import FP8, check_kv_scales
 
 _LOG2E = math.log2(math.e)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -79,10 +89,12 @@ def default_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int) -> Kern
 
 @triton.jit
 def _online_softmax_step(
-    acc, l_i, m_i, qk, v, qk_scale, mask, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr
-):
+    acc, l_i, m_i, qk, v, qk_scale, mask, v_scale, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_V: tl.constexpr,
+):  # fmt: skip
     """Fold one tile of raw scores ``qk`` [BLOCK_M, BLOCK_N] and its values into the running
-    row max ``m_i`` (log2 domain), row sum ``l_i`` and accumulator ``acc``."""
+    row max ``m_i`` (log2 domain), row sum ``l_i`` and accumulator ``acc``. ``SCALE_V``: the
+    values are ``v / v_scale`` (an fp8 tile), so the probabilities take ``v_scale``."""
     if MASKED:
         qk = tl.where(mask, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -94,7 +106,10 @@ def _online_softmax_step(
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    if SCALE_V:
+        acc = tl.dot((p * v_scale).to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
@@ -112,14 +127,17 @@ def _prefix_tiles(
     start,
     end,
     qk_scale,
+    v_scale,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Phase 1: prefix positions ``start..end`` (tiles of BLOCK_N) gathered from the paged cache.
-    Unmasked tiles lie wholly below ``end``; the masked call covers the one partial tile."""
+    Unmasked tiles lie wholly below ``end``; the masked call covers the one partial tile. An fp8
+    cache's tiles are upcast to q's dtype (``qk_scale`` then carries k_scale)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in tl.range(start, end, BLOCK_N):
@@ -140,16 +158,22 @@ def _prefix_tiles(
         v_ptrs = vc_head + slot[:, None] * stride_vcs + offs_d[None, :]
         if MASKED:
             k = tl.load(k_ptrs, mask=valid[:, None], other=0.0)
+            if FP8:
+                k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
             mask = valid[None, :]
         else:
             k = tl.load(k_ptrs)
+            if FP8:
+                k = k.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             v = tl.load(v_ptrs)
             mask = None
+        if FP8:
+            v = v.to(q.dtype)
         acc, l_i, m_i = _online_softmax_step(
-            acc, l_i, m_i, qk, v, qk_scale, mask, MASKED, DOT_PRECISION
+            acc, l_i, m_i, qk, v, qk_scale, mask, v_scale, MASKED, DOT_PRECISION, FP8
         )
     return acc, l_i, m_i
 
@@ -206,7 +230,7 @@ def _chunk_tiles(
             v = tl.load(v_ptrs)
             mask = None
         acc, l_i, m_i = _online_softmax_step(
-            acc, l_i, m_i, qk, v, qk_scale, mask, DIAGONAL, DOT_PRECISION
+            acc, l_i, m_i, qk, v, qk_scale, mask, 1.0, DIAGONAL, DOT_PRECISION, False
         )
     return acc, l_i, m_i
 
@@ -218,9 +242,10 @@ def _extend_attention_kernel(
     stride_kch, stride_kcs, stride_vch, stride_vcs, stride_ot, stride_oh, stride_table,
     q_desc, k_desc, v_desc,  # TMA descriptors of q, k, v as [T, heads * D], or None
     qk_scale,  # scale * log2(e)
+    k_scale, v_scale,  # an fp8 cache holds k / k_scale and v / v_scale
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest rows of the triangle first
@@ -253,13 +278,17 @@ def _extend_attention_kernel(
     vc_head = vc_ptr + kv_head.to(tl.int64) * stride_vch
     table_row = table_ptr + chunk.to(tl.int64) * stride_table
     full_end = prefix_len - prefix_len % BLOCK_N
+    prefix_qk_scale = qk_scale
+    if FP8:
+        prefix_qk_scale = qk_scale * k_scale
     acc, l_i, m_i = _prefix_tiles(
         acc, l_i, m_i, q, kc_head, vc_head, table_row, stride_kcs, stride_vcs, 0, full_end,
-        qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, DOT_PRECISION,
+        prefix_qk_scale, v_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, DOT_PRECISION, FP8,
     )  # fmt: skip
     acc, l_i, m_i = _prefix_tiles(
         acc, l_i, m_i, q, kc_head, vc_head, table_row, stride_kcs, stride_vcs, full_end,
-        prefix_len, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, DOT_PRECISION,
+        prefix_len, prefix_qk_scale, v_scale, BLOCK_N, HEAD_DIM, BLOCK_SIZE, True,
+        DOT_PRECISION, FP8,
     )  # fmt: skip
 
     # Phase 2: the chunk's own keys from k, v; causal mask only on the diagonal tiles.
@@ -296,27 +325,35 @@ def extend_attention(
     block_size: int,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D], q.dtype
+    k_scale: float = 1.0,  # fp8 caches: the cached prefix reads as cache * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each chunk's new tokens over its cached prefix and itself; see the
-    module docstring. Returns ``out`` (allocated when not given), ``[T, H, D]`` in q.dtype."""
+    module docstring. Returns ``out`` (allocated when not given), ``[T, H, D]`` in q.dtype.
+    The caches may be fp8 (``torch.float8_e4m3fn``) with q, k, v in any of the three; the
+    scales are ignored for caches of q's dtype."""
     cfg = default_config(q.shape[-1], q.dtype, max_seqlen_q)
     return _launch(
         q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, max_seqlen_q,
         block_size, scale, out, block_m=cfg.block_m, block_n=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         use_tma=None if cfg.tma else False,  # None: where the GPU and strides allow
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
 
 
 def _launch(
     q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, max_seqlen_q: int,
     block_size: int, scale: float, out=None, *, block_m: int, block_n: int, num_warps: int,
-    num_stages: int, use_tma: bool | None = None,
+    num_stages: int, use_tma: bool | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:  # fmt: skip
     """``extend_attention`` with an explicit tile shape and launch parameters (benchmarks and
     tests sweep these). ``use_tma``: load q and the new k, v through TMA descriptors (Hopper);
     None picks it where it runs (see ``_tma_ok``)."""
     _check(q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, block_size, scale)
+    fp8 = k_cache.dtype == FP8
+    if fp8:
+        check_kv_scales(k_scale, v_scale)
     if block_m % block_n:
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     num_tokens, num_heads, head_dim = q.shape
@@ -343,9 +380,10 @@ def _launch(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), *descs, scale * _LOG2E,
+        k_scale, v_scale,
         GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
@@ -404,9 +442,18 @@ def _check(
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     tensors = (q, k, v, k_cache, v_cache)
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in tensors):
+    cache_dtype = k_cache.dtype if k_cache.dtype == FP8 else q.dtype
+    if (
+        q.dtype not in _DTYPES
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+        or any(c.dtype != cache_dtype for c in (k_cache, v_cache))
+    ):
         dtypes = [t.dtype for t in tensors]
-        raise ValueError(f"q, k, v and the caches must share one of fp32/fp16/bf16, got {dtypes}")
+        raise ValueError(
+            f"q, k, v must share one of fp32/fp16/bf16 and the caches that dtype (or both "
+            f"{FP8}), got {dtypes}"
+        )
     if any(t.stride(2) != 1 for t in tensors):
         raise ValueError("q, k, v, k_cache and v_cache need a contiguous last dim (stride 1)")
     num_chunks = prefix_lens.shape[0]
@@ -436,10 +483,14 @@ def _check(
 
 
 def extend_attention_ref(
-    q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, block_size, scale
-) -> torch.Tensor:
+    q, k, v, k_cache, v_cache, block_tables, cu_seqlens_q, prefix_lens, block_size, scale,
+    k_scale=1.0, v_scale=1.0,
+) -> torch.Tensor:  # fmt: skip
     """Plain torch, one chunk at a time, fp32 math: the definition the kernel is tested against.
-    The prefix comes from the cache through the block table, the new tokens from k, v."""
+    The prefix comes from the cache through the block table (an fp8 cache dequantized first:
+    ``cache * scale`` in fp32), the new tokens from k, v."""
+    if k_cache.dtype == FP8:
+        k_cache, v_cache = k_cache.float() * k_scale, v_cache.float() * v_scale
     num_heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     for i in range(prefix_lens.shape[0]):
@@ -449,8 +500,10 @@ def extend_attention_ref(
             continue
         pos = torch.arange(prefix, device=q.device)
         slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
-        keys = torch.cat([k_cache[:, slots], k[first:last].transpose(0, 1)], dim=1)  # [KVH, L, D]
-        values = torch.cat([v_cache[:, slots], v[first:last].transpose(0, 1)], dim=1)
+        keys = torch.cat(  # [KVH, L, D]
+            [k_cache[:, slots].float(), k[first:last].transpose(0, 1).float()], dim=1
+        )
+        values = torch.cat([v_cache[:, slots].float(), v[first:last].transpose(0, 1).float()], 1)
         group = num_heads // kv_heads
         keys = keys.float().repeat_interleave(group, dim=0)  # [H, L, D]
         values = values.float().repeat_interleave(group, dim=0)

@@ -12,6 +12,16 @@ One program per token row ``t`` moves that row's K and V for every kv head::
 The grid is ``(T,)`` from the shape alone and the slot is read on the device, so the launch
 never syncs with the host and can be replayed in a CUDA graph. Cache offsets are 64-bit
 (``slot * stride`` passes 2**31 elements on large caches).
+
+An fp8 cache (``torch.float8_e4m3fn``) stores each value quantized with its layer's scale
+(kernels/fp8.py)::
+
+    cache = fp8(clamp(k / k_scale, -448, 448))      (dequantized: cache * k_scale)
+
+in fp32, rounded to nearest even by the cast (``FP8`` is a constexpr: caches of the model's
+dtype compile the plain copy above, unchanged). Triton's interpreter (3.6) rounds fp32 -> fp8
+wrongly when the mantissa carries into the exponent (127.3 -> 64, not 128); the GPU's cvt does not, so
+CPU tests feed values the cast keeps exactly and tests/gpu checks rounding on random values.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8 import FP8, check_kv_scales, quantize_fp8
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,10 +50,13 @@ def _write_kv_cache_kernel(
     kc_stride_s,
     vc_stride_h,
     vc_stride_s,
+    k_scale,  # fp8 caches: value / scale is stored
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -50,6 +65,9 @@ def _write_kv_cache_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (slot >= 0)
     k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
     v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0).to(k_cache_ptr.dtype.element_ty)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + h * kc_stride_h + slot * kc_stride_s + d, k, mask=mask)
     tl.store(v_cache_ptr + h * vc_stride_h + slot * vc_stride_s + d, v, mask=mask)
 
@@ -60,10 +78,13 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [KVH, num_slots, D]
     v_cache: torch.Tensor,  # [KVH, num_slots, D]
     slot_mapping: torch.Tensor,  # [T] int32 / int64; negative = skip the row
+    k_scale: float = 1.0,  # fp8 caches only: the stored value is k / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     """``k_cache[:, slot_mapping[t]] = k[t]`` (and V) for every row with a slot >= 0, in place.
-    Slots must be < num_slots (not checked: that would need a host sync)."""
-    _check(k, v, k_cache, v_cache, slot_mapping)
+    Slots must be < num_slots (not checked: that would need a host sync). An fp8 cache gets
+    ``k / k_scale`` clamped to +-448; the scales are ignored for other caches."""
+    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     t, kv_heads, head_dim = k.shape
     if t == 0:
         return
@@ -82,20 +103,27 @@ def write_kv_cache(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        k_scale,
+        v_scale,
         NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        FP8=k_cache.dtype == FP8,
         num_warps=_num_warps(block_h * block_d * k.element_size()),
     )
 
 
-def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     """Plain torch, in place like the kernel: the definition it is tested against."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache[:, slots] = k[keep].transpose(0, 1)
-    v_cache[:, slots] = v[keep].transpose(0, 1)
+    for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = new[keep].transpose(0, 1)
+        if cache.dtype == FP8:
+            cache.view(torch.uint8)[:, slots] = quantize_fp8(rows, scale).view(torch.uint8)
+        else:
+            cache[:, slots] = rows
 
 
 def _num_warps(row_bytes: int) -> int:
@@ -103,7 +131,7 @@ def _num_warps(row_bytes: int) -> int:
     return max(1, min(8, row_bytes // 512))
 
 
-def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k, v must both be [T, KVH, D], got {tuple(k.shape)}, {tuple(v.shape)}")
     t, kv_heads, head_dim = k.shape
@@ -118,11 +146,18 @@ def _check(k, v, k_cache, v_cache, slot_mapping) -> None:
             f"slot_mapping must be [{t}] int32/int64, got {tuple(slot_mapping.shape)} "
             f"{slot_mapping.dtype}"
         )
-    if k.dtype not in _DTYPES or any(x.dtype != k.dtype for x in (v, k_cache, v_cache)):
+    cache_dtype = k_cache.dtype if k_cache.dtype == FP8 else k.dtype
+    if (
+        k.dtype not in _DTYPES
+        or v.dtype != k.dtype
+        or any(c.dtype != cache_dtype for c in (k_cache, v_cache))
+    ):
         raise ValueError(
-            f"k, v and the caches must share one of {_DTYPES}, got "
+            f"k, v must share one of {_DTYPES} and the caches that dtype or {FP8}, got "
             f"{[x.dtype for x in (k, v, k_cache, v_cache)]}"
         )
+    if k_cache.dtype == FP8:
+        check_kv_scales(k_scale, v_scale)
     if any(x.stride(-1) != 1 for x in (k, v, k_cache, v_cache)):
         raise ValueError("k, v, k_cache and v_cache need a contiguous last (head_dim) dimension")
     if not slot_mapping.is_contiguous():

@@ -24,6 +24,15 @@ those slots once, and scores them for all G query heads with one ``tl.dot`` (``[
 zeros and never stored). Scores, online softmax and accumulation are fp32; P is rounded to the
 cache dtype for the P @ V product, as flash kernels do.
 
+An fp8 cache (``torch.float8_e4m3fn``, ``FP8`` a constexpr) holds ``K / k_scale`` and
+``V / v_scale`` (kernels/kv_cache_write.py). Each tile is upcast in registers to q's dtype, which
+is exact (every e4m3 value is a bf16 / fp16 / fp32 value), and the scales are applied in fp32
+where they cost one multiply per output instead of one per element: ``k_scale`` in the score
+scale (``q . (K8 * ks) = (q . K8) * ks``) and ``v_scale`` on the accumulator
+(``sum p V8 * vs = vs * sum p V8``). That is the dequantization ``fp8 * scale`` of every K/V
+element, without the rounding of ``K8 * ks`` back to bf16. Half the bytes per tile is the point:
+decode attention is bound by reading the cache.
+
 Why ``tl.dot`` even for G = 1 (MHA) rather than an elementwise multiply-and-sum: the kernel is
 bound by HBM reads, and the 16x padded tensor-core work stays far below what the SM can issue
 (H100: the MHA shape, batch 64, ctx 1k, reads K/V at 0.99 of copy bandwidth with the padded dot,
@@ -43,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8, check_kv_scales
+
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,7 +68,8 @@ def _split_kernel(
     out_ptr,  # [B, H, D], written when DIRECT
     ws_ptr,  # fp32 workspace, when not DIRECT: acc [B, H, S, D] (unnormalised sums), then
     # ml [B, H, S, 2] (running max in log2 units, sum of exp2); one buffer, one pointer
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache)
+    v_scale,  # fp8 cache: the accumulator's scale
     stride_qb,
     stride_qh,
     stride_kh,
@@ -75,6 +87,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile
     DIRECT: tl.constexpr,  # one split: normalise and write out, no workspace
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # the cache holds e4m3: upcast each tile to q's dtype
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -114,6 +127,9 @@ def _split_kernel(
         v = tl.load(
             v_head + slot[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0
         )
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -125,6 +141,8 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * v_scale
     if DIRECT:
         o = acc / l_i[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
@@ -220,6 +238,8 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its paged context.
 
@@ -228,10 +248,12 @@ def paged_decode_attention(
     context_lens ``[B]`` int32 >= 1 (clamped to ``W * block_size``). Returns ``[B, H, D]`` in
     q's dtype, written into ``out`` when given. ``num_splits`` defaults to
     ``default_num_splits`` of the shapes, capped so that no split is shorter than one tile of
-    the longest context the table can hold."""
+    the longest context the table can hold. The caches may be fp8 (``torch.float8_e4m3fn``)
+    with q in any of the three: each element then reads as ``cache * k_scale`` (``v_scale``);
+    the scales are ignored for caches of q's dtype."""
     config = launch_config(q.shape[-1], q.dtype)
     args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out, num_splits)
-    return _launch(*args, **config)
+    return _launch(*args, k_scale=k_scale, v_scale=v_scale, **config)
 
 
 def pick_num_splits(batch, kv_heads, max_blocks, block_size, block_n, device) -> int:
@@ -243,9 +265,15 @@ def pick_num_splits(batch, kv_heads, max_blocks, block_size, block_n, device) ->
 def _launch(
     q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None,
     num_splits=None, *, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:  # fmt: skip
     """The launcher with its tile and launch parameters open, for tests and benchmarks."""
     _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out)
+    fp8 = k_cache.dtype == FP8
+    qk_scale = scale * _LOG2E
+    if fp8:
+        check_kv_scales(k_scale, v_scale)
+        qk_scale *= k_scale
     batch, num_heads, head_dim = q.shape
     kv_heads, width = k_cache.shape[0], block_tables.shape[1]
     if out is None:
@@ -264,13 +292,13 @@ def _launch(
                                         dtype=torch.float32, device=q.device)  # fmt: skip
     _split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
-        scale * _LOG2E,
+        qk_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), width,
         G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:
@@ -299,10 +327,11 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out) -> 
         raise ValueError(f"head_dim must be a power of two in 16..256, got {head_dim}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    cache_dtype = k_cache.dtype if k_cache.dtype == FP8 else q.dtype
+    if q.dtype not in _DTYPES or k_cache.dtype != cache_dtype or v_cache.dtype != cache_dtype:
         raise ValueError(
-            f"q, k_cache, v_cache must share one of fp32/fp16/bf16, got {q.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            f"q must be fp32/fp16/bf16 and k_cache, v_cache q's dtype (or both {FP8}), got "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     int_types = (torch.int32, torch.int64)
     if block_tables.dtype not in int_types or context_lens.dtype not in int_types:
@@ -332,9 +361,14 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out) -> 
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
+def paged_decode_attention_ref(
+    q, k_cache, v_cache, block_tables, context_lens, block_size, scale, k_scale=1.0, v_scale=1.0
+):
     """Plain torch, one sequence at a time, fp32 math: the definition the kernel is tested
-    against. Each query head ``h`` attends with kv head ``h // (H // KVH)``."""
+    against. Each query head ``h`` attends with kv head ``h // (H // KVH)``. An fp8 cache is
+    dequantized first (``cache * scale``, in fp32)."""
+    if k_cache.dtype == FP8:
+        k_cache, v_cache = k_cache.float() * k_scale, v_cache.float() * v_scale
     batch, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[0]
     out = torch.empty_like(q)

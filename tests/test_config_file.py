@@ -71,6 +71,25 @@ def test_engine_keys_are_checked_against_engine_config(tmp_path):
     assert "'model_dir' is not an engine setting" in msg
 
 
+def test_kv_cache_settings_are_the_same_for_prefill_and_decode(tmp_path):
+    """Workers that exchange KV must agree on its dtype and block size (the KV handshake would
+    refuse every pair): a file that splits them is refused before anything starts."""
+    msg = problems(tmp_path, "prefill_engine: {kv_cache_dtype: fp8}\n")
+    assert "prefill workers would run kv_cache_dtype='fp8' and decode workers " in msg
+    assert "kv_cache_dtype='auto'" in msg and "set it in `engine`" in msg
+    msg = problems(tmp_path, "engine: {block_size: 32}\ndecode_engine: {block_size: 16}\n")
+    assert "block_size=32 and decode workers block_size=16" in msg
+    msg = problems(tmp_path, "dtype: bfloat16\ndecode_engine: {dtype: float32}\n")
+    assert "dtype='bfloat16' and decode workers dtype='float32'" in msg
+    fine = [
+        "engine: {kv_cache_dtype: fp8}\nprefill_engine: {kv_cache_dtype: fp8}\n",
+        "decode_engine: {block_size: 16}\n",  # the default: the same as left out
+        "prefill_engine: {dtype: bfloat16}\n",  # dtype auto: bfloat16 on CUDA, checked later
+    ]
+    for text in fine:
+        load_serve_config(write(tmp_path, text))
+
+
 def test_disaggregated_needs_both_roles(tmp_path):
     msg = problems(tmp_path, "prefill: 2\n")
     assert "prefill (2) and decode (None) go together" in msg
@@ -150,6 +169,19 @@ def test_a_flag_given_with_its_default_value_still_wins(tmp_path):
         ["--port", "8000", "--max-resumes", "2", "--role-resources", "auto", "--config", str(path)]
     )
     assert (args.port, args.max_resumes, args.role_resources) == (8000, 2, "auto")
+
+
+def test_kv_cache_dtype_is_an_engine_setting_of_serve(tmp_path):
+    """``tandem serve --engine kv_cache_dtype=fp8`` (or the file's ``engine`` mapping), as any
+    ``EngineConfig`` field."""
+    from cluster.launch.config_file import engine_override_keys
+    from cluster.launch.serve import _engine_overrides
+
+    assert "kv_cache_dtype" in engine_override_keys()
+    args = serve_parser().parse_args(["--engine", "kv_cache_dtype=fp8"])
+    assert _engine_overrides(args.engine) == {"kv_cache_dtype": "fp8"}
+    config = load_serve_config(write(tmp_path, "engine: {kv_cache_dtype: fp8}\n"))
+    assert config.as_defaults()["engine"] == ['kv_cache_dtype="fp8"']
 
 
 def test_engine_flags_add_to_the_files_engine(tmp_path):

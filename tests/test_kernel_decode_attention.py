@@ -1,13 +1,14 @@
 """The Triton paged decode attention kernel against its plain-torch reference, on CPU in Triton's
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU): tiny odd shapes, shuffled
-block tables, every split path. bf16 is covered by tests/gpu only: the interpreter's ``tl.dot``
-returns garbage for bf16 operands (Triton 3.6)."""
+block tables, every split path, fp8 caches with their scales. bf16 is covered by tests/gpu only:
+the interpreter's ``tl.dot`` returns garbage for bf16 operands (Triton 3.6)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.fp8 import quantize_fp8
 from kernels.paged_decode_attention import (
     _launch,
     default_num_splits,
@@ -94,6 +95,99 @@ def test_matches_reference(dtype, heads, kv_heads, head_dim, block_size, lens, n
     torch.testing.assert_close(got, ref, **TOL[dtype])
 
 
+# fp8 caches: q dtype, heads, kv heads, head dim, block size, lens, splits, tile, k / v scales
+FP8_CASES = [
+    (torch.float32, 8, 2, 64, 16, [1, 17, 45], 1, 32, 0.01, 0.02),  # direct, GQA 4
+    (torch.float32, 4, 1, 16, 4, [3, 45, 130], 3, 16, 0.05, 1.0),  # splits, MQA
+    (torch.float16, 8, 2, 64, 4, [1, 17, 45], 2, 16, 0.02, 0.01),
+    (torch.float16, 4, 4, 32, 32, [7, 70], 1, 16, 1.0, 1.0),  # MHA, the default scales
+]
+
+
+def fp8_case(lens, heads, kv_heads, head_dim, block_size, dtype, seed, k_scale, v_scale):
+    """``make_case`` with its cache quantized as the engine stores it (value / scale in e4m3):
+    q, the fp8 K and V caches, the unquantized caches (fp32), tables, lens."""
+    q, k, v, tables, lens = make_case(
+        lens, heads, kv_heads, head_dim, block_size, torch.float32, seed
+    )
+    k8, v8 = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)  # unused slots stay NaN
+    return q.to(dtype), k8, v8, k, v, tables, lens
+
+
+@pytest.mark.parametrize(
+    (
+        "dtype",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "block_size",
+        "lens",
+        "splits",
+        "block_n",
+        "ks",
+        "vs",
+    ),
+    FP8_CASES,
+)
+def test_fp8_cache_matches_dequantized_reference(
+    dtype, heads, kv_heads, head_dim, block_size, lens, splits, block_n, ks, vs
+):
+    """Against the reference over the same fp8 cache dequantized (``fp8 * scale`` in fp32): the
+    kernel's upcast is exact, so only the dtype's own rounding differs (the non-fp8 tolerance).
+    Against attention over the unquantized cache: e4m3 keeps 3 mantissa bits (relative error up
+    to 1/16 per element), so outputs of unit-scale attention agree to about 0.1."""
+    seed = heads + head_dim + block_size + splits
+    args = (lens, heads, kv_heads, head_dim, block_size, dtype, seed, ks, vs)
+    q, k8, v8, k, v, tables, lens = fp8_case(*args)
+    scale = head_dim**-0.5
+    got = _launch(
+        q, k8, v8, tables, lens, block_size, scale, num_splits=splits, block_n=block_n,
+        k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    ref = paged_decode_attention_ref(q, k8, v8, tables, lens, block_size, scale, ks, vs)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    unquantized = paged_decode_attention_ref(q.float(), k, v, tables, lens, block_size, scale)
+    torch.testing.assert_close(got.float(), unquantized, rtol=0, atol=0.25)
+    assert (got.float() - unquantized).abs().mean() < 0.03
+
+
+def test_fp8_scales_are_applied_not_ignored():
+    """The same values stored at two scales read back the same; read with the wrong scale
+    they do not (each of K and V)."""
+    q, _, _, k, v, tables, lens = fp8_case([9, 40], 4, 2, 16, 8, torch.float32, 5, 1.0, 1.0)
+    k, v = k.nan_to_num() * 8, v.nan_to_num() * 8  # larger than 1: scale 1/8 would clamp at 448
+    out = {}
+    for ks, vs in ((0.25, 0.5), (0.125, 0.0625)):
+        k8, v8 = quantize_fp8(k, ks), quantize_fp8(v, vs)
+        out[ks, vs] = paged_decode_attention(
+            q, k8, v8, tables, lens, 8, 0.25, k_scale=ks, v_scale=vs
+        )
+        wrong_k = paged_decode_attention(
+            q, k8, v8, tables, lens, 8, 0.25, k_scale=ks * 2, v_scale=vs
+        )
+        wrong_v = paged_decode_attention(
+            q, k8, v8, tables, lens, 8, 0.25, k_scale=ks, v_scale=vs * 2
+        )
+        assert not torch.allclose(wrong_k, out[ks, vs], atol=0.05)
+        torch.testing.assert_close(wrong_v, out[ks, vs] * 2)
+    # power-of-two scales: the fp8 values differ by an exponent only, the dequantized are equal
+    torch.testing.assert_close(out[0.25, 0.5], out[0.125, 0.0625], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_caches_of_q_dtype_ignore_the_scales(dtype, num_splits):
+    """The fp8 branch is a constexpr: a cache in q's dtype compiles the kernel it always did,
+    and scales passed with it change no bit of the output (bf16: tests/gpu)."""
+    q, k, v, tables, lens = make_case([5, 33, 70], 8, 2, 32, 16, dtype, seed=4)
+    plain = _launch(q, k, v, tables, lens, 16, 0.2, num_splits=num_splits, block_n=16)
+    scaled = _launch(
+        q, k, v, tables, lens, 16, 0.2, num_splits=num_splits, block_n=16, k_scale=3.0, v_scale=0.5
+    )
+    assert torch.equal(plain, scaled)
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, 2])
 def test_strided_q_and_out(num_splits):
     """q a slice of a fused qkv row, out a slice of a wider buffer, the public entry point."""
@@ -132,7 +226,16 @@ def test_default_num_splits_fills_the_gpu_from_shapes():
     [
         ({"q": torch.zeros(1, 4, 24)}, "head_dim"),
         ({"q": torch.zeros(1, 3, 16)}, "multiple of kv heads"),
-        ({"q": torch.zeros(1, 4, 16, dtype=torch.float16)}, "share one of"),
+        ({"q": torch.zeros(1, 4, 16, dtype=torch.float16)}, "k_cache, v_cache q's dtype"),
+        ({"k": torch.zeros(2, 64, 16, dtype=torch.float8_e4m3fn)}, "or both"),  # v not fp8
+        (
+            {
+                "k": torch.zeros(2, 64, 16).to(torch.float8_e4m3fn),
+                "v": torch.zeros(2, 64, 16).to(torch.float8_e4m3fn),
+                "k_scale": 0.0,
+            },
+            "k_scale",
+        ),
         ({"tables": torch.zeros(1, 2)}, "int32"),
         ({"block_size": 12}, "power of two"),
         ({"q": torch.zeros(1, 16, 4).transpose(1, 2)}, "contiguous last dim"),
@@ -151,4 +254,5 @@ def test_rejects_bad_inputs(change, match):
         "out": None,
     } | change
     with pytest.raises(ValueError, match=match):
-        paged_decode_attention(*args.values())
+        scales = {n: args.pop(n) for n in ("k_scale", "v_scale") if n in args}
+        paged_decode_attention(*args.values(), **scales)

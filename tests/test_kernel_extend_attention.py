@@ -2,8 +2,10 @@
 batches of chunks: odd lengths, prefixes off block boundaries, shuffled block tables, GQA / MQA,
 strided q/k/v, and poisoned cache slots that the kernel must not read.
 
-Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET);
-the interpreter cannot multiply bf16 tiles, so bf16 runs only on CUDA (here and in tests/gpu).
+fp8 caches (e4m3 with a K and a V scale) are read against the reference over the same cache
+dequantized. Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET); the interpreter cannot multiply bf16 tiles, so bf16 runs only on CUDA (here and
+in tests/gpu).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kernels.extend_attention import (
     extend_attention,
     extend_attention_ref,
 )
+from kernels.fp8 import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -80,10 +83,15 @@ def kernel_args(batch) -> list:
     return [batch[name] for name in KERNEL_ARGS]
 
 
-def run(batch, block_size, config=None, out=None, use_tma=None):
+def run(batch, block_size, config=None, out=None, use_tma=None, kv_scales=None):
     args = kernel_args(batch)
     scale = batch["q"].shape[-1] ** -0.5
     max_len = int((batch["cu_seqlens_q"][1:] - batch["cu_seqlens_q"][:-1]).max())
+    if kv_scales is not None:  # an fp8 cache
+        got = _launch(*args, max_len, block_size, scale, out, block_m=config[0],
+                      block_n=config[1], num_warps=4, num_stages=2, use_tma=use_tma,
+                      k_scale=kv_scales[0], v_scale=kv_scales[1])  # fmt: skip
+        return got, extend_attention_ref(*args, block_size, scale, *kv_scales)
     if config is None:
         got = extend_attention(*args, max_len, block_size, scale, out=out)
     else:
@@ -132,6 +140,68 @@ def test_tma_and_pointer_loads(use_tma):
     batch = make_batch(4, 2, 32, 16, torch.float16, seed=11)
     got, ref = run(batch, 16, (32, 16), use_tma=use_tma)
     torch.testing.assert_close(got.float(), ref.float(), **TOL[torch.float16])
+
+
+def fp8_batch(heads, kv_heads, head_dim, block_size, dtype, k_scale, v_scale, seed=0):
+    """``make_batch`` with its cache quantized as the engine stores it (value / scale in e4m3;
+    the poisoned padding block stays NaN); also the unquantized cache, for comparison."""
+    batch = make_batch(heads, kv_heads, head_dim, block_size, dtype, seed=seed)
+    raw = {"k_cache": batch["k_cache"].float(), "v_cache": batch["v_cache"].float()}
+    batch["k_cache"] = quantize_fp8(raw["k_cache"], k_scale)
+    batch["v_cache"] = quantize_fp8(raw["v_cache"], v_scale)
+    return batch, raw
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "config", "k_scale", "v_scale"),
+    [
+        (4, 2, 32, 4, (32, 16), 0.01, 0.02),  # prefixes off block bounds, several m-blocks
+        (4, 1, 16, 32, (32, 16), 1.0, 0.05),  # MQA, blocks larger than a tile
+        (8, 2, 16, 1, (32, 32), 0.5, 1.0),  # one-token blocks
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache_matches_dequantized_reference(
+    heads, kv_heads, head_dim, block_size, config, k_scale, v_scale, dtype
+):
+    """The prefix read from an fp8 cache (upcast exactly, scales in fp32) against the reference
+    over the same cache dequantized: the dtype's own tolerance. Against the unquantized cache:
+    e4m3's 3 mantissa bits (relative error up to 1/16 per cached element) move the outputs of
+    this unit-scale attention by about 0.1 at most; the new tokens are read unquantized."""
+    batch, raw = fp8_batch(heads, kv_heads, head_dim, block_size, dtype, k_scale, v_scale, 7)
+    got, ref = run(batch, block_size, config, use_tma=False, kv_scales=(k_scale, v_scale))
+    assert got.dtype == dtype and got.isfinite().all()
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+    unquantized = extend_attention_ref(
+        batch["q"].float(), batch["k"].float(), batch["v"].float(), raw["k_cache"],
+        raw["v_cache"], *kernel_args(batch)[5:], block_size, head_dim**-0.5,
+    )  # fmt: skip
+    err = (got.float() - unquantized).abs()
+    assert err.max() < 0.25 and err.mean() < 0.03
+
+
+def test_fp8_fresh_prompts_read_no_cache():
+    """Chunks with no prefix never touch the cache: an fp8 cache and its scales change nothing."""
+    batch = make_batch(4, 2, 32, 4, torch.float32, lens=[9, 20], prefixes=[0, 0], seed=2)
+    plain, _ = run(batch, 4, (32, 16))
+    batch["k_cache"], batch["v_cache"] = (
+        torch.full_like(batch[name], float("nan")).to(torch.float8_e4m3fn)
+        for name in ("k_cache", "v_cache")
+    )
+    got, _ = run(batch, 4, (32, 16), use_tma=False, kv_scales=(0.3, 7.0))
+    assert torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_caches_of_q_dtype_ignore_the_scales(dtype):
+    """The fp8 branch is a constexpr: caches in q's dtype run the kernel they always ran, and
+    scales passed with them change no bit of the output (bf16: tests/gpu)."""
+    batch = make_batch(4, 2, 32, 4, dtype, seed=9)
+    args = (*kernel_args(batch), 70, 4, 32**-0.5, None)
+    tiles = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 2, "use_tma": False}
+    plain = _launch(*args, **tiles)
+    scaled = _launch(*args, **tiles, k_scale=0.1, v_scale=9.0)
+    assert torch.equal(plain, scaled)
 
 
 def test_head_dim_128_default_tiles():
@@ -219,6 +289,11 @@ def test_bad_inputs_raise_with_the_values():
         extend_attention(args[0][:, :3], *args[1:], 3, 4, 0.1)
     with pytest.raises(ValueError, match="share one of fp32/fp16/bf16"):
         extend_attention(args[0].half(), *args[1:], 3, 4, 0.1)
+    fp8 = [a.to(torch.float8_e4m3fn) for a in args[3:5]]
+    with pytest.raises(ValueError, match="or both"):  # one cache fp8, the other not
+        extend_attention(*args[:3], fp8[0], *args[4:], 3, 4, 0.1)
+    with pytest.raises(ValueError, match="v_scale must be a positive"):
+        extend_attention(*args[:3], *fp8, *args[5:], 3, 4, 0.1, v_scale=float("inf"))
     with pytest.raises(ValueError, match="multiple of block_n"):
         _launch(*args, 3, 4, 0.1, block_m=16, block_n=32, num_warps=4, num_stages=2)
 

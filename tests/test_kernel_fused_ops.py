@@ -15,6 +15,7 @@ import torch
 from engine.config import RopeConfig
 from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fp8 import quantize_fp8
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary as apply_rotary_kernel
@@ -80,6 +81,49 @@ def test_kv_cache_write_ref_matches_engine_index_copy():
     assert torch.equal(ours, engine)
 
 
+def fp8_grid_values(shape, scale: float, gen) -> torch.Tensor:
+    """Random e4m3 values times ``scale`` (a power of two, so ``x / scale`` is exact), a few
+    of them past +-448 * scale (clamped on store): inputs whose quantization is exact."""
+    bits = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0  # no NaN
+    x = bits.view(torch.float8_e4m3fn).float()
+    x.view(-1)[::7] *= 4  # 4 * 448 and friends: clamped
+    return x * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_cache_write_fp8(dtype):
+    """Quantize on store: value / scale clamped to +-448, cast to e4m3, byte for byte what the
+    torch reference stores. The interpreter's own fp32 -> fp8 rounding is wrong when the
+    mantissa carries (Triton 3.6), so these inputs need no rounding; tests/gpu rounds."""
+    gen = torch.Generator().manual_seed(3)
+    t, kv_heads, head_dim, num_slots = 9, 2, 32, 40
+    k_scale, v_scale = 0.25, 2.0
+    k = fp8_grid_values((t, kv_heads, head_dim), k_scale, gen).to(dtype)
+    v = fp8_grid_values((t, kv_heads, head_dim), v_scale, gen).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:t]
+    slots[2] = -1
+    cache = torch.zeros(2, kv_heads, num_slots, head_dim, dtype=torch.float8_e4m3fn)
+    want = cache.clone()
+    write_kv_cache(k, v, cache[0], cache[1], slots, k_scale, v_scale)
+    write_kv_cache_ref(k, v, want[0], want[1], slots, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    kept = slots[slots >= 0]
+    stored = cache[0][:, kept].float() * k_scale  # dequantized: the input, clamped
+    expect = k[slots >= 0].transpose(0, 1).float().clamp(-448 * k_scale, 448 * k_scale)
+    assert torch.equal(stored, expect)
+    assert cache[1][:, kept].float().abs().max() == 448  # some of v clamped
+    assert not cache[:, :, slots[2]].float().any()  # the padding row's slot: untouched
+
+
+def test_fp8_reference_rounds_to_nearest_even():
+    """The reference is torch's cast: round to nearest, ties to even, after the clamp."""
+    x = torch.tensor([1.0625, 1.1875, 17.0, 500.0, -1e9, 0.0009765625 * 1.5])
+    got = quantize_fp8(x, 1.0).float()  # ties: 1.0625 -> 1.0, 1.1875 -> 1.25, 17 -> 16
+    assert got.tolist() == [1.0, 1.25, 16.0, 448.0, -448.0, 0.001953125]
+    assert quantize_fp8(torch.tensor([3.0]), 0.5).float().item() == 6.0  # stored: value / scale
+
+
 def test_kv_cache_write_all_padding_and_empty():
     k = torch.randn(2, 2, 16)
     cache = torch.randn(2, 2, 8, 16)
@@ -96,6 +140,11 @@ def test_kv_cache_write_rejects_mismatch():
         write_kv_cache(k, k, cache[0], cache[1], torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="slot_mapping"):
         write_kv_cache(k, k, cache[0].float(), cache[1].float(), torch.tensor([0.0, 1.0]))
+    fp8 = cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale must be a positive finite"):
+        write_kv_cache(k, k, fp8[0], fp8[1], torch.tensor([0, 1]), k_scale=-1.0)
+    with pytest.raises(ValueError, match="share one of"):  # one cache fp8, the other not
+        write_kv_cache(k, k, fp8[0], cache[1].float(), torch.tensor([0, 1]))
 
 
 # -- RMSNorm ---------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ class FakeReceiver:
 
 
 def test_a_peer_that_stops_reading_makes_the_send_time_out() -> None:
-    big = KVSpec(num_layers=1, num_kv_heads=8, head_dim=1024, dtype="float32")  # 64 KiB a token
+    big = KVSpec(1, 8, 1024, "float32", block_size=16)  # 64 KiB a token
     fake, failures = FakeReceiver(), Failures()
     conn = KVConnector(big, failures, token="secret", limits=KVLimits(io_timeout_s=0.5))
     try:

@@ -4,6 +4,7 @@ bad peers are refused, and a broken channel fails its transfers on both ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import socket
 import threading
@@ -20,8 +21,8 @@ from engine.kv_transfer.transport import (
     write_frame,
 )
 
-SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32")
 BLOCK = 4
+SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", block_size=BLOCK)
 SLOTS = 64
 
 
@@ -151,7 +152,7 @@ def test_prefill_abort_fails_the_transfer(pair) -> None:
 
 def test_bfloat16_payload_round_trips(pair) -> None:
     rx, conn, events, _, _ = pair
-    spec = KVSpec(3, 2, 4, "bfloat16")
+    spec = KVSpec(3, 2, 4, "bfloat16", BLOCK)
     kv = caches(torch.bfloat16)
     rx2 = type(rx)(spec, kv, BLOCK, events, token="secret")
     conn2 = KVConnector(spec, Failures(), token="secret")
@@ -167,6 +168,75 @@ def test_bfloat16_payload_round_trips(pair) -> None:
     finally:
         conn2.close()
         rx2.close()
+
+
+def test_fp8_payload_round_trips_byte_for_byte(pair) -> None:
+    """An fp8 KV cache (kv_cache_dtype="fp8") travels as its bytes, also when one of a
+    layer's transfers was cancelled and only the rest of the payload is written."""
+    rx, _, events, _, _ = pair
+    spec = dataclasses.replace(SPEC, dtype="float8_e4m3fn")
+    kv = caches(torch.float8_e4m3fn)
+    rx2 = type(rx)(spec, kv, BLOCK, events, token="secret")
+    conn2 = KVConnector(spec, Failures(), token="secret")
+    try:
+        rx2.expect("a", [1, 0], 5)
+        rx2.expect("b", [3], 2)
+        rx2.cancel("b")
+        assert events.next().kind == "released"
+        tx = conn2.sender(rx2.endpoint)
+        payloads = []
+        for layer in range(3):
+            both = (source(7, layer) / 100).to(torch.float8_e4m3fn)  # b's 2, then a's 5
+            payloads.append(both)
+            tx.send_layer(layer, [("b", 0, 2), ("a", 0, 5)], both)
+        tx.send_done("a", 5, {"token_id": 3})
+        assert events.next().kind == "complete"
+        for layer in range(3):
+            got = kv[layer][:, :, slots_of([1, 0], 0, 5)]
+            assert torch.equal(got.view(torch.uint8), payloads[layer][:, :, 2:].view(torch.uint8))
+        assert not kv[0][:, :, slots_of([3], 0, 2)].float().any()  # b's slots: untouched
+    finally:
+        conn2.close()
+        rx2.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("dtype", "float8_e4m3fn", "KV cache dtype: sender 'float8_e4m3fn', receiver 'float32'"),
+        ("block_size", 16, "block size: sender 16, receiver 4"),
+    ],
+)
+def test_handshake_refuses_another_kv_dtype_or_block_size(pair, field, value, named) -> None:
+    """A prefill worker with fp8 KV cannot stream to a decode worker with the model's dtype
+    (the bytes would be read as other numbers), nor one with other blocks: refused before any
+    layer moves, the error naming both sides' values and the settings to align."""
+    rx, _, _, _, _ = pair
+    failures = Failures()
+    spec = dataclasses.replace(SPEC, **{field: value})
+    conn = KVConnector(spec, failures, token="secret")
+    try:
+        tx = conn.sender(rx.endpoint)
+        tx.send_layer(0, [("a", 0, 1)], torch.zeros(2, 2, 1, 4).to(spec.torch_dtype))
+        assert failures.event.wait(10)
+        tids, reason = failures.calls[0]
+        assert tids == ["a"] and "refused" in reason, reason
+        assert named in reason and "kv_cache_dtype and block_size" in reason, reason
+        assert rx.pending() == []
+    finally:
+        conn.close()
+
+
+def test_spec_mismatch_names_every_difference() -> None:
+    theirs = {**SPEC.as_dict(), "head_dim": 8, "dtype": "bfloat16", "extra": 1}
+    problem = SPEC.mismatch(theirs)
+    assert "head dim: sender 8, receiver 4" in problem
+    assert "KV cache dtype: sender 'bfloat16', receiver 'float32'" in problem
+    assert "unknown field 'extra'" in problem
+    assert SPEC.mismatch(SPEC.as_dict()) is None
+    assert "no KV spec" in SPEC.mismatch(None)
+    with pytest.raises(ValueError, match="block size 4, the cache 16"):
+        TcpKVReceiver(SPEC, caches(), 16, Events(), token="secret")
 
 
 # -- TCP only: what a hostile or dying peer can do -------------------------------------------------
@@ -191,7 +261,7 @@ def test_receiver_listens_on_loopback_only(tcp) -> None:
 def test_handshake_refuses_wrong_token_layout_or_backend(tcp, change) -> None:
     rx, _, _ = tcp
     failures = Failures()
-    spec = KVSpec(3, 2, 8, "float32") if "spec" in change else SPEC
+    spec = KVSpec(3, 2, 8, "float32", BLOCK) if "spec" in change else SPEC
     token = change.get("token", "secret")
     conn = KVConnector(spec, failures, token=token)
     if "backend" in change:  # hand-made hello: our senders always announce their own backend

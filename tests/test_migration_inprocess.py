@@ -345,3 +345,36 @@ def test_projection_counts_the_router_s_predicted_length(tiny, workers) -> None:
     assert c["remaining"] == 30 - produced  # not 48 - produced
     assert len(client.tokens) == 48  # a prediction never cuts the answer short
     assert asyncio.run(a.check_idle()) is None
+
+
+def test_a_destination_with_another_kv_cache_dtype_is_refused(tiny, workers) -> None:
+    """B keeps its KV in fp8 (``kv_cache_dtype="fp8"``), A in the model's dtype: A's copy channel
+    is refused at the handshake, naming both dtypes, before any byte moves; the migration ends
+    ``dest_failed``, the request finishes on A with the right tokens, B frees its reservation."""
+    p, a, _ = workers
+    cfg = {"model_dir": tiny, **ENGINE, "kv_cache_dtype": "fp8"}
+    b8 = DecodeWorker(cfg, "b8", transport="inproc", migration=MIGRATION)
+    b8.start()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = prompt_of(18, seed=8)
+    expected = LLM(tiny, **ENGINE).generate([prompt], params)[0].outputs[0].token_ids
+
+    async def main():
+        rid = "kv-dtype"
+        await start(p, a, rid, prompt, params)
+        client = Client({"a": a, "b8": b8}, rid)
+        reader = asyncio.ensure_future(client.run("a"))
+        await wait_tokens(client, 3)
+        res = await a.migrate_out(rid, handle(b8), "b8")
+        await reader
+        return client, res
+
+    try:
+        client, res = asyncio.run(main())
+        assert res.outcome == "dest_failed", res
+        assert "KV cache dtype: sender 'float32', receiver 'float8_e4m3fn'" in res.reason, res
+        assert client.tokens == expected and client.moves == []
+        for w in (p, a, b8):
+            assert asyncio.run(w.check_idle()) is None
+    finally:
+        b8.shutdown()

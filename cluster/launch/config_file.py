@@ -409,6 +409,23 @@ class ServeConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _kv_settings_agree(self) -> ServeConfig:
+        """Prefill and decode workers exchange KV: the pair handshake refuses workers whose KV
+        differs (engine/kv_transfer/transport.py ``KVSpec``), so say so before anything starts.
+        A setting left out is its default; ``dtype: auto`` resolves by device, later: skipped."""
+        base = {**_kv_defaults(), "dtype": self.dtype, **self.engine}
+        prefill, decode = {**base, **self.prefill_engine}, {**base, **self.decode_engine}
+        for key in KV_SHARED_SETTINGS:
+            unresolved = key == "dtype" and "auto" in (prefill[key], decode[key])
+            if prefill[key] != decode[key] and not unresolved:
+                raise ValueError(
+                    f"prefill workers would run {key}={prefill[key]!r} and decode workers "
+                    f"{key}={decode[key]!r}: workers that exchange KV must share {key} (set it "
+                    "in `engine`)"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _topology(self) -> ServeConfig:
         if bool(self.prefill) != bool(self.decode):
             raise ValueError(
@@ -435,6 +452,10 @@ class ServeConfig(BaseModel):
         return out
 
 
+# Engine settings that shape the KV a worker sends and receives: prefill and decode workers
+# must agree on them.
+KV_SHARED_SETTINGS = ("dtype", "kv_cache_dtype", "block_size")
+
 PATH_SETTINGS = (
     "api_key_file",
     "admin_key_file",
@@ -454,6 +475,14 @@ def engine_override_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineConfig)} - {"model_dir", "device"} | {
         "cpu_threads"
     }
+
+
+def _kv_defaults() -> dict[str, Any]:
+    """``EngineConfig``'s defaults of ``KV_SHARED_SETTINGS``."""
+    from engine.config import EngineConfig
+
+    fields = dataclasses.fields(EngineConfig)
+    return {f.name: f.default for f in fields if f.name in KV_SHARED_SETTINGS}
 
 
 def _did_you_mean(key: str, choices: typing.Iterable[str]) -> str:

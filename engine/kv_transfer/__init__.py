@@ -19,6 +19,7 @@ from engine.kv_transfer.transport import (
     TransferError,
     TransferEvent,
     TransferOutcome,
+    byte_view,
     split_endpoint,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "TransferError",
     "TransferEvent",
     "TransferOutcome",
+    "byte_view",
     "make_receiver",
     "split_endpoint",
 ]

@@ -24,6 +24,7 @@ import torch
 
 from engine.attention import host_to_device, slot_array
 from engine.kv_transfer.backends import KVConnector
+from engine.kv_transfer.transport import byte_view
 from engine.outputs import SampledToken
 from engine.scheduler import SchedulerOutput
 from engine.tracing import trace
@@ -131,7 +132,8 @@ class KVStreamer:
         def hook(layer: int) -> None:
             cache = self.kv_caches[layer]
             for sender, index, entries in sends:
-                sender.send_layer(layer, entries, cache.index_select(2, index))
+                kv = byte_view(cache).index_select(2, index).view(cache.dtype)
+                sender.send_layer(layer, entries, kv)
             trace(sends[0][2][0][0], f"prefill.hook{layer}")
 
         return hook

@@ -14,6 +14,9 @@ both sides to post matching calls in the same order: each payload is announced b
 the control channel first). The messages, in order::
 
     hello  {kind, backend, spec, token}               -> reply {kind: "ready"} | {kind: "error"}
+                                                      spec: layers, kv heads, head dim, the KV
+                                                      dtype and the block size; any difference
+                                                      is refused, naming both sides' values
     nccl   {kind, nccl_id}                            NCCL backend only, right after "ready"
     layer  {kind, layer, entries, nbytes}  + payload  one layer of one step, for every transfer
                                                       of that step that goes to this decode
@@ -81,7 +84,12 @@ from engine.tracing import trace
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # kv_cache_dtype="fp8"
+}
 _MAX_HEADER = 1 << 20
 _MAX_HELLO = 64 << 10  # what an unauthenticated connection may make the listener hold
 _LEN = struct.Struct(">I")
@@ -135,12 +143,15 @@ class KVLimits:
 
 @dataclass(frozen=True)
 class KVSpec:
-    """What both ends of a pair must agree on: the per-layer KV shape and dtype."""
+    """What both ends of a pair must agree on: the per-layer KV shape, the dtype the KV cache
+    holds (torch's name: ``bfloat16``, ``float8_e4m3fn`` for ``kv_cache_dtype="fp8"``, ...)
+    and the block size (the router's prefix hashes and reservations count blocks of it)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    block_size: int
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -156,7 +167,45 @@ class KVSpec:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
+            "block_size": self.block_size,
         }
+
+    def mismatch(self, theirs: Any) -> str | None:
+        """What differs between a peer's ``as_dict()`` and this spec, both values named (None:
+        they agree)."""
+        if not isinstance(theirs, dict):
+            return f"the peer's hello carries no KV spec (got {theirs!r})"
+        ours = self.as_dict()
+        diffs = [
+            f"{_SPEC_FIELDS[name]}: sender {theirs.get(name)!r}, receiver {value!r}"
+            for name, value in ours.items()
+            if theirs.get(name) != value
+        ]
+        diffs += [f"unknown field {name!r} from the sender" for name in theirs if name not in ours]
+        if not diffs:
+            return None
+        return (
+            "the two workers' KV caches differ ("
+            + "; ".join(diffs)
+            + "): prefill and decode workers need the same model, dtype, kv_cache_dtype and "
+            "block_size"
+        )
+
+
+# How a refused handshake names each field of the spec.
+_SPEC_FIELDS = {
+    "num_layers": "layers",
+    "num_kv_heads": "KV heads",
+    "head_dim": "head dim",
+    "dtype": "KV cache dtype",
+    "block_size": "block size",
+}
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (the same bytes, the same shape), other tensors as they are:
+    moving KV is copying bytes, and torch lacks some fp8 kernels (``index_copy_`` on CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class TransferOutcome(str, enum.Enum):
@@ -299,8 +348,8 @@ def check_hello(header: dict, spec: KVSpec, backend: str, token: str) -> None:
         raise TransferError("hello carries a wrong cluster token")
     if header.get("backend") != backend:
         raise TransferError(f"backend {header.get('backend')!r} but this receiver is {backend!r}")
-    if header.get("spec") != spec.as_dict():
-        raise TransferError(f"KV layout {header.get('spec')!r} differs from {spec.as_dict()!r}")
+    if problem := spec.mismatch(header.get("spec")):
+        raise TransferError(problem)
 
 
 def split_endpoint(endpoint: str) -> tuple[str, str, int]:
@@ -343,6 +392,10 @@ class KVReceiver:
         token: str = "",
         limits: KVLimits | None = None,
     ) -> None:
+        if spec.block_size != block_size:
+            raise ValueError(
+                f"the KV spec says block size {spec.block_size}, the cache {block_size}"
+            )
         self.spec, self.kv_caches, self.block_size = spec, list(kv_caches), block_size
         self.on_event, self.token = on_event, token
         self.limits = limits or KVLimits()
@@ -443,7 +496,7 @@ class KVReceiver:
                     t.received[layer] = max(t.received[layer], start + n)
                 col += n
             if dst:
-                cache = self.kv_caches[layer]
+                cache, kv = byte_view(self.kv_caches[layer]), byte_view(kv)
                 if sum(n for _, n in keep) < kv.shape[2]:  # some entries dropped: keep the rest
                     kv = torch.cat([kv[:, :, c : c + n] for c, n in keep], dim=2)
                 if ready:  # the slots' upload, on the receiver's stream, comes first
@@ -935,8 +988,21 @@ class KVSender:
         if failed:
             self.on_failure(sorted(failed), reason)
 
+    def _hello(self) -> dict:
+        return {
+            "kind": "hello",
+            "backend": self.backend,
+            "spec": self.spec.as_dict(),
+            "token": self.token,
+        }
+
     def _connect(self) -> None:
-        self._receiver = _INPROC[self.endpoint]
+        receiver = _INPROC[self.endpoint]
+        try:
+            check_hello(self._hello(), receiver.spec, receiver.backend, receiver.token)
+        except TransferError as exc:
+            raise TransferError(f"receiver refused the channel: {exc}") from None
+        self._receiver = receiver
 
     def _disconnect(self) -> None:
         rx = getattr(self, "_receiver", None)
@@ -971,14 +1037,6 @@ class TcpKVSender(KVSender):
             raise TransferError(f"receiver refused the channel: {reply.get('message')}")
         self._sock.settimeout(limits.io_timeout_s)
         self._after_ready()
-
-    def _hello(self) -> dict:
-        return {
-            "kind": "hello",
-            "backend": self.backend,
-            "spec": self.spec.as_dict(),
-            "token": self.token,
-        }
 
     def _after_ready(self) -> None:
         """Hook: finish setting up the pair (the NCCL backend makes its communicator here)."""

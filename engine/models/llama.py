@@ -105,6 +105,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        # An fp8 KV cache stores k / k_scale and v / v_scale: the checkpoint's (KV_SCALE_NAMES),
+        # else 1.0. Caches of the model's dtype ignore them.
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def project(self, step: StepContext, x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new tokens' q ``[T, H, D]``, k and v ``[T, KVH, D]``: projection, the per-head
@@ -122,7 +125,16 @@ class Attention(nn.Module):
     def attend(self, step: StepContext, q, k, v, kv_cache, out=None) -> torch.Tensor:
         """Writes k, v into the layer's cache and attends: ``[T, H * D]`` (into ``out``)."""
         return step.backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], step.meta, self.scale, out=out
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            step.meta,
+            self.scale,
+            out,
+            self.k_scale,
+            self.v_scale,
         )
 
 
@@ -165,6 +177,21 @@ class DecoderLayer(nn.Module):
         q, k, v, residual = self.pre_attention(step, x, residual)
         o = self.self_attn.attend(step, q, k, v, kv_cache)
         return self.post_attention(step, o, residual)
+
+
+# Per-layer KV cache scales as checkpoints name them, after ``layers.N.self_attn.``:
+# llm-compressor / vLLM's (``k_scale``, ``v_scale``), the older compressed-tensors output scales
+# of k_proj / v_proj, and the legacy single ``kv_scale`` for both. Query and probability scales
+# (fp8 attention) have no use here: they are skipped.
+KV_SCALE_NAMES = {
+    "k_scale": ("k_scale",),
+    "v_scale": ("v_scale",),
+    "k_proj.output_scale": ("k_scale",),
+    "v_proj.output_scale": ("v_scale",),
+    "kv_scale": ("k_scale", "v_scale"),
+    "q_scale": (),
+    "prob_scale": (),
+}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -245,12 +272,13 @@ class LlamaForCausalLM(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set.
+        KV cache scales (``KV_SCALE_NAMES``) set their layer's ``k_scale`` / ``v_scale``."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or self._load_kv_scale(name, tensor):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
@@ -264,6 +292,29 @@ class LlamaForCausalLM(nn.Module):
         missing = self._expected_loads() - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Set a layer's KV cache scale from ``layers.N.self_attn.<KV_SCALE_NAMES>``; False
+        for any other tensor. One positive finite value per tensor (per-head scales are not
+        supported)."""
+        head, sep, what = name.partition(".self_attn.")
+        if not sep or what not in KV_SCALE_NAMES:
+            return False
+        index = head.removeprefix("layers.")
+        if not index.isdigit() or int(index) >= len(self.layers):
+            raise ValueError(f"checkpoint tensor {name!r} names no layer of this model")
+        if not KV_SCALE_NAMES[what]:
+            return True
+        value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+        if value is None or not (value > 0 and math.isfinite(value)):
+            shape = tuple(tensor.shape)
+            raise ValueError(
+                f"{name} must be one positive finite KV cache scale (per-head scales are not "
+                f"supported), got {value if value is not None else f'a tensor of shape {shape}'}"
+            )
+        for attr in KV_SCALE_NAMES[what]:
+            setattr(self.layers[int(index)].self_attn, attr, value)
+        return True
 
     def _locate(self, name: str) -> tuple[str, int | None]:
         for ours, theirs, shard in self.STACKED:

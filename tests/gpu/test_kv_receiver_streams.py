@@ -20,7 +20,7 @@ BLOCK = 16
 def test_scatter_waits_for_slot_upload_not_for_callers_stream() -> None:
     from engine.kv_transfer.transport import KVReceiver, KVSpec
 
-    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_size=BLOCK)
     num_blocks = 64
     shape = (2, spec.num_kv_heads, num_blocks * BLOCK, spec.head_dim)
     caches = [

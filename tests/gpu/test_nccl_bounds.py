@@ -33,9 +33,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 cupy = pytest.importorskip("cupy")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
-BIG = KVSpec(num_layers=1, num_kv_heads=8, head_dim=1024, dtype="float32")  # 64 KiB a token
 BLOCK = 4
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=BLOCK)
+BIG = KVSpec(1, 8, 1024, "float32", block_size=BLOCK)  # 64 KiB a token
 TOKEN = "secret"
 
 
