@@ -89,12 +89,15 @@ async def stream_turn(client, url: str, model: str, prompt: list[int], max_token
 async def user(
     k: int, args, client, model: str, queue: asyncio.Queue, t0: float, out: list[Turn], bar
 ) -> None:
-    rng = random.Random(args.seed * 1000 + k)
+    think = random.Random(args.seed * 1000 + k)
     while True:
         try:
             index, turns = queue.get_nowait()
         except asyncio.QueueEmpty:
             return
+        # a conversation's messages depend on it alone: two runs over other conversations (the
+        # miss run after the multi-turn one) share no prompt by accident
+        rng = random.Random(args.seed * 1_000_003 + index + getattr(args, "offset", 0))
         history: list[int] = []
         for i, (human, answer) in enumerate(turns):
             max_tokens = min(answer, args.max_output)
@@ -114,7 +117,7 @@ async def user(
             history = prompt + ids
             if args.first_turns:
                 break
-            await asyncio.sleep(rng.expovariate(1.0 / args.think_s) if args.think_s else 0)
+            await asyncio.sleep(think.expovariate(1.0 / args.think_s) if args.think_s else 0)
 
 
 def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
