@@ -5,7 +5,8 @@ A request's life in one engine::
     1. add_request   validate params, tokenize, check the context length; n > 1 becomes n
                      sequences (children) that share the prompt's blocks through the prefix cache
     2. waiting       admitted by the scheduler when budget, max_num_seqs and blocks allow
-                     (prefix hits skip their tokens)
+                     (prefix hits skip their tokens; a prefix found in a lower KV tier is
+                     loaded first, the request out of the batch in LOADING meanwhile)
     3. running       prompt chunks, then one token per step; may be preempted (back to 2, its
                      KV recomputed later) when blocks run out
     4. each step     sampled tokens are detokenized incrementally; stop strings end a sequence
