@@ -115,9 +115,9 @@ class BlockLayout:
     ) -> torch.Tensor:
         """``[n, numel]`` raw bits of blocks ``block_ids``, each block's layers contiguous."""
         n = block_ids.numel()
-        if stacked is not None:
-            picked = stacked.index_select(3, block_ids)  # [L, 2, H, n, bs, D]
-            return picked.permute(3, 0, 1, 2, 4, 5).reshape(n, self.numel)
+        if stacked is not None:  # one pass: the output of index_select is contiguous
+            by_block = stacked.permute(3, 0, 1, 2, 4, 5)  # [num_blocks, L, 2, H, bs, D] view
+            return by_block.index_select(0, block_ids).view(n, self.numel)
         out = torch.empty((n, *self.shape), dtype=self.raw_dtype, device=caches[0].device)
         for layer, cache in enumerate(caches):
             out[:, layer] = self._pool_view(cache).index_select(2, block_ids).permute(2, 0, 1, 3, 4)
@@ -133,7 +133,7 @@ class BlockLayout:
         """Write ``src`` (``[n, numel]`` raw bits, on the pool's device) into blocks ``block_ids``."""
         blocks = src.view(-1, *self.shape)
         if stacked is not None:
-            stacked.index_copy_(3, block_ids, blocks.permute(1, 2, 3, 0, 4, 5))
+            stacked.permute(3, 0, 1, 2, 4, 5).index_copy_(0, block_ids, blocks)
             return
         for layer, cache in enumerate(caches):
             self._pool_view(cache).index_copy_(
@@ -162,6 +162,19 @@ def kv_identity(model_config, engine_config, layout: BlockLayout) -> str:
         "shape": list(layout.shape),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive slots: ``(index of the run's first, first slot, length)``,
+    so each run is one copy (slots handed out from a fresh tier are consecutive)."""
+    out: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == slot:
+            first, start, count = out[-1]
+            out[-1] = (first, start, count + 1)
+        else:
+            out.append((i, slot, 1))
+    return out
 
 
 # -- the host tier ---------------------------------------------------------------------------------
@@ -575,8 +588,10 @@ class KVTiers:
         ready.record()
         with torch.cuda.stream(self._offload_stream):
             self._offload_stream.wait_event(ready)
-            for i, slot in enumerate(slots):
-                self.host.data[slot].copy_(staged[i], non_blocking=True)
+            for first, slot, count in runs(slots):  # consecutive slots: one copy
+                self.host.data[slot : slot + count].copy_(
+                    staged[first : first + count], non_blocking=True
+                )
             staged.record_stream(self._offload_stream)
             done = torch.cuda.Event()
             done.record()
@@ -614,9 +629,9 @@ class KVTiers:
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued copy down (and disk write) landed (tests, a clean stop)."""
         deadline = time.monotonic() + timeout_s
-        while self._saving and time.monotonic() < deadline:
-            self._land_saves()
-            time.sleep(0.001)
+        if self._saving and self._saving[-1][0] is not None:
+            self._saving[-1][0].synchronize()  # copies land in order: the last one ends them
+        self._land_saves()
         while self._writes is not None and self._writes.unfinished_tasks:
             if time.monotonic() > deadline:
                 return False
@@ -737,8 +752,10 @@ class KVTiers:
             staged = torch.empty(
                 (n, self.layout.numel), dtype=self.layout.raw_dtype, device=self.device
             )
-            for i, slot in enumerate(slots):
-                staged[i].copy_(self.host.data[slot], non_blocking=True)
+            for first, slot, count in runs(slots):
+                staged[first : first + count].copy_(
+                    self.host.data[slot : slot + count], non_blocking=True
+                )
             ids.record_stream(self._load_stream)
             self.layout.scatter(self.caches, ids, staged, self.stacked)
             event = torch.cuda.Event()

@@ -298,3 +298,10 @@ def test_one_allocation_gathers_like_separate_layers():
     LAYOUT.scatter(fresh, ids, src, LAYOUT.stacked(fresh))
     LAYOUT.scatter(loop, ids, src)
     assert all(torch.equal(a, b) for a, b in zip(fresh, loop, strict=True))
+
+
+def test_consecutive_slots_copy_as_one_run():
+    from engine.kv_tiers import runs
+
+    assert runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert runs([]) == [] and runs([7]) == [(0, 7, 1)]
