@@ -304,7 +304,8 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._known.values())
+        with self._lock:  # the I/O threads add and drop files
+            return sum(self._known.values())
 
     def path(self, block_hash: bytes) -> Path:
         hexed = block_hash.hex()
