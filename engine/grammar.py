@@ -195,6 +195,14 @@ class _LLGuidanceBackend(GrammarBackend):
         self._llg = llguidance
         eos = list(self.eos_token_ids) or None
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        # Bytes no token holds (a byte-level vocabulary may lack some: SmolLM2 has no token
+        # with 0xF1, 0xF2 or a few control bytes). A spec that needs one is refused: llguidance
+        # would silently drop such a character, or (4-byte characters) allow a token it then
+        # refuses (found by tests/test_fuzz.py: guided_regex "\U00040000" was a 500).
+        held: set[int] = set()
+        for token in range(self._tokenizer.vocab_size):
+            held.update(self._tokenizer.decode_bytes([token]))
+        self._missing_bytes = frozenset(range(256)) - held
 
     def _grammar(self, spec: StructuredSpec) -> str:
         matcher = self._llg.LLMatcher
@@ -209,7 +217,28 @@ class _LLGuidanceBackend(GrammarBackend):
             return matcher.grammar_from_regex(spec.value)
         return matcher.grammar_from_regex("|".join(_regex_literal(c) for c in spec.choices))
 
+    def _check_writable(self, spec: StructuredSpec) -> None:
+        """ValueError naming the first character of the spec's strings that needs a byte no
+        token holds."""
+        if not self._missing_bytes:
+            return
+        texts = {
+            "regex": lambda: [spec.value],
+            "choice": lambda: spec.choices,
+            "json_schema": lambda: _strings(spec.schema),
+            "json_object": lambda: [],
+        }[spec.kind]()
+        for text in texts:
+            for char in text:
+                missing = self._missing_bytes.intersection(char.encode("utf-8", "surrogatepass"))
+                if missing:
+                    raise ValueError(
+                        f"the character U+{ord(char):04X} cannot be written by this model's "
+                        f"tokenizer (no token holds byte 0x{min(missing):02X})"
+                    )
+
     def compile(self, spec: StructuredSpec) -> Any:
+        self._check_writable(spec)
         grammar = self._grammar(spec)
         template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
@@ -220,6 +249,17 @@ class _LLGuidanceBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _LLGuidanceMatcher(compiled.deep_copy())
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def _one_line(text: str, limit: int = 400) -> str:

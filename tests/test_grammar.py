@@ -127,6 +127,20 @@ def test_a_bad_spec_is_a_value_error_naming_it(grammars, spec, words):
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredSpec.regex("0\U00040000"),  # tests/test_fuzz.py's: a 4-byte lead byte 0xF1
+        StructuredSpec.choice(["ok", "a\x04"]),
+        StructuredSpec.json_schema({"enum": ["x", "\U00080000"]}),
+        StructuredSpec.json_schema({"type": "object", "properties": {"\x1d": {"type": "string"}}}),
+    ],
+)
+def test_a_character_the_tokenizer_cannot_write_is_refused(grammars, spec):
+    with pytest.raises(ValueError, match=r"character U\+[0-9A-F]+ cannot be written .* byte 0x"):
+        grammars.compile(spec)
+
+
 def test_strict_refuses_an_unsupported_keyword_lenient_ignores_it(grammars):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedItems": 3}
     with pytest.raises(ValueError, match="unevaluatedItems"):
