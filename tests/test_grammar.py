@@ -234,3 +234,14 @@ def test_matchers_are_independent(grammars, tokenizer):
     b.fill_bitmask(mb, 0)
     assert not np.array_equal(ma, mb)
     assert json.loads(spec.value) == SCHEMA
+
+
+def test_the_grammar_layer_and_the_scheduler_core_import_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, engine.grammar, engine.request, engine.scheduler, engine.sampling_params; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
