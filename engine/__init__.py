@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredSpec
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "StructuredSpec",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name: str):

@@ -26,6 +26,7 @@ from typing import Protocol
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import SequenceText
+from engine.grammar import DEFAULT_BACKEND, GrammarMatcher, Grammars, make_backend
 from engine.kv_tiers import STAGING_BLOCKS, BlockLayout, DiskTier, KVTiers, kv_identity
 from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
@@ -134,6 +135,7 @@ class LLMEngine:
         # the next is prepared, and outputs the next ``step`` call hands out.
         self._inflight: _InFlight | None = None
         self._ready: list = []
+        self._grammars: Grammars | None = None  # structured outputs, made on first use
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
@@ -193,6 +195,7 @@ class LLMEngine:
             )
             for token in output_token_ids:
                 child.append_output_token(token)
+            child.grammar = self._grammar(params, output_token_ids)
             seq = _Sequence(child, CompletionOutput(index=i), self._sequence_text(child))
             seq.base = len(output_token_ids)
             if params.logprobs is not None:
@@ -222,6 +225,8 @@ class LLMEngine:
             raise ValueError(f"top_k must be <= the vocabulary size ({vocab}), got {params.top_k}.")
         if output_token_ids:
             self._check_continuation(token_ids, output_token_ids, params)
+        if params.structured is not None:
+            self.structured_outputs().compile(params.structured)  # a bad spec changes nothing
         group = _Group(request_id, text, token_ids, [], time.monotonic())
         return request_id, group, params.with_eos(self.eos_token_ids)
 
@@ -256,6 +261,7 @@ class LLMEngine:
         )
         for token in output_token_ids:
             request.append_output_token(token)
+        request.grammar = self._grammar(params, output_token_ids)
         busy = (
             len(self.scheduler.running)
             + len(self.scheduler.waiting)
@@ -476,12 +482,18 @@ class LLMEngine:
             self._ready += self._finish(inflight)
 
     def _may_overlap(self, step: _InFlight) -> bool:
-        """Whether the next step may be scheduled while ``step`` runs."""
+        """Whether the next step may be scheduled while ``step`` runs: not when a request it
+        samples for needs that token's id on the host to sample its next one (penalties count
+        it; a grammar must accept it before it masks the next step: a host round trip per step
+        for structured outputs, for now)."""
         return (
             self.cfg.async_scheduling
             and step.launched is not None
             and step.observer is None
-            and not any(c.samples and c.request.params.uses_penalties for c in step.out.scheduled)
+            and not any(
+                c.samples and (c.request.params.uses_penalties or c.request.grammar is not None)
+                for c in step.out.scheduled
+            )
         )
 
     def _launch(self, sched_out: SchedulerOutput) -> _InFlight:
@@ -755,6 +767,28 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in output_token_ids):
             raise ValueError(f"an output token id is outside the vocabulary [0, {vocab})")
+
+    def structured_outputs(self) -> Grammars:
+        """The compiled grammars of this engine's tokenizer (made on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured outputs need the model's tokenizer; this model has none"
+                )
+            backend = make_backend(
+                DEFAULT_BACKEND, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+            )
+            self._grammars = Grammars(backend)
+        return self._grammars
+
+    def _grammar(
+        self, params: SamplingParams, output_token_ids: Sequence[int]
+    ) -> GrammarMatcher | None:
+        """A sequence's grammar matcher, past the output it already has (ValueError when that
+        output breaks the grammar), or None without structured outputs."""
+        if params.structured is None:
+            return None
+        return self.structured_outputs().matcher(params.structured, output_token_ids)
 
     def _sequence_text(self, request: Request) -> SequenceText | None:
         if self.tokenizer is None or not self.cfg.detokenize:

@@ -422,6 +422,7 @@ class ModelRunner:
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            grammar=request.grammar,
             # Inputs of this chunk not known yet (a token pending from the step before).
             num_pending=chunk.start + chunk.num_tokens - request.num_tokens,
         )

@@ -22,8 +22,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -85,6 +89,9 @@ class Request:
     stop_reason: int | str | None = None
     # Chained block hashes of every full block of ``all_token_ids`` (grown by the block manager).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Structured outputs: where the output is in its grammar; it accepts every appended token
+    # (made from the output so far, so a request continued elsewhere rebuilds it from tokens).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -112,6 +119,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # Only a masked draw reaches here, so this is a fault (the grammar and the sampler
+            # disagree), never the client's input: carried tokens are checked before.
+            raise RuntimeError(f"{self.request_id}: token {token_id} breaks its grammar")
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first and is preempted last: (priority, arrival)."""

@@ -4,7 +4,7 @@ Pipeline per row (vLLM v1 / HF semantics)::
 
     raw logits ──► log_softmax ─────────────────────────────► logprobs (raw distribution)
         │
-        └─► repetition / frequency / presence penalties ─► min_tokens mask
+        └─► repetition / frequency / presence penalties ─► min_tokens mask ─► grammar mask
               ├─► greedy rows: argmax
               └─► random rows: / temperature ─► top-k ─► top-p ─► min-p ─► draw
 
@@ -30,6 +30,11 @@ that keep the random path cheap, each in its own function below:
   CUDA alike, and on whichever worker continues the request (a prefill worker that drew
   the first token, a worker that resumes or receives it mid-stream). Unseeded rows draw
   from the sampler's default generator.
+* Grammar masks (structured outputs). A row with a grammar matcher gets the tokens its
+  grammar forbids set to -inf, from a bitmask (one bit per token) the matcher fills on the
+  host; on CUDA the bitmask crosses to the device each step (a device-side mask is later
+  work). The matcher must have accepted every earlier token, so such a row has none pending.
+  Its ``min_tokens`` is not applied: the grammar decides where the answer ends.
 * Reused scratch buffers. On CPU, fresh multi-megabyte tensors every step cost page faults
   that about double the step; the sampler keeps its [rows, vocab] scratch tensors.
 """
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.grammar import GrammarMatcher, allocate_bitmask
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
 
@@ -63,6 +69,9 @@ class SamplingRow:
     # scheduling). They count for positions (seeds, min_tokens); penalties need every id, so a
     # row with penalties never has any.
     num_pending: int = 0
+    # Structured outputs: the row's grammar, past every token of ``output_token_ids`` (so a
+    # row with one never has pending tokens either).
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_output(self) -> int:
@@ -120,14 +129,45 @@ def _apply_penalties(row: torch.Tensor, sampling_row: SamplingRow) -> None:
 
 def _min_tokens_banned(sampling_row: SamplingRow, vocab_size: int) -> list[int]:
     """Token ids to forbid this step because the row has not reached ``min_tokens`` yet:
-    the stop token ids, and the EOS ids unless ``ignore_eos``."""
+    the stop token ids, and the EOS ids unless ``ignore_eos`` (none under a grammar)."""
     params = sampling_row.params
-    if sampling_row.num_output >= params.min_tokens:
+    if sampling_row.num_output >= params.min_tokens or sampling_row.grammar is not None:
         return []
     banned = list(params.stop_token_ids or [])
     if not params.ignore_eos:
         banned.extend(params._eos_token_ids)
     return [t for t in banned if 0 <= t < vocab_size]
+
+
+# --------------------------------------------------------------------------- grammar
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+def _grammar_forbidden(
+    rows: Sequence[SamplingRow], index: list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """bool [len(index), vocab]: True where the grammar of row ``index[j]`` forbids a token.
+    Raises ValueError for a row whose grammar allows nothing (a matcher in error: that
+    request fails alone) or has tokens pending."""
+    bitmask = allocate_bitmask(len(index), vocab_size)
+    for j, i in enumerate(index):
+        if rows[i].num_pending:
+            raise ValueError("a grammar needs every output token id: none may be pending")
+        rows[i].grammar.fill_bitmask(bitmask, j)
+    if not bitmask.any(axis=1).all():
+        raise ValueError("a grammar allows no token here (its matcher is in error)")
+    words = torch.from_numpy(bitmask).to(device)  # CUDA: the per-step host-to-device copy
+    bits = (words.unsqueeze(-1) >> _bit_shifts(device)) & 1  # [rows, words, 32], LSB first
+    return bits.view(len(index), -1)[:, :vocab_size] == 0
 
 
 # --------------------------------------------------------------------------- weights
@@ -451,7 +491,8 @@ class Sampler:
         banned = {
             i: ids for i, row in enumerate(rows) if (ids := _min_tokens_banned(row, vocab_size))
         }
-        if not penalised and not banned and logits.dtype == torch.float32:
+        structured = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if not penalised and not banned and not structured and logits.dtype == torch.float32:
             return logits
         work = self._workspace.take("processed", len(rows), vocab_size, logits.device)
         work.copy_(logits)
@@ -459,6 +500,10 @@ class Sampler:
             _apply_penalties(work[i], rows[i])
         for i, ids in banned.items():
             work[i, ids] = _NEG_INF
+        if structured:
+            forbidden = _grammar_forbidden(rows, structured, vocab_size, logits.device)
+            for j, i in enumerate(structured):
+                work[i].masked_fill_(forbidden[j], _NEG_INF)
         return work
 
     def _sample_random(

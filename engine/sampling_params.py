@@ -7,9 +7,99 @@ gateway can turn it into an OpenAI-style 400 without guessing.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice")
+"""What a structured-output spec constrains the answer to: a JSON schema, any JSON object, a
+regular expression, or one of a list of strings."""
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A request's structured-output constraint: ``kind`` (one of ``STRUCTURED_KINDS``) and its
+    ``value`` as text, so the spec is hashable (the compiled-grammar cache's key) and travels
+    between processes as plain strings:
+
+    * ``json_schema``: the schema as canonical JSON (``json_schema(...)`` writes it);
+      ``strict``: no properties beyond the schema's (``additionalProperties`` defaults to false)
+    * ``json_object``: ``value`` is empty; any JSON object
+    * ``regex``: the pattern (the whole answer matches it)
+    * ``choice``: a JSON list of the allowed strings (``choice(...)`` writes it)
+
+    Built by the classmethods; the grammar itself is compiled by ``engine.grammar``.
+    """
+
+    kind: str
+    value: str = ""
+    strict: bool = True
+
+    MAX_VALUE_LEN = 1 << 20  # characters of a schema, pattern or choice list
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured output kind must be one of {list(STRUCTURED_KINDS)}, "
+                f"got {self.kind!r}."
+            )
+        if not isinstance(self.value, str) or len(self.value) > self.MAX_VALUE_LEN:
+            raise ValueError(
+                f"structured output {self.kind} must be text of at most "
+                f"{self.MAX_VALUE_LEN} characters."
+            )
+        if self.kind in ("regex", "json_schema") and not self.value:
+            raise ValueError(f"structured output {self.kind} must not be empty.")
+        if not isinstance(self.strict, bool):
+            raise ValueError(
+                f"structured output strict must be true or false, got {self.strict!r}."
+            )
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str, strict: bool = True) -> StructuredSpec:
+        """``schema``: a dict, or its JSON text (a ValueError when it is not a JSON object)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"the JSON schema must be a JSON object, got {type(schema).__name__}.")
+        return cls("json_schema", _canonical(schema), strict)
+
+    @classmethod
+    def json_object(cls) -> StructuredSpec:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredSpec:
+        if not isinstance(pattern, str):
+            raise ValueError(f"the regex must be a string, got {type(pattern).__name__}.")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> StructuredSpec:
+        if isinstance(choices, str) or not choices:
+            raise ValueError("the choice list must be a non-empty list of strings.")
+        if any(not isinstance(c, str) for c in choices):
+            raise ValueError("the choice list must hold strings only.")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @property
+    def choices(self) -> list[str]:
+        return json.loads(self.value) if self.kind == "choice" else []
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        return json.loads(self.value) if self.kind == "json_schema" else None
+
+
+def _canonical(obj: Any) -> str:
+    """One text per JSON value (keys sorted, no spaces): equal schemas share a cache entry."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -19,7 +109,9 @@ class SamplingParams:
     temperature 0 means greedy. ``top_k`` of 0 or -1 disables top-k. Penalties follow the
     OpenAI API (presence/frequency, on generated tokens) and HF (repetition, on prompt and
     generated tokens). ``logprobs`` asks for the sampled token's log-probability plus the top-N
-    alternatives; ``logprobs=0`` returns only the sampled token's.
+    alternatives; ``logprobs=0`` returns only the sampled token's. ``structured`` constrains
+    every token to a grammar (``StructuredSpec``); the grammar then decides where the answer
+    ends (``min_tokens`` does not apply to it).
     """
 
     n: int = 1
@@ -40,6 +132,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs: every token is masked by this grammar (engine/grammar.py).
+    structured: StructuredSpec | None = None
     # Filled by the engine from the tokenizer/generation config; not a user knob.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -94,6 +188,10 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}."
+            )
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise ValueError(
+                f"structured must be a StructuredSpec or None, got {type(self.structured)!r}."
             )
 
     def _validate(self) -> None:

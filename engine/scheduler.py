@@ -330,6 +330,10 @@ class Scheduler:
         """The token-level stop (if any) that its last output token triggers."""
         params = request.params
         token = request.output_token_ids[-1]
+        if request.grammar is not None and token in params._eos_token_ids:
+            # Its grammar allowed the end only because the answer is complete: nothing may
+            # follow (ignore_eos and min_tokens do not apply to a structured answer).
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in params._eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

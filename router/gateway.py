@@ -52,6 +52,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.grammar import DEFAULT_BACKEND, Grammars, make_backend
+from engine.sampling_params import SamplingParams, StructuredSpec
 from engine.tracing import trace
 from router import admin, protocol
 from router.auth import bearer_matches
@@ -436,6 +438,7 @@ class _Gateway:
         self.created = int(time.time())
         # HF fast tokenizers are not safe to call from several threads at once: one thread.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+        self._grammars: Grammars | None = None  # structured outputs compiled here, made on use
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, _COMPLETION)
@@ -498,6 +501,28 @@ class _Gateway:
             )
         return _Call(self.slots, count, self.calls)
 
+    async def _check_structured(self, req: Any, params: SamplingParams) -> None:
+        """A structured-output spec that does not compile is a 400 naming the field and the
+        problem, before anything runs (compiled on the tokenizer thread; cached here, and the
+        worker compiles it again from its own cache)."""
+        if params.structured is None:
+            return
+        param = protocol.structured_spec(req)[1]
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._tokenizer_pool, self._compile, params.structured)
+        except ValueError as exc:
+            raise protocol.bad_request(f"{param}: {exc}", param=param) from None
+
+    def _compile(self, spec: StructuredSpec) -> None:
+        tokenizer = self.backend.tokenizer
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer; this model has none")
+        if self._grammars is None:
+            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+            self._grammars = Grammars(make_backend(DEFAULT_BACKEND, tokenizer, len(tokenizer), eos))
+        self._grammars.compile(spec)
+
     async def drain(self, timeout_s: float) -> int:
         """Shut down gracefully: refuse new requests (503 + Retry-After), give those in flight
         ``timeout_s`` to finish, then end the rest with an error. Returns how many were
@@ -520,12 +545,14 @@ class _Gateway:
     ) -> Response:
         if kind is _CHAT:
             params = protocol.chat_sampling_params(req)
+            await self._check_structured(req, params)
             ids, hints = await self._tokenize(
                 protocol.chat_prompt_and_hints, req.messages, req.add_generation_prompt
             )
             text = None
         else:
             params = protocol.completion_sampling_params(req)
+            await self._check_structured(req, params)
             text, ids = await self._tokenize(protocol.completion_prompt, req)
             hints = PredictInput(text=text)
         trace(request_id, "gw.tokenized")

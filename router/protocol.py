@@ -23,7 +23,12 @@ Where the OpenAI API leaves room, this module decides:
   ``false``, an empty list, its default); or unknown, a 400 "Unrecognized request argument
   supplied: NAME" as OpenAI answers (a typo such as ``max_token`` must not run to the context).
   ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, ``tools`` and
-  ``response_format`` other than text are such unsupported fields, never silently ignored.
+  ``guided_grammar`` are such unsupported fields, never silently ignored.
+* Structured outputs (``structured_spec``): one of ``response_format`` (``json_schema``,
+  ``json_object``; ``text`` asks for nothing), ``guided_json``, ``guided_regex``,
+  ``guided_choice`` or ``structured_outputs`` (``json``, ``regex``, ``choice``,
+  ``json_object``), on both endpoints; two of them at once is a 400. The gateway compiles the
+  spec before anything runs: a schema that does not compile is a 400 naming the problem.
 * ``top_logprobs`` lists the N most likely alternatives (descending), whether or not the sampled
   token is among them; completions' ``text_offset`` counts from the start of the completion.
 """
@@ -36,9 +41,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredSpec
 from engine.tokenizer import apply_chat_template, encode_prompt
 from router.outputs import Answer, ChoiceDelta, TokenTexts, Usage
 from router.predictor import PredictInput
@@ -118,19 +123,13 @@ _UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
     "vllm_xargs": ({},),
     "request_id": (),
     "prompt_embeds": (),
-    # vLLM's structured outputs (guided decoding)
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
+    # vLLM's structured outputs (guided decoding) beyond json / regex / choice
     "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
+    "structural_tag": (),
 }
-_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    **_UNSUPPORTED_SHARED,
-    "response_format": ({"type": "text"},),
-}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {**_UNSUPPORTED_SHARED}
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     **_UNSUPPORTED_SHARED,
     # OpenAI's
@@ -194,6 +193,38 @@ class _Body(BaseModel):
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema``: OpenAI's structured outputs."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` object (one constraint of json, regex, choice, json_object)."""
+
+    unsupported = {
+        "grammar": (),
+        "structural_tag": (),
+        "whitespace_pattern": (),
+        "disable_any_whitespace": (False,),
+        "disable_additional_properties": (False,),
+        "disable_fallback": (False, True),  # one engine here: there is nothing to fall back to
+        "backend": (),
+    }
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class StreamOptions(_Body):
     unsupported = _UNSUPPORTED_STREAM_OPTIONS
     include_usage: bool = False
@@ -240,6 +271,13 @@ class _GenerationBody(_Body):
     # vLLM's extra: each choice carries its token ids (streamed: each chunk's new ones), and the
     # prompt's token ids come back too (completions: on each choice; chat: on the response)
     return_token_ids: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's older guided_* and newer
+    # structured_outputs (at most one of them asks for a constraint: ``structured_spec``)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -265,7 +303,6 @@ class ChatCompletionRequest(_GenerationBody):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -287,9 +324,13 @@ def check_fields(req: _Body) -> None:
     a documented one it does not support (its model's ``unsupported`` table), or an unknown one
     (see the module docstring); also in its ``stream_options`` and ``messages``."""
     _check_extra(req, "")
-    stream_options = getattr(req, "stream_options", None)
-    if stream_options is not None:
-        _check_extra(stream_options, "stream_options.")
+    for name in ("stream_options", "response_format", "structured_outputs"):
+        nested = getattr(req, name, None)
+        if nested is not None:
+            _check_extra(nested, f"{name}.")
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.json_schema is not None:
+        _check_extra(response_format.json_schema, "response_format.json_schema.")
     for i, m in enumerate(getattr(req, "messages", None) or ()):
         _check_extra(m, f"messages.{i}.")
 
@@ -491,8 +532,6 @@ def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
 def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.tools:
         raise bad_request("tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -533,8 +572,10 @@ def _sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
+    structured = structured_spec(req)
     try:
         return SamplingParams(
+            structured=structured[0] if structured is not None else None,
             n=req.n,
             seed=req.seed,
             max_tokens=max_tokens,
@@ -555,6 +596,72 @@ def _sampling_params(
         if param is not None and param != name:
             message = param + message[len(name) :]
         raise bad_request(message, param=param) from None
+
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def structured_spec(req: _GenerationBody) -> tuple[StructuredSpec, str] | None:
+    """The body's structured-output constraint and the field that asked for it, or None.
+    400 when the field is malformed or two fields ask for one each. The spec is not compiled
+    here (the gateway compiles it: a schema that does not compile is a 400 there)."""
+    asked: list[tuple[str, Any]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        asked.append(("response_format", fmt))
+    for name in ("guided_json", "guided_regex", "guided_choice"):
+        if getattr(req, name) is not None:
+            asked.append((name, getattr(req, name)))
+    so = req.structured_outputs
+    if so is not None:
+        given = [k for k in ("json_", "regex", "choice") if getattr(so, k) is not None]
+        given += ["json_object"] if so.json_object else []
+        if len(given) > 1:
+            names = ", ".join(k.rstrip("_") for k in given)
+            raise bad_request(
+                f"structured_outputs: give one of json, regex, choice, json_object, got {names}",
+                param="structured_outputs",
+            )
+        if given:
+            asked.append(("structured_outputs", so))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad_request(
+            f"{asked[0][0]} and {asked[1][0]} each ask for a structured output; give one",
+            param=asked[1][0],
+        )
+    name, value = asked[0]
+    try:
+        return _spec_of(name, value), name
+    except ValueError as exc:
+        raise bad_request(f"{name}: {exc}", param=name) from None
+
+
+def _spec_of(name: str, value: Any) -> StructuredSpec:
+    if name == "response_format":
+        if value.type not in _RESPONSE_FORMATS:
+            raise ValueError(f"type must be one of {list(_RESPONSE_FORMATS)}, got {value.type!r}")
+        if value.type == "json_object":
+            return StructuredSpec.json_object()
+        if value.json_schema is None or value.json_schema.schema_ is None:
+            raise ValueError("type json_schema needs json_schema.schema (a JSON schema object)")
+        return StructuredSpec.json_schema(
+            value.json_schema.schema_, strict=bool(value.json_schema.strict)
+        )
+    if name == "guided_json":
+        return StructuredSpec.json_schema(value)
+    if name == "guided_regex":
+        return StructuredSpec.regex(value)
+    if name == "guided_choice":
+        return StructuredSpec.choice(value)
+    if value.json_ is not None:
+        return StructuredSpec.json_schema(value.json_)
+    if value.regex is not None:
+        return StructuredSpec.regex(value.regex)
+    if value.choice is not None:
+        return StructuredSpec.choice(value.choice)
+    return StructuredSpec.json_object()
 
 
 def param_named(message: str) -> str | None:

@@ -428,6 +428,12 @@ EDGE_BODIES = [
     {"prompt": [0]},
     {"prompt": [49151]},
     {"n": 65},  # more sequences than the gateway's bound: 429, never served
+    # structured outputs: a character SmolLM2's tokenizer cannot write (no token holds 0xF1) was
+    # a 500 (llguidance allowed a token it then refused); now a 400 naming the character
+    {"guided_regex": "0\U00040000"},
+    {"guided_choice": ["a", "\U00040000"]},
+    {"response_format": {"type": "json_object"}, "temperature": 2000.0, "top_k": 1},
+    {"structured_outputs": {"json": {"const": "\U00040000"}}},
 ]
 
 

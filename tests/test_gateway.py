@@ -628,9 +628,24 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ),
         (
             "/v1/completions",
-            {"prompt": "hi", "guided_json": {}},
-            "guided_json",
+            {"prompt": "hi", "guided_grammar": "root ::= 'a'"},
+            "guided_grammar",
             "unsupported_parameter",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "structured_outputs": {"grammar": "root ::= 'a'"}},
+            "structured_outputs.grammar",
+            "unsupported_parameter",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "x": 1}},
+            },
+            "response_format.json_schema.x",
+            "unrecognized_argument",
         ),
         (
             "/v1/chat/completions",
@@ -1225,3 +1240,163 @@ async def test_an_unexpected_error_is_a_500_with_the_request_id(app, backend) ->
         assert rid in r.json()["error"]["message"]
         backend.fail_open = None  # the same connection serves the next request
         assert (await c.post("/v1/completions", json={"prompt": "hi"})).status_code == 200
+
+
+# ----------------------------------------------------------------------------- structured outputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "path, extra, kind, value, strict",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json_schema",
+            SCHEMA,
+            True,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": SCHEMA},
+                }
+            },
+            "json_schema",
+            SCHEMA,
+            False,
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}},
+            "json_object",
+            "",
+            True,
+        ),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "json_object", "", True),
+        ("/v1/completions", {"guided_json": SCHEMA}, "json_schema", SCHEMA, True),
+        ("/v1/chat/completions", {"guided_json": json.dumps(SCHEMA)}, "json_schema", SCHEMA, True),
+        ("/v1/completions", {"guided_regex": "[a-z]{3}"}, "regex", "[a-z]{3}", True),
+        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "choice", '["yes", "no"]', True),
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"json": SCHEMA}},
+            "json_schema",
+            SCHEMA,
+            True,
+        ),
+        ("/v1/completions", {"structured_outputs": {"regex": "x+"}}, "regex", "x+", True),
+        ("/v1/completions", {"structured_outputs": {"choice": ["a"]}}, "choice", '["a"]', True),
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"json_object": True}},
+            "json_object",
+            "",
+            True,
+        ),
+    ],
+)
+async def test_structured_output_fields_reach_the_sampling_params(
+    app, backend, path, extra, kind, value, strict
+) -> None:
+    body = {"model": MODEL, "max_tokens": 3, **extra}
+    body.update({"messages": CHAT["messages"]} if "chat" in path else {"prompt": "hi"})
+    async with http(app) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    spec = backend.opened[0]["params"].structured
+    assert spec.kind == kind and spec.strict is strict
+    assert (json.loads(spec.value) if kind == "json_schema" else spec.value) == value
+
+
+async def test_response_format_text_asks_for_nothing(app, backend) -> None:
+    await oai(app).chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=2, response_format={"type": "text"}
+    )
+    assert backend.opened[0]["params"].structured is None
+
+
+@pytest.mark.parametrize(
+    "path, extra, param, words",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "frob"}, "strict": True},
+                }
+            },
+            "response_format",
+            "frob",
+        ),
+        (
+            "/v1/completions",
+            {"guided_json": {"type": "string", "pattern": "(a"}},
+            "guided_json",
+            "unclosed group",
+        ),
+        ("/v1/completions", {"guided_regex": "a(b"}, "guided_regex", "regex"),
+        ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ("/v1/chat/completions", {"guided_choice": []}, "guided_choice", "non-empty"),
+        ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+            "response_format",
+            "json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"guided_regex": "a", "guided_choice": ["a"]},
+            "guided_choice",
+            "give one",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs",
+            "regex, choice",
+        ),
+    ],
+)
+async def test_a_bad_structured_output_is_400_naming_it(app, backend, path, extra, param, words):
+    body = {"model": MODEL, **extra}
+    body.update({"messages": CHAT["messages"]} if "chat" in path else {"prompt": "hi"})
+    async with http(app) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert words in err["message"] and param in err["message"], err["message"]
+    assert backend.opened == []
+
+
+async def test_parse_with_a_pydantic_model_sends_a_strict_schema(app, backend) -> None:
+    """The official client's ``parse`` sends response_format json_schema (strict) from a model."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    with pytest.raises(Exception):  # noqa: B017 - the fake backend's text is not a Person
+        await oai(app).chat.completions.parse(
+            model=MODEL, messages=CHAT["messages"], max_tokens=2, response_format=Person
+        )
+    spec = backend.opened[0]["params"].structured
+    assert spec.kind == "json_schema" and spec.strict
+    assert set(json.loads(spec.value)["properties"]) == {"name", "age"}

@@ -7,9 +7,11 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import pytest
 import torch
 
+from engine.grammar import GrammarMatcher
 from engine.sampler import (
     SampledToken,
     Sampler,
@@ -474,3 +476,64 @@ def test_one_sampler_across_changing_batch_sizes() -> None:
         assert token_ids(s(logits, rows)) == expected
         reference = reference_penalised(logits[0], [], output, 1.0, 2.0, 2.0)
         assert expected[0] == int(reference.argmax())
+
+
+# --------------------------------------------------------------------------- grammar masks
+
+
+class AllowOnly(GrammarMatcher):
+    """A fake grammar: only ``allowed`` token ids, ever."""
+
+    def __init__(self, allowed: Sequence[int]) -> None:
+        self.allowed = list(allowed)
+
+    def accept(self, token_id: int) -> bool:
+        return token_id in self.allowed
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.allowed:
+            bitmask[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def grammar_row(allowed: Sequence[int], **kwargs: object) -> SamplingRow:
+    row = make_row(**kwargs)
+    row.grammar = AllowOnly(allowed)
+    return row
+
+
+def test_grammar_mask_composes_with_greedy_random_penalties_and_logprobs() -> None:
+    vocab = 100
+    logits = flat_logits(6, vocab)
+    allowed = [3, 31, 32, 63, 64, 99]  # word edges and the top bit of a word
+    rows = [
+        grammar_row(allowed, temperature=0.0),
+        grammar_row(allowed, temperature=1.0, seed=1, top_k=3),
+        grammar_row(allowed, temperature=1.0, top_p=0.5, presence_penalty=2.0, output=[3, 3]),
+        grammar_row(allowed, temperature=1.0, seed=4, logprobs=2, min_tokens=9),
+        make_row(temperature=0.0),  # a free row in the same batch
+        grammar_row([EOS], temperature=1.0, min_tokens=5),  # the grammar only lets it end
+    ]
+    s = sampler()
+    for _ in range(20):
+        out = s(logits, rows)
+        assert all(r.token_id in allowed for r in out[:4]), token_ids(out)
+        assert out[4].token_id == int(logits[4].argmax()) and out[5].token_id == EOS
+    masked = logits[0].clone()
+    masked[[t for t in range(vocab) if t not in allowed]] = float("-inf")
+    assert out[0].token_id == int(masked.argmax())
+    raw = torch.log_softmax(logits[3], -1)  # logprobs stay those of the unmasked distribution
+    assert out[3].logprob == pytest.approx(float(raw[out[3].token_id]), abs=1e-5)
+
+
+def test_grammar_rows_refuse_pending_tokens_and_empty_masks() -> None:
+    logits = flat_logits(1, 64)
+    row = grammar_row([5], temperature=0.0)
+    row.num_pending = 1
+    with pytest.raises(ValueError, match="pending"):
+        sampler()(logits, [row])
+    with pytest.raises(ValueError, match="allows no token"):
+        sampler()(logits, [grammar_row([], temperature=0.0)])

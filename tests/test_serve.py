@@ -222,6 +222,56 @@ def test_n_samples_streamed_and_not(client) -> None:
     check_n_samples(client, MODEL)  # disaggregated: the n samples are n requests
 
 
+def test_structured_outputs_through_the_openai_client(client) -> None:
+    """Disaggregated (the prefill worker masks the first token, the decode worker rebuilds the
+    grammar from it): ``parse`` with a pydantic model, json_schema streamed, json_object,
+    guided_choice, and a schema that does not compile is a 400 naming it."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population_millions: float = Field(ge=0, le=50)
+
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=City, max_tokens=80, temperature=1.0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    assert parsed.choices[0].finish_reason == "stop"
+    schema = {"name": "color", "schema": {"enum": ["red", "green", "blue"]}, "strict": True}
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        response_format={"type": "json_schema", "json_schema": schema},
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert json.loads(text) in ("red", "green", "blue")
+    obj = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = client.completions.create(
+        model=MODEL,
+        prompt="Is Paris in France?",
+        max_tokens=5,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert choice.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, extra_body={"guided_regex": "a(b"}
+        )
+    assert bad.value.body["param"] == "guided_regex" and "regex" in bad.value.message
+
+
 def test_errors_are_openai_json(server, client) -> None:
     url = server["url"]
     with pytest.raises(openai.BadRequestError) as bad:

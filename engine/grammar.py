@@ -1,0 +1,283 @@
+"""Structured outputs: grammars that allow, at each step, only the tokens that keep a request's
+answer valid (a JSON schema, any JSON object, a regex, one of a list of strings).
+
+Plain Python and numpy, no torch (the sampler turns the bitmask into a logits mask)::
+
+    StructuredSpec --Grammars.compile--> compiled grammar   (cached per spec, bounded LRU;
+                                                             ValueError naming the problem)
+                   --Grammars.matcher(spec, tokens)--> GrammarMatcher, fed the tokens a request
+                                                       already has (its state is rebuilt from
+                                                       them: resume, migration, a decode
+                                                       worker continuing a prefill worker's)
+    each step      matcher.fill_bitmask(rows, i)  ->  the sampler masks the row's logits
+                   matcher.accept(token)          <-  the request appends the sampled token
+    the end        a complete answer's mask allows only end-of-sequence tokens: the request
+                   samples one and stops (one step after the last token of the answer)
+
+A bitmask row holds one bit per token id (bit ``t % 32`` of int32 word ``t // 32``), 1 where
+the token is allowed; end-of-sequence tokens are allowed only where the grammar may end.
+
+The engine behind it is a ``GrammarBackend`` chosen by name from ``BACKENDS`` (imported
+lazily); ``llguidance`` is the default (benchmarks/NOTES.md, "Grammar engines").
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.sampling_params import StructuredSpec
+
+DEFAULT_BACKEND = "llguidance"
+
+# JSON whitespace allowed wherever JSON allows it: at most this pattern, once per place. An
+# unbounded run lets a sampled model write newlines until max_tokens cuts the object off.
+JSON_WHITESPACE = r"[\x20\x0A]{0,2}"
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """A [rows, words] int32 bitmask, every token allowed."""
+    return np.full((rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids one bitmask row allows (tests, debugging)."""
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+class GrammarMatcher(ABC):
+    """One sequence's place in its grammar. Not thread-safe; one per sequence."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance over ``token_id``. Returns False (the state unchanged or unusable: drop the
+        matcher) when the grammar does not allow it here."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (int32, C-contiguous, one bit per
+        token of the vocabulary the backend was made with)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Whether the answer is complete: no token but end-of-sequence may follow (or one was
+        accepted)."""
+
+
+class GrammarBackend(ABC):
+    """A grammar engine for one tokenizer.
+
+    Args (constructor): ``tokenizer`` (a Hugging Face fast tokenizer), ``vocab_size`` (the
+    model's: the bitmask's width, at least the tokenizer's), ``eos_token_ids`` (the tokens
+    that end a sequence: allowed only where the grammar may end).
+    """
+
+    name: str = ""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    @abstractmethod
+    def compile(self, spec: StructuredSpec) -> Any:
+        """The compiled grammar of ``spec`` (opaque, shared by every matcher made from it).
+
+        Raises:
+            ValueError: the spec does not compile; the message names the problem.
+        """
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of ``compiled``."""
+
+
+BACKENDS: dict[str, Callable[[], type[GrammarBackend]]] = {}
+"""Backend name -> a function importing and returning its class (imports stay lazy)."""
+
+
+def register_backend(name: str) -> Callable:
+    def wrap(loader: Callable[[], type[GrammarBackend]]) -> Callable[[], type[GrammarBackend]]:
+        BACKENDS[name] = loader
+        return loader
+
+    return wrap
+
+
+@register_backend("llguidance")
+def _llguidance() -> type[GrammarBackend]:
+    return _LLGuidanceBackend
+
+
+def make_backend(
+    name: str, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]
+) -> GrammarBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"grammar backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]()(tokenizer, vocab_size, eos_token_ids)
+
+
+class Grammars:
+    """Compiled grammars of one backend, cached per spec (least recently used out first), and
+    the matchers made from them."""
+
+    def __init__(self, backend: GrammarBackend, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.backend = backend
+        self.capacity = capacity
+        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self.compiles = 0  # cache misses, for tests and stats
+
+    def compile(self, spec: StructuredSpec) -> Any:
+        """``spec`` compiled (from the cache when it is there). Raises ValueError."""
+        compiled = self._cache.get(spec)
+        if compiled is not None:
+            self._cache.move_to_end(spec)
+            return compiled
+        compiled = self.backend.compile(spec)
+        self.compiles += 1
+        self._cache[spec] = compiled
+        if len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: StructuredSpec, token_ids: Sequence[int] = ()) -> GrammarMatcher:
+        """A matcher for ``spec`` that has accepted ``token_ids`` (a request's output so far).
+
+        Raises:
+            ValueError: the spec does not compile, or a token of ``token_ids`` breaks it.
+        """
+        matcher = self.backend.matcher(self.compile(spec))
+        for i, token in enumerate(token_ids):
+            if not matcher.accept(token):
+                raise ValueError(
+                    f"output token {i} (id {token}) does not follow the request's "
+                    f"{spec.kind} grammar"
+                )
+        return matcher
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+# --------------------------------------------------------------------------- llguidance
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(f"\\{c}" if c in _REGEX_META else c for c in text)
+
+
+class _LLGuidanceBackend(GrammarBackend):
+    """llguidance (Rust, lazy lexer): compiles in about a millisecond and builds each state's
+    mask on demand, so a new schema never stalls a step for long."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_ids)
+        import llguidance
+        import llguidance.hf
+
+        self._llg = llguidance
+        eos = list(self.eos_token_ids) or None
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        # Bytes no token holds (a byte-level vocabulary may lack some: SmolLM2 has no token
+        # with 0xF1, 0xF2 or a few control bytes). A spec that needs one is refused: llguidance
+        # would silently drop such a character, or (4-byte characters) allow a token it then
+        # refuses (found by tests/test_fuzz.py: guided_regex "\U00040000" was a 500).
+        held: set[int] = set()
+        for token in range(self._tokenizer.vocab_size):
+            held.update(self._tokenizer.decode_bytes([token]))
+        self._missing_bytes = frozenset(range(256)) - held
+
+    def _grammar(self, spec: StructuredSpec) -> str:
+        matcher = self._llg.LLMatcher
+        if spec.kind == "json_schema" or spec.kind == "json_object":
+            schema = json.loads(spec.value) if spec.kind == "json_schema" else {"type": "object"}
+            options = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not spec.strict}
+            try:
+                return matcher.grammar_from_json_schema(schema, defaults=options)
+            except ValueError as exc:
+                raise ValueError(f"invalid JSON schema: {exc}") from None
+        if spec.kind == "regex":
+            return matcher.grammar_from_regex(spec.value)
+        return matcher.grammar_from_regex("|".join(_regex_literal(c) for c in spec.choices))
+
+    def _check_writable(self, spec: StructuredSpec) -> None:
+        """ValueError naming the first character of the spec's strings that needs a byte no
+        token holds."""
+        if not self._missing_bytes:
+            return
+        texts = {
+            "regex": lambda: [spec.value],
+            "choice": lambda: spec.choices,
+            "json_schema": lambda: _strings(spec.schema),
+            "json_object": lambda: [],
+        }[spec.kind]()
+        for text in texts:
+            for char in text:
+                missing = self._missing_bytes.intersection(char.encode("utf-8", "surrogatepass"))
+                if missing:
+                    raise ValueError(
+                        f"the character U+{ord(char):04X} cannot be written by this model's "
+                        f"tokenizer (no token holds byte 0x{min(missing):02X})"
+                    )
+
+    def compile(self, spec: StructuredSpec) -> Any:
+        self._check_writable(spec)
+        grammar = self._grammar(spec)
+        template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(
+                f"invalid {spec.kind.replace('_', ' ')}: {_one_line(template.get_error())}"
+            )
+        return template
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return _LLGuidanceMatcher(compiled.deep_copy())
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *_strings(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """An engine's (multi-line, caret-drawing) error as one line for an HTTP 400."""
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class _LLGuidanceMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self._m.consume_token(token_id)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        view = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped()

@@ -1,0 +1,244 @@
+"""Structured outputs in the engine, SmolLM2 fp32 on CPU: every answer sampled at temperature 1
+under one of 50+ varied JSON schemas parses and validates; the mask composes with top-k/top-p,
+penalties, logprobs, n and seeds; a request continued from its output tokens rebuilds its
+grammar state from them and goes on token for token; async scheduling waits for a constrained
+request's token before masking its next step."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredSpec
+from engine.tokenizer import apply_chat_template
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(str(smollm2_dir), dtype="float32", device="cpu", max_num_seqs=64)
+
+
+def chat(llm, text: str) -> list[int]:
+    return apply_chat_template(llm.tokenizer, [{"role": "user", "content": text}])
+
+
+# ----------------------------------------------------------------------------- the schemas
+
+_NAMES = ["name", "city", "color", "size", "count", "score", "tags", "owner", "ok", "code"]
+_PATTERNS = ["^[A-Z]{2}[0-9]{2}$", "^[a-z]{1,6}@[a-z]{1,6}\\.com$", "^[0-9]{3}-[0-9]{4}$"]
+
+
+def _leaf(rng: random.Random, depth: int) -> dict:
+    kind = rng.choice(
+        ["string", "enum", "integer", "number", "boolean", "pattern", "array", "nullable"]
+        + (["object"] if depth < 2 else [])
+    )
+    if kind == "string":
+        return {"type": "string", "minLength": 1, "maxLength": rng.randint(3, 12)}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "small", "large", "n/a"], 3)}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
+    if kind == "number":
+        low = rng.choice([-10.5, 0, 0.25, 3])
+        return {"type": "number", "minimum": low, "maximum": low + rng.choice([1, 7.5, 100])}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "pattern":
+        return {"type": "string", "pattern": rng.choice(_PATTERNS)}
+    if kind == "nullable":
+        return {"type": ["integer", "null"], "minimum": 0, "maximum": 9}
+    if kind == "array":
+        low = rng.randint(0, 2)
+        items = rng.choice(
+            [
+                {"type": "integer", "minimum": 0, "maximum": 99},
+                {"type": "string", "maxLength": 6},
+                {"enum": ["a", "b", "c"]},
+            ]
+        )
+        return {
+            "type": "array",
+            "items": items,
+            "minItems": low,
+            "maxItems": low + rng.randint(0, 2),
+        }
+    return _object(rng, depth + 1, rng.randint(1, 2))
+
+
+def _object(rng: random.Random, depth: int, size: int) -> dict:
+    names = rng.sample(_NAMES, size)
+    return {
+        "type": "object",
+        "properties": {n: _leaf(rng, depth) for n in names},
+        "required": names,
+        "additionalProperties": False,
+    }
+
+
+def schemas(count: int = 52) -> list[dict]:
+    rng = random.Random(27)
+    out = [_object(rng, 0, rng.randint(1, 4)) for _ in range(count - 2)]
+    out.append({"type": "array", "items": _object(rng, 1, 2), "minItems": 1, "maxItems": 2})
+    out.append({"enum": ["yes", "no", "maybe"]})
+    return out
+
+
+def test_the_suite_is_varied():
+    text = json.dumps(schemas())
+    for keyword in ("minItems", "maxItems", "enum", "minimum", "maximum", "pattern", "maxLength"):
+        assert text.count(keyword) >= 5, keyword
+    nested = [s for s in schemas() if '"type": "object"' in json.dumps(s.get("properties", {}))]
+    assert len(nested) >= 5
+
+
+# ----------------------------------------------------------------------------- validity
+
+
+def test_every_sampled_answer_is_valid(llm):
+    """temperature 1, one request per schema, all in one batch: 100 % parse and validate."""
+    suite = schemas()
+    prompts, params = [], []
+    for i, schema in enumerate(suite):
+        prompts.append(chat(llm, f"Answer with JSON following this schema: {json.dumps(schema)}"))
+        params.append(
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=MAX_TOKENS,
+                structured=StructuredSpec.json_schema(schema),
+            )
+        )
+    outputs = llm.generate(prompts, params)
+    bad = []
+    for schema, out in zip(suite, outputs, strict=True):
+        o = out.outputs[0]
+        try:
+            jsonschema.validate(json.loads(o.text), schema)
+            assert o.finish_reason == "stop", o.finish_reason
+        except Exception as exc:  # noqa: BLE001 - collected, reported together
+            bad.append((o.text, o.finish_reason, str(exc)[:120]))
+    assert not bad, f"{len(bad)}/{len(suite)} invalid: {bad[:3]}"
+
+
+def test_regex_choice_json_object_and_sampling_knobs(llm):
+    """The mask composes with top-k/top-p/min-p, penalties, logprobs, n and seeds."""
+    prompt = chat(llm, "Give me a JSON object describing a cat.")
+    base = dict(temperature=1.0, max_tokens=MAX_TOKENS)
+    cases = [
+        (StructuredSpec.json_object(), dict(top_k=20, top_p=0.9, seed=1)),
+        (StructuredSpec.regex(r"[0-9]{3}-[a-z]{2,5}"), dict(presence_penalty=1.5, seed=2)),
+        (StructuredSpec.choice(["alpha", "beta", "gamma delta"]), dict(logprobs=3, n=4, seed=3)),
+        (
+            StructuredSpec.json_schema({"type": "integer", "minimum": 0, "maximum": 999}),
+            dict(repetition_penalty=1.3, min_p=0.1),
+        ),
+        (StructuredSpec.choice(["yes", "no"]), dict(temperature=0.0, min_tokens=5)),
+    ]
+    outputs = llm.generate(
+        [prompt] * len(cases), [SamplingParams(structured=s, **{**base, **k}) for s, k in cases]
+    )
+    obj, regex, choice, integer, yes_no = outputs
+    assert isinstance(json.loads(obj.outputs[0].text), dict)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", regex.outputs[0].text)
+    assert len(choice.outputs) == 4
+    for o in choice.outputs:
+        assert o.text in ("alpha", "beta", "gamma delta")
+        assert len(o.logprobs) == len(o.token_ids) and all(len(e) >= 1 for e in o.logprobs)
+    int(integer.outputs[0].text)
+    assert yes_no.outputs[0].text in ("yes", "no")  # the grammar ends it before min_tokens
+    for out in outputs:
+        assert all(o.finish_reason == "stop" for o in out.outputs)
+
+
+def test_seeded_constrained_sampling_repeats(llm):
+    prompt = chat(llm, "A JSON object with a name and an age.")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    p = SamplingParams(
+        temperature=1.0, seed=7, max_tokens=64, structured=StructuredSpec.json_schema(schema)
+    )
+    first, second = llm.generate([prompt, prompt], [p, p])
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+# ----------------------------------------------------------------------------- state from tokens
+
+
+def test_continuing_from_output_tokens_rebuilds_the_grammar(llm):
+    """Greedy: a request continued from the first k tokens of a constrained answer (a resume,
+    a migration, a decode worker after a prefill worker) goes on with the same tokens."""
+    engine = llm.engine
+    prompt = chat(llm, "Describe a book as JSON.")
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 20},
+            "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+            "genres": {
+                "type": "array",
+                "items": {"enum": ["sf", "crime", "poetry"]},
+                "maxItems": 2,
+            },
+        },
+        "required": ["title", "year", "genres"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=0.0, max_tokens=80, structured=StructuredSpec.json_schema(schema)
+    )
+    fresh = llm.generate(prompt, params)[0].outputs[0]
+    assert fresh.finish_reason == "stop"
+    jsonschema.validate(json.loads(fresh.text), schema)
+    for k in (1, len(fresh.token_ids) // 2, len(fresh.token_ids) - 1):
+        rid = engine.add_request(None, prompt, params, output_token_ids=fresh.token_ids[:k])
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    final = out
+        assert fresh.token_ids[:k] + final.outputs[0].token_ids == fresh.token_ids, k
+
+
+def test_output_tokens_that_break_the_grammar_are_refused(llm):
+    prompt = chat(llm, "hi")
+    params = SamplingParams(max_tokens=8, structured=StructuredSpec.choice(["yes", "no"]))
+    bad = llm.tokenizer.encode("maybe", add_special_tokens=False)
+    with pytest.raises(ValueError, match="does not follow"):
+        llm.engine.add_request(None, prompt, params, output_token_ids=bad)
+    with pytest.raises(ValueError, match="invalid regex"):
+        llm.engine.add_request(None, prompt, SamplingParams(structured=StructuredSpec.regex("a(")))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_async_scheduling_with_constrained_and_free_requests(smollm2_dir):
+    """Async scheduling: constrained requests wait for their token before their next step;
+    the free ones in the same batch keep their greedy tokens."""
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", async_scheduling=True)
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    prompt = chat(llm, "Name three colors.")
+    alone = llm.generate(prompt, free)[0].outputs[0].token_ids
+    spec = StructuredSpec.json_schema(
+        {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 3, "maxItems": 3}
+    )
+    constrained = SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured=spec)
+    outs = llm.generate([prompt, prompt, prompt], [free, constrained, free])
+    assert outs[0].outputs[0].token_ids == alone == outs[2].outputs[0].token_ids
+    value = json.loads(outs[1].outputs[0].text)
+    assert len(value) == 3 and set(value) <= {"red", "green", "blue"}
