@@ -110,7 +110,8 @@ async def user(
                     client, args.url, model, prompt, max_tokens
                 )
             except Exception as exc:  # noqa: BLE001 - recorded, the conversation ends
-                out.append(Turn(k, index, i, len(prompt), 0, 0, sent, 0.0, 0.0, str(exc)))
+                why = f"{type(exc).__name__}: {exc}"
+                out.append(Turn(k, index, i, len(prompt), 0, 0, sent, 0.0, 0.0, why))
                 break
             out.append(Turn(k, index, i, len(prompt), len(ids), cached, sent, ttft, latency))
             bar(len(out))
