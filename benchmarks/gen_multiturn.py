@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.workloads import sharegpt_records  # noqa: E402
+
 OUT = Path(__file__).resolve().parent / "data" / "sharegpt_multiturn_llama3.json"
-
-
-def conversations(path: Path):
-    """Every complete conversation of a (possibly truncated) ShareGPT JSON list, in order."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    decoder = json.JSONDecoder()
-    i = text.index("[") + 1
-    while True:
-        while i < len(text) and text[i] in " \n\r\t,":
-            i += 1
-        try:
-            item, i = decoder.raw_decode(text, i)
-        except ValueError:
-            return
-        yield item
 
 
 def turn_lengths(conv: dict, encode) -> list[list[int]]:
@@ -67,7 +58,7 @@ def main() -> None:
         return len(tok.encode(text, add_special_tokens=False).ids)
 
     kept = []
-    for conv in conversations(args.sharegpt):
+    for conv in sharegpt_records(args.sharegpt):
         pairs = turn_lengths(conv, encode)
         if len(pairs) >= 2:
             kept.append({"id": conv.get("id", ""), "turns": pairs})
