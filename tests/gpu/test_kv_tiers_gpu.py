@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from hf_oracle import GPU_TINY, save_tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,20 +43,8 @@ def test_blocks_round_trip_bit_exact_through_pinned_host_slots():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    torch.manual_seed(0)
-    cfg = tiny_cfg(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_hidden_layers=4,
-        max_position_embeddings=1024,
-    )
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
-    path = tmp_path_factory.mktemp("tiny-tiers")
-    model.save_pretrained(path)
-    return str(path)
+def tiny(tmp_path_factory):
+    return save_tiny(tmp_path_factory, "tiny-tiers", **GPU_TINY, max_position_embeddings=1024)
 
 
 def test_prefixes_from_host_and_disk_give_the_computed_tokens(tiny, tmp_path):
