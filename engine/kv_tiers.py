@@ -41,7 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -510,7 +510,6 @@ class TierStats:
     disk_bytes_read: int = 0
     preempt_swapped: int = 0
     preempt_recomputed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class KVTiers:
@@ -790,10 +789,6 @@ class KVTiers:
             self._advance(load)
         landed, self._landed = self._landed, {}
         return landed
-
-    @property
-    def loading(self) -> int:
-        return len(self._loads)
 
     def wait(self, timeout_s: float) -> None:
         """Block the engine thread briefly while loads are all it has (no busy spin)."""
