@@ -161,20 +161,19 @@ class Scheduler:
         return len(self.running) + len(self.loading)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """End requests wherever they are (abort, stop string); frees their blocks at once."""
+        """End requests wherever they are (abort, stop string); frees their blocks at once, or,
+        mid-load, once the load lands (a copy may still be writing them)."""
         finished = []
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.LOADING:
+            if request.status == RequestStatus.LOADING:
                 del self.loading[request_id]
-                self._abandoned[request_id] = request  # its blocks: once the load lands
+                self._abandoned[request_id] = request
             else:
-                self.waiting.remove(request)
-            if request_id not in self._abandoned:
+                queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+                queue.remove(request)
                 self.block_manager.free(request)
             request.status = status
             finished.append(request)
