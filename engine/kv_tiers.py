@@ -536,7 +536,7 @@ class KVTiers:
         self.host_is_staging = host_is_staging
         self.stats = TierStats()
         self.costs = TierCosts(0.0, 0.0, float("inf"))
-        self._saving: list[tuple[torch.cuda.Event | None, list[tuple[bytes, int]]]] = []
+        self._saving: list[tuple[torch.cuda.Event, list[tuple[bytes, int]]]] = []  # CUDA
         self._loads: dict[str, _Load] = {}
         self._landed: dict[str, int] = {}
         if self.cuda:
@@ -598,7 +598,7 @@ class KVTiers:
         self._saving.append((done, hashes))
 
     def _land_saves(self) -> None:
-        while self._saving and (self._saving[0][0] is None or self._saving[0][0].query()):
+        while self._saving and self._saving[0][0].query():
             self._saved(self._saving.pop(0)[1])
 
     def _saved(self, hashes: list[tuple[bytes, int]]) -> None:
@@ -629,7 +629,7 @@ class KVTiers:
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued copy down (and disk write) landed (tests, a clean stop)."""
         deadline = time.monotonic() + timeout_s
-        if self._saving and self._saving[-1][0] is not None:
+        if self._saving:
             self._saving[-1][0].synchronize()  # copies land in order: the last one ends them
         self._land_saves()
         while self._writes is not None and self._writes.unfinished_tasks:
