@@ -885,6 +885,8 @@ class KVTiers:
                 "enabled": not self.host_is_staging,
                 "blocks": len(self.host),
                 "capacity_blocks": self.host.num_slots,
+                "used_bytes": len(self.host) * self.layout.nbytes,
+                "capacity_bytes": self.host.num_slots * self.layout.nbytes,
                 "hits": s.host_hits,
                 "stored": s.host_stored,
                 "evictions": self.host.evictions,

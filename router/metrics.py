@@ -373,7 +373,7 @@ class BackendCollector:
         """The KV tiers below each worker's pool, from ``stats()["kv_tiers"]`` (engine.kv_tiers
         ``KVTiers.snapshot``); a worker without tiers adds no series."""
         w = ["model_name", "worker", "tier"]
-        blocks = GaugeMetricFamily(
+        used = GaugeMetricFamily(
             "tandem:kv_tier_used_bytes", "Bytes a KV tier below the pool holds.", labels=w
         )
         hits = CounterMetricFamily(
@@ -411,7 +411,7 @@ class BackendCollector:
                 continue
             name = [self._model, str(s.get("name", f"worker-{i}"))]
             host, disk = t["host"], t.get("disk")
-            _add(blocks, [*name, "host"], host["blocks"] * t["block_bytes"])
+            _add(used, [*name, "host"], host["used_bytes"])
             for tier, d in (("host", host), ("disk", disk)):
                 if d is None:
                     continue
@@ -419,7 +419,7 @@ class BackendCollector:
                 _add(stored, [*name, tier], d["stored"])
                 _add(evicted, [*name, tier], d["evictions"])
             if disk is not None:
-                _add(blocks, [*name, "disk"], disk["used_bytes"])
+                _add(used, [*name, "disk"], disk["used_bytes"])
                 _add(moved, [*name, "disk_read"], disk["bytes_read"])
             _add(moved, [*name, "down"], host["bytes_in"])
             _add(moved, [*name, "up"], host["bytes_out"])
@@ -427,7 +427,7 @@ class BackendCollector:
             _add(load_time, name, t["load_time_s"])
             _add(preempt, [*name, "swap"], t["preempt_swapped"])
             _add(preempt, [*name, "recompute"], t["preempt_recomputed"])
-        yield from (blocks, hits, stored, evicted, moved, loads, load_time, preempt)
+        yield from (used, hits, stored, evicted, moved, loads, load_time, preempt)
 
     def _migration_metrics(self) -> Iterator[Metric]:
         """Live migration, from each decode worker's ``stats()["migrations"]`` (a worker

@@ -305,3 +305,33 @@ def test_consecutive_slots_copy_as_one_run():
 
     assert runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
     assert runs([]) == [] and runs([7]) == [(0, 7, 1)]
+
+
+def test_status_and_metrics_read_the_tiers_snapshot(tiny, prompts, tmp_path):
+    from cluster.control.controller import tier_use
+    from router.metrics import BackendCollector
+
+    path, _ = tiny
+    llm = engine(path, kv_offload_cpu_gb=0.001, kv_offload_disk_dir=str(tmp_path))
+    for p in prompts:
+        run(llm, p)
+    run(llm, prompts[0])
+    llm.engine.tiers.flush()
+    snap = llm.engine.tiers.snapshot()
+    use = tier_use(snap)
+    block = LAYOUT.nbytes
+    assert use["kv_host"] == {
+        "used_bytes": snap["host"]["blocks"] * block,
+        "capacity_bytes": snap["host"]["capacity_blocks"] * block,
+        "hits": 14,
+    }
+    assert use["kv_disk"]["used_bytes"] == llm.engine.tiers.disk.used_bytes > 0
+    assert tier_use(None) == {}
+    series = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for m in BackendCollector([{"name": "w0", "kv_tiers": snap}], None, "m")._tier_metrics()
+        for s in m.samples
+    }
+    labels = (("model_name", "m"), ("tier", "host"), ("worker", "w0"))
+    assert series[("tandem:kv_tier_used_bytes", labels)] == use["kv_host"]["used_bytes"]
+    assert series[("tandem:kv_tier_hits_total", labels)] == 14

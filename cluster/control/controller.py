@@ -338,19 +338,10 @@ def tier_use(tiers: dict[str, Any] | None) -> dict[str, dict[str, int]]:
     tier's bytes held and bound, and the blocks it served; nothing for a tier it lacks."""
     if not tiers:
         return {}
+    keys = ("used_bytes", "capacity_bytes", "hits")
     out = {}
-    host = tiers["host"]
-    if host["enabled"]:
-        out["kv_host"] = {
-            "used_bytes": host["blocks"] * tiers["block_bytes"],
-            "capacity_bytes": host["capacity_blocks"] * tiers["block_bytes"],
-            "hits": host["hits"],
-        }
-    disk = tiers.get("disk")
-    if disk:
-        out["kv_disk"] = {
-            "used_bytes": disk["used_bytes"],
-            "capacity_bytes": disk["capacity_bytes"],
-            "hits": disk["hits"],
-        }
+    if tiers["host"]["enabled"]:
+        out["kv_host"] = {k: tiers["host"][k] for k in keys}
+    if tiers.get("disk"):
+        out["kv_disk"] = {k: tiers["disk"][k] for k in keys}
     return out
