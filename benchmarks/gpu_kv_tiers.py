@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,12 @@ def copy_rates(args: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device("cuda")
     layout = BlockLayout(**SHAPE, dtype=torch.bfloat16)
     pool_blocks = args.pool_blocks_copy
-    caches = [
-        torch.randn(2, layout.num_kv_heads, pool_blocks * 16, layout.head_dim, device=dev).to(
-            torch.bfloat16
-        )
-        for _ in range(layout.num_layers)
-    ]
+    # one allocation, its layers slices of it, as the model runner allocates the pool: the
+    # gather and scatter are then one kernel for every layer (BlockLayout.stacked)
+    pool = torch.randn(
+        layout.num_layers, 2, layout.num_kv_heads, pool_blocks * 16, layout.head_dim, device=dev
+    ).to(torch.bfloat16)
+    caches = list(pool.unbind(0))
     tiers = KVTiers(caches, layout, args.host_slots, None)
     nbytes = layout.nbytes
     rows = []
@@ -70,12 +71,17 @@ def copy_rates(args: argparse.Namespace) -> dict[str, Any]:
         tiers.save(blocks[:1])
         tiers.flush()
         torch.cuda.synchronize()
+        # each save lands before the next: a slot still being written cannot be taken again, so
+        # back-to-back saves beyond the free slots would be dropped (and counted as copied)
+        dropped = tiers.stats.saves_dropped
         t0 = time.perf_counter()
         for rep in range(args.reps):
             tiers.save([(b, h[:-2] + bytes([rep, 1])) for b, h in blocks])
-        tiers.flush()
+            tiers.flush()
         torch.cuda.synchronize()
         down = (time.perf_counter() - t0) / args.reps
+        if tiers.stats.saves_dropped != dropped:
+            raise RuntimeError(f"{n} blocks: saves dropped; --host-slots must be at least {n}")
         # up: the load path (per-block copies onto the device, a scatter into the pool)
         slots = list(range(min(n, args.host_slots)))
         tiers._copy_up(slots)
@@ -117,7 +123,11 @@ def copy_rates(args: argparse.Namespace) -> dict[str, Any]:
             f"up {r['up_GBps']:.1f} GB/s (pinned copy {r['pinned_copy_up_GBps']:.1f})"
         )
     tiers.close()
-    return {"device": torch.cuda.get_device_name(), "rows": rows}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "stacked": tiers.stacked is not None,
+        "rows": rows,
+    }
 
 
 # -- multi-turn serving --------------------------------------------------------------------------
@@ -151,14 +161,22 @@ def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]
     results = []
     try:
         server.wait(600)
-        runs = [(variant, False, 0, args.conversations)]
+        runs = [(variant, False, 0, args.conversations, args.users)]
         if args.miss_conversations:
-            runs.append((f"{variant}-miss", True, args.conversations, args.miss_conversations))
-        for name, first_turns, offset, count in runs:
+            runs.append(
+                (
+                    f"{variant}-miss",
+                    True,
+                    args.conversations,
+                    args.miss_conversations,
+                    args.miss_users or args.users,
+                )
+            )
+        for name, first_turns, offset, count, users in runs:
             mt = argparse.Namespace(
                 url=server.url,
                 data=str(multiturn.DATA),
-                users=args.users,
+                users=users,
                 conversations=count,
                 offset=offset,
                 think_s=args.think_s,
@@ -168,7 +186,9 @@ def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]
                 seed=0,
                 timeout_s=600.0,
             )
-            result = asyncio.run(multiturn.run(mt))
+            with MetricsSampler(server.url) as sampler:
+                result = asyncio.run(multiturn.run(mt))
+            result["server_metrics"] = sampler.summary()
             result.update(
                 variant=name,
                 engine=engine,
@@ -180,6 +200,71 @@ def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]
     finally:
         server.stop()
     return results
+
+
+class MetricsSampler:
+    """Polls the gateway's /metrics while a run goes: how many requests ran and waited, the
+    pool's use, and the preemptions, to tell a pool-bound run from a compute-bound one."""
+
+    GAUGES = (
+        "tandem:num_requests_running",
+        "tandem:num_requests_waiting",
+        "tandem:kv_cache_usage_perc",
+        "tandem:queue_waiting",
+    )
+
+    def __init__(self, url: str, every_s: float = 2.0) -> None:
+        self.url, self.every_s = url, every_s
+        self.samples: list[dict[str, float]] = []
+        self.last: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> MetricsSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.last = self._scrape()
+
+    def _scrape(self) -> dict[str, float]:
+        import urllib.request
+
+        try:
+            text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        except OSError:
+            return {}
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith("tandem:"):
+                continue
+            series, _, value = line.rpartition(" ")
+            try:
+                v = float(value)
+            except ValueError:
+                continue
+            out[series] = v
+            name = series.split("{", 1)[0]
+            if name != series:  # a labelled series: its family's total too
+                out[name] = out.get(name, 0.0) + v
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            m = self._scrape()
+            if m:
+                self.samples.append({g: m.get(g, 0.0) for g in self.GAUGES})
+
+    def summary(self) -> dict[str, Any]:
+        busy = [s for s in self.samples if s["tandem:num_requests_running"] > 0]
+        mean = {
+            g.split(":", 1)[1] + "_mean": (sum(s[g] for s in busy) / len(busy) if busy else 0.0)
+            for g in self.GAUGES
+        }
+        final = {k: v for k, v in self.last.items() if "preemption" in k or "kv_tier_hits" in k}
+        return {**mean, "samples": len(self.samples), "final": final}
 
 
 def working_set_peak(turns: list[dict]) -> int:
@@ -236,9 +321,9 @@ def report(args: argparse.Namespace) -> None:
     if not runs:
         return
     print(
-        "| variant | turns | turns/s | out tok/s | TTFT p50 | TTFT p90 | turns 2+ p50 | p90 | cached | working set / pool |"
+        "| variant | turns | turns/s | out tok/s | steady out tok/s | TTFT p50 | TTFT p90 | turns 2+ p50 | p90 | cached | working set / pool |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in runs.items():
         s = r["summary"]
 
@@ -247,6 +332,7 @@ def report(args: argparse.Namespace) -> None:
 
         print(
             f"| {name} | {s['turns']} | {s['turns_per_s']:.2f} | {s['output_tok_per_s']:.0f} | "
+            f"{s.get('steady_output_tok_per_s', 0):.0f} | "
             f"{ms(s['ttft_p50_s'])} | {ms(s['ttft_p90_s'])} | {ms(s['ttft_later_p50_s'])} | "
             f"{ms(s['ttft_later_p90_s'])} | {s['cached_share']:.0%} | "
             f"{r['working_set_peak_tokens'] / r['pool_tokens']:.1f}x |"
@@ -256,7 +342,8 @@ def report(args: argparse.Namespace) -> None:
         print(
             f"host vs off: TTFT p50 {a['ttft_p50_s'] / b['ttft_p50_s']:.2f}x lower, p90 "
             f"{a['ttft_p90_s'] / b['ttft_p90_s']:.2f}x lower, throughput "
-            f"{b['output_tok_per_s'] / a['output_tok_per_s']:.2f}x"
+            f"{b['output_tok_per_s'] / a['output_tok_per_s']:.2f}x, steady throughput "
+            f"{b['steady_output_tok_per_s'] / a['steady_output_tok_per_s']:.2f}x"
         )
     if "off-miss" in runs and "host-miss" in runs:
         a, b = runs["off-miss"]["summary"], runs["host-miss"]["summary"]
@@ -307,6 +394,13 @@ def main() -> None:
     s.add_argument("--out", required=True)
     s.add_argument("--variants", default="off,host")
     s.add_argument("--miss-conversations", type=int, default=300)
+    s.add_argument(
+        "--miss-users",
+        type=int,
+        default=0,
+        help="users of the miss run (0: --users); fewer than saturate the server keep its "
+        "TTFT a prefill's, not a queue's",
+    )
     s.add_argument("--pool-blocks", type=int, default=2048)
     s.add_argument("--host-gb", type=float, default=48.0)
     s.add_argument("--users", type=int, default=128)

@@ -90,6 +90,10 @@ async def user(
     k: int, args, client, model: str, queue: asyncio.Queue, t0: float, out: list[Turn], bar
 ) -> None:
     think = random.Random(args.seed * 1000 + k)
+    if args.think_s and not args.first_turns:
+        # users arrive as if back from thinking, not all at the first instant: a burst of every
+        # user's first turn at t=0 measures the burst (the whole run's p90), not the tiers
+        await asyncio.sleep(think.expovariate(1.0 / args.think_s))
     while True:
         try:
             index, turns = queue.get_nowait()
@@ -138,6 +142,23 @@ def summarize(turns: list[Turn], wall: float) -> dict[str, Any]:
         "cached_share": sum(t.cached_tokens for t in ok) / max(prompt, 1),
         "mean_prompt_tokens": prompt / max(len(ok), 1),
         "latency_p50_s": pct([t.latency for t in ok], 50),
+        **steady(ok),
+    }
+
+
+def steady(ok: list[Turn], share: float = 0.8) -> dict[str, Any]:
+    """Throughput while every user still has conversations to replay: up to the moment the first
+    ``share`` of the turns had ended. A closed loop drains at its end (the last users finish
+    alone), which dilutes a throughput taken over the whole wall time."""
+    if not ok:
+        return {"steady_s": 0.0, "steady_turns_per_s": 0.0, "steady_output_tok_per_s": 0.0}
+    ends = sorted(t.sent + t.latency for t in ok)
+    until = ends[max(int(len(ends) * share) - 1, 0)]
+    done = [t for t in ok if t.sent + t.latency <= until]
+    return {
+        "steady_s": until,
+        "steady_turns_per_s": len(done) / max(until, 1e-9),
+        "steady_output_tok_per_s": sum(t.output_tokens for t in done) / max(until, 1e-9),
     }
 
 
@@ -151,7 +172,11 @@ async def run(args) -> dict[str, Any]:
     for i, c in enumerate(convs):
         queue.put_nowait((i, c["turns"]))
     total = sum(1 if args.first_turns else len(c["turns"]) for c in convs)
-    limits = httpx.Limits(max_connections=args.users + 8, max_keepalive_connections=args.users)
+    # uvicorn closes a connection idle for 5 s, httpx keeps one 5 s: a user back from thinking
+    # then races the close and gets a ReadError. Drop idle connections well before the server.
+    limits = httpx.Limits(
+        max_connections=args.users + 8, max_keepalive_connections=args.users, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(args.timeout_s)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = (await client.get(f"{args.url}/v1/models")).json()["data"][0]["id"]
@@ -181,7 +206,8 @@ def table(name: str, s: dict[str, Any]) -> str:
         f"{name:<16} turns {s['turns']:>5} err {s['errors']:>3}  {s['turns_per_s']:6.2f} turn/s "
         f"{s['output_tok_per_s']:8.0f} out tok/s  TTFT p50/p90 {ms(s['ttft_p50_s'])}/"
         f"{ms(s['ttft_p90_s'])} ms (turns 2+: {ms(s['ttft_later_p50_s'])}/"
-        f"{ms(s['ttft_later_p90_s'])})  cached {s['cached_share']:.0%}"
+        f"{ms(s['ttft_later_p90_s'])})  cached {s['cached_share']:.0%}  steady "
+        f"{s['steady_output_tok_per_s']:.0f} out tok/s"
     )
 
 

@@ -174,3 +174,22 @@ def test_values_as_before():
     assert (args.port, args.queue_aging, args.engine) == (9001, 1.5, ["a=1", "b=2"])
     assert (args.prefill, args.decode, args.reuse_port, args.no_operator) == (2, 1, True, True)
     assert args.api_key == [] and args.config is None and not args.detach
+
+
+def test_gateway_lifts_its_open_files_limit():
+    """A gateway holds a descriptor per client connection: it lifts a low soft limit to the hard
+    one (run in a child, whose limits are its own)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from cluster.launch.serve import raise_open_files_limit\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "got = raise_open_files_limit()\n"
+        "assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == got, got\n"
+        "print(got > 64 or hard == 64)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True", out.stderr

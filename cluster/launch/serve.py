@@ -271,10 +271,29 @@ def _has_password(url: str) -> bool:
     return bool(urlsplit(url).password)
 
 
+def raise_open_files_limit() -> int:
+    """Lift this process's soft limit on open files to its hard limit and return it: each client
+    connection is a descriptor, and a soft limit of 1024 (a common default) resets the
+    connections of a gateway with a thousand streaming clients."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open-files limit above %d: %s", soft, exc)
+    return soft
+
+
 def _uvicorn_server(app, args: argparse.Namespace):
     """uvicorn's server for ``app`` with the gateway's flags; the signals are ours
     (``_ShutdownSignals``): uvicorn's own handler re-raises the signal at exit."""
     import uvicorn
+
+    raise_open_files_limit()
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
