@@ -1,0 +1,107 @@
+"""The ranks of a tensor-parallel engine other than rank 0: their body, and the local way to
+start and watch them (offline ``LLM``; under Ray the worker places them as actors instead,
+engine/runtime.py).
+
+A rank's life::
+
+    1. started with the engine's settings, its rank and the rendezvous (a FileStore path)
+    2. joins the group (TPGroup), builds its ModelRunner in step with rank 0's: loads its
+       slice of the weights, agrees on the KV pool's size, allocates its KV heads' pool
+    3. follow(): runs every step rank 0 sends, in lockstep, until rank 0 says stop
+    4. any fault ends the process; rank 0's next collective then fails at once (RankFailure),
+       and a watcher on the rank's process tells rank 0 even while it is idle
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import Rendezvous, TPGroup, default_threads
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # a rank that has not exited this long after stop is terminated
+
+
+def run_rank(cfg: EngineConfig, rank: int, rdv: Rendezvous, max_model_len: int) -> None:
+    """Rank ``rank`` (> 0) of an engine whose rank 0 runs elsewhere: join, build, follow.
+    Returns when rank 0 says stop; raises when the group fails."""
+    import torch
+
+    if cfg.device == "cpu" and not os.environ.get("TANDEM_TORCH_THREADS"):
+        torch.set_num_threads(default_threads(rdv.size))
+    tp = TPGroup(rdv, rank, cfg.device)
+    runner = ModelRunner(cfg, ModelConfig.from_dir(cfg.model_dir), max_model_len, tp)
+    runner.follow()
+
+
+def _rank_process(cfg: EngineConfig, rank: int, rdv: Rendezvous, max_model_len: int) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        run_rank(cfg, rank, rdv, max_model_len)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)  # no atexit, no flushing of torch's state: the group is gone anyway
+
+
+class LocalRanks:
+    """Ranks 1 .. size-1 as child processes of this one (spawned: a fresh interpreter each,
+    no forked torch state), watched: ``on_death`` is called (from a watcher thread) with a
+    message naming the first rank that exits before ``close``."""
+
+    def __init__(self, cfg: EngineConfig, max_model_len: int, size: int) -> None:
+        self._dir = tempfile.mkdtemp(prefix="tandem-tp-")
+        self.rendezvous = Rendezvous(os.path.join(self._dir, "store"), size)
+        ctx = multiprocessing.get_context("spawn")
+        self.processes = [
+            ctx.Process(
+                target=_rank_process,
+                args=(cfg, rank, self.rendezvous, max_model_len),
+                name=f"tandem-tp-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in self.processes:
+            p.start()
+        self._closing = threading.Event()
+        self.on_death: Callable[[str], None] | None = None
+        self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing.is_set():
+            return
+        rank, proc = sentinels[ready[0]]
+        proc.join(1.0)
+        why = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        logger.error("%s", why)
+        if self.on_death is not None:
+            self.on_death(why)
+
+    def close(self) -> None:
+        """Wait for the ranks to exit (after rank 0 told them to stop), terminate any left."""
+        self._closing.set()
+        for p in self.processes:
+            p.join(STOP_TIMEOUT_S)
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self._dir)
