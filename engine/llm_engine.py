@@ -163,7 +163,7 @@ class LLMEngine:
             return ModelRunner(cfg, self.model_config, max_len, TPGroup(rendezvous, 0, cfg.device))
         except BaseException:
             if self.ranks is not None:
-                self.ranks.close()
+                self.ranks.close(stopped=False)
             raise
 
     def _rank_died(self, why: str) -> None:
@@ -176,9 +176,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device)."""
-        self.runner.close()
+        stopped = self.runner.close()
         if self.ranks is not None:
-            self.ranks.close()
+            self.ranks.close(stopped)
             self.ranks = None
 
     def _make_tiers(self) -> KVTiers:

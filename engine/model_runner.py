@@ -403,14 +403,19 @@ class ModelRunner:
         while (inputs := receive_step(self.tp)) is not None:
             self._run(inputs, None, None)
 
-    def close(self) -> None:
-        """Rank 0: tell the other ranks to stop (they return from ``follow``)."""
-        if self.tp is not None and self.tp.failed is None:
-            try:
-                send_stop(self.tp)
-            except RuntimeError as exc:  # one is gone already: nothing to stop there
-                logger.warning("tensor-parallel ranks not stopped: %s", exc)
+    def close(self) -> bool:
+        """Rank 0: tell the other ranks to stop (they return from ``follow``). False when
+        they could not be told (the group had failed)."""
+        if self.tp is None or self.tp.failed is not None:
+            return False
+        try:
+            send_stop(self.tp)
+        except RuntimeError as exc:  # one is gone already: nothing to stop there
+            logger.warning("tensor-parallel ranks not stopped: %s", exc)
+            return False
+        finally:
             self.tp.failed = "the runner is closed"
+        return True
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
         """Wait for a launched step's sampled tokens (and its prompts' hidden states, which

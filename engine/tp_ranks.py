@@ -76,6 +76,7 @@ class LocalRanks:
             p.start()
         self._closing = threading.Event()
         self.on_death: Callable[[str], None] | None = None
+        self.died = threading.Event()  # set once a rank exited before close (after on_death)
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True)
         self._watcher.start()
 
@@ -94,12 +95,14 @@ class LocalRanks:
         logger.error("%s", why)
         if self.on_death is not None:
             self.on_death(why)
+        self.died.set()
 
-    def close(self) -> None:
-        """Wait for the ranks to exit (after rank 0 told them to stop), terminate any left."""
+    def close(self, stopped: bool = True) -> None:
+        """Wait for the ranks to exit (``stopped``: rank 0 told them to), then terminate any
+        left (at once when not told: they would wait for a step forever)."""
         self._closing.set()
         for p in self.processes:
-            p.join(STOP_TIMEOUT_S)
+            p.join(STOP_TIMEOUT_S if stopped else 0.0)
             if p.is_alive():
                 p.terminate()
                 p.join(5.0)
