@@ -32,12 +32,12 @@ from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, SampledToken
-from engine.parallel import RankFailure, Rendezvous, TPGroup, tp_layout
+from engine.parallel import RankFailure, TPGroup, tp_layout
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
-from engine.tp_ranks import LocalRanks
+from engine.tp_ranks import LocalRanks, RayRanks
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +103,9 @@ def _queue_time(group: _Group, output_token_ids: Sequence[int]) -> float:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, rendezvous: Rendezvous | None = None):
-        """``rendezvous``: where this engine's other tensor-parallel ranks, started elsewhere
-        (a worker's Ray actors), meet it; None with ``tensor_parallel_size`` > 1 starts them
-        here as child processes."""
+    def __init__(self, cfg: EngineConfig, ranks: type[LocalRanks | RayRanks] = LocalRanks):
+        """``ranks``: how the other tensor-parallel ranks start (``tensor_parallel_size`` > 1):
+        child processes of this one, or a worker's Ray actors beside it."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         max_len = self.model_config.max_model_len
@@ -123,10 +122,10 @@ class LLMEngine:
         )
         self.length_probe = self._load_probe(cfg.length_probe)
         capture = self._capture_layers()
-        self.ranks: LocalRanks | None = None  # the other TP ranks, when started here
+        self.ranks: LocalRanks | RayRanks | None = None  # the other TP ranks
         # called (from a watcher thread) when a TP rank is gone; a worker ends its process
         self.on_rank_failure: Callable[[str], None] | None = None
-        self.runner = self._make_runner(max_len, rendezvous)
+        self.runner = self._make_runner(max_len, ranks)
         self.runner.capture_layers = capture
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
@@ -148,19 +147,18 @@ class LLMEngine:
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
 
-    def _make_runner(self, max_len: int, rendezvous: Rendezvous | None) -> ModelRunner:
+    def _make_runner(self, max_len: int, ranks: type[LocalRanks | RayRanks]) -> ModelRunner:
         """One device's runner, or rank 0's of ``tensor_parallel_size`` (a layout that does not
         divide is refused before any rank starts)."""
         cfg, size = self.cfg, self.cfg.tensor_parallel_size
         if size == 1:
             return ModelRunner(cfg, self.model_config, max_len)
         tp_layout(self.model_config, size)
-        if rendezvous is None:
-            self.ranks = LocalRanks(cfg, max_len, size)
-            self.ranks.on_death = self._rank_died
-            rendezvous = self.ranks.rendezvous
+        self.ranks = ranks(cfg, max_len, size)
+        self.ranks.on_death = self._rank_died
         try:
-            return ModelRunner(cfg, self.model_config, max_len, TPGroup(rendezvous, 0, cfg.device))
+            tp = TPGroup(self.ranks.rendezvous, 0, cfg.device)
+            return ModelRunner(cfg, self.model_config, max_len, tp)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(stopped=False)
