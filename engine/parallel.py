@@ -139,9 +139,14 @@ class TPGroup:
         self.cpu = _gloo(dist.PrefixStore("cpu", store), rank, rdv.size, _IDLE_TIMEOUT)
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.dev = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, self.size, opts)
+            # NCCL makes its communicator at the first collective: here, never inside a CUDA
+            # graph capture
+            self.all_reduce(torch.zeros(1, device=self.device))
+            torch.cuda.synchronize(self.device)
         else:
             self.dev = _gloo(dist.PrefixStore("dev", store), rank, self.size, timeout)
         self.failed: str | None = None  # why the group broke (a rank died): every step refuses
