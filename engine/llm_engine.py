@@ -158,7 +158,9 @@ class LLMEngine:
         self.ranks.on_death = self._rank_died
         try:
             tp = TPGroup(self.ranks.rendezvous, 0, cfg.device)
-            return ModelRunner(cfg, self.model_config, max_len, tp)
+            runner = ModelRunner(cfg, self.model_config, max_len, tp)
+            self.ranks.joined()
+            return runner
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(stopped=False)

@@ -86,6 +86,11 @@ class LocalRanks:
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True)
         self._watcher.start()
 
+    def joined(self) -> None:
+        """Every rank has joined the group (rank 0's runner is built, and that took a
+        collective of all): the rendezvous file is not read again, remove it."""
+        shutil.rmtree(self._dir, ignore_errors=True)
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
@@ -172,6 +177,11 @@ class RayRanks:
         self.died = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True)
         self._watcher.start()
+
+    def joined(self) -> None:
+        """Every rank has joined the group (rank 0's runner is built, and that took a
+        collective of all): the rendezvous file is not read again, remove it."""
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
