@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.settings import setting
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -169,6 +171,13 @@ class EngineConfig:
         },
     )
     gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks one worker's model is split over (tensor parallelism: a process and a device "
+        "each, NCCL on GPUs, gloo on CPU); query heads and intermediate size must divide by it, "
+        "KV heads divide by it or it by them (then replicated)",
+        ge=1,
+    )
     # None: the device's default (DEVICE_DEFAULTS: on CUDA the fastest of the sweep in
     # benchmarks/gpu_sweep.py, NOTES "engine defaults"; on CPU what the CPU benchmarks ran)
     max_num_batched_tokens: int | None = None
@@ -280,6 +289,20 @@ class EngineConfig:
             raise ValueError(
                 "the KV tiers (kv_offload_cpu_gb, kv_offload_disk_dir) find blocks by their "
                 "prefix hashes: they need enable_prefix_caching=True"
+            )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+            self.tensor_parallel_size, int
+        ):
+            raise ValueError(
+                f"tensor_parallel_size must be an integer, got {self.tensor_parallel_size!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_tiers_enabled:
+            raise ValueError(
+                "the KV tiers (kv_offload_cpu_gb, kv_offload_disk_dir) do not run with "
+                f"tensor_parallel_size={self.tensor_parallel_size} yet: each rank holds a slice "
+                "of every block; set tensor_parallel_size=1 or turn the tiers off"
             )
         if self.sm_carveout < 0:
             raise ValueError(f"sm_carveout must be >= 0, got {self.sm_carveout}")

@@ -246,7 +246,8 @@ class PiecewiseGraphs:
         self._positions = pinned_mirror(device, torch.int64, t)
         self._copied = torch.cuda.Event()  # the last step's input copies have left the mirrors
         dtype = model.embed_tokens.weight.dtype
-        self._o = torch.zeros(t, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
+        heads = model.layout.num_heads  # this rank's (all of them on one device)
+        self._o = torch.zeros(t, heads * cfg.head_dim, dtype=dtype, device=device)
         self._buckets: dict[int, _Bucket] = {}
 
     def fits(self, num_tokens: int) -> bool:

@@ -32,8 +32,11 @@ class LLM:
         enable_prefix_caching: bool = True,
         load_format: str = "auto",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ):
+        """``tensor_parallel_size`` > 1 splits the model over that many ranks, started here as
+        child processes (``close()`` stops them; so does leaving a ``with`` block)."""
         cfg = EngineConfig(
             model_dir=str(resolve_model(model)),
             dtype=dtype,
@@ -46,9 +49,20 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             load_format=load_format,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
         self.engine = LLMEngine(cfg)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do on one device)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

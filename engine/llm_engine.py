@@ -32,10 +32,12 @@ from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, SampledToken
+from engine.parallel import RankFailure, TPGroup, tp_layout
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from engine.tp_ranks import LocalRanks, RayRanks
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,9 @@ def _queue_time(group: _Group, output_token_ids: Sequence[int]) -> float:
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, ranks: type[LocalRanks | RayRanks] = LocalRanks):
+        """``ranks``: how the other tensor-parallel ranks start (``tensor_parallel_size`` > 1):
+        child processes of this one, or a worker's Ray actors beside it."""
         self.cfg = cfg
         self.model_config = ModelConfig.from_dir(cfg.model_dir)
         max_len = self.model_config.max_model_len
@@ -118,7 +122,10 @@ class LLMEngine:
         )
         self.length_probe = self._load_probe(cfg.length_probe)
         capture = self._capture_layers()
-        self.runner = ModelRunner(cfg, self.model_config, max_len)
+        self.ranks: LocalRanks | RayRanks | None = None  # the other TP ranks
+        # called (from a watcher thread) when a TP rank is gone; a worker ends its process
+        self.on_rank_failure: Callable[[str], None] | None = None
+        self.runner = self._make_runner(max_len, ranks)
         self.runner.capture_layers = capture
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
@@ -139,6 +146,40 @@ class LLMEngine:
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
+
+    def _make_runner(self, max_len: int, ranks: type[LocalRanks | RayRanks]) -> ModelRunner:
+        """One device's runner, or rank 0's of ``tensor_parallel_size`` (a layout that does not
+        divide is refused before any rank starts)."""
+        cfg, size = self.cfg, self.cfg.tensor_parallel_size
+        if size == 1:
+            return ModelRunner(cfg, self.model_config, max_len)
+        tp_layout(self.model_config, size)
+        self.ranks = ranks(cfg, max_len, size)
+        self.ranks.on_death = self._rank_died
+        try:
+            tp = TPGroup(self.ranks.rendezvous, 0, cfg.device)
+            runner = ModelRunner(cfg, self.model_config, max_len, tp)
+            self.ranks.joined()
+            return runner
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(stopped=False)
+            raise
+
+    def _rank_died(self, why: str) -> None:
+        """A TP rank is gone: no step can run any more (the next one raises RankFailure)."""
+        tp = getattr(getattr(self, "runner", None), "tp", None)
+        if tp is not None and tp.failed is None:
+            tp.failed = why
+        if self.on_rank_failure is not None:
+            self.on_rank_failure(why)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        stopped = self.runner.close()
+        if self.ranks is not None:
+            self.ranks.close(stopped)
+            self.ranks = None
 
     def _make_tiers(self) -> KVTiers:
         """The host and disk KV tiers under the device pool (EngineConfig.kv_offload_*), their
@@ -507,8 +548,10 @@ class LLMEngine:
         except Exception as exc:
             if self.tiers is not None:
                 self.block_manager.drain_full()  # a faulted step's blocks are not copied down
-            if observer is not None:
-                raise  # its hooks already streamed layers of this step: no re-execution
+            if observer is not None or isinstance(exc, RankFailure):
+                # its hooks already streamed layers of this step, or the TP ranks are out of
+                # step: no re-execution
+                raise
             self._drain()  # the step before may hold this one's inputs: know them first
             sampled, culprits = self._isolate(sched_out.scheduled, exc)
             return _InFlight(sched_out, None, sampled, self._fail_culprits(culprits, exc))

@@ -3,6 +3,15 @@
 The runner owns the model and the KV cache tensors; it keeps no request state (every step's
 inputs come from the SchedulerOutput, and seeded sampling is a function of each request's seed
 and output position).
+
+Under tensor parallelism (engine/parallel.py) there is one runner per rank, each with its model
+shard and a KV pool of its own KV heads (as many blocks on every rank). Rank 0's runner
+prepares each step from the scheduler's output (``StepInputs``), sends it to the other ranks
+(engine/step_inputs.py), and all run the same forward pass in lockstep, their collectives
+meeting inside it; the other ranks' runners loop in ``follow``. Rank 0 alone samples: sampling
+reads per-request state (penalties' token counts, grammars, seeds, logprobs) that only its
+scheduler has, and the sampled ids are all the other ranks ever need (a pending token's id, sent
+on the device group), so nothing of a request's state is replicated.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from engine.cuda_graphs import DecodeGraphs, GraphPool, PiecewiseGraphs
 from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
+from engine.parallel import RankFailure, TPGroup
 from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_inputs import StepInputs, receive_step, send_step, send_stop
 from engine.weights import init_dummy_weights, iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -38,9 +49,18 @@ _DTYPES = {
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        max_model_len: int,
+        tp: TPGroup | None = None,
+    ):
+        """``tp``: this rank's group when the model is split over several ranks (every rank
+        builds its runner with the same settings, in step: their set-up meets in collectives)."""
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.device = torch.device(cfg.device)
+        self.tp = tp
+        self.device = torch.device(tp.device if tp is not None else cfg.device)
         self.max_model_len = max_model_len
         self.dtype = _DTYPES[cfg.dtype]
         self.kv_dtype = _DTYPES[cfg.kv_dtype]  # what the KV pool holds
@@ -64,7 +84,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.backend.name == "triton":
             t0 = time.perf_counter()
             kv = self.kv_caches[0]
-            self.backend.warm_up(kv[0], kv[1], model_cfg.num_heads, cfg.block_size, self.dtype)
+            heads = self.model.layout.num_heads
+            self.backend.warm_up(kv[0], kv[1], heads, cfg.block_size, self.dtype)
             logger.info("attention kernels warmed up in %.1f s", time.perf_counter() - t0)
         # Hidden states kept at each new prompt's last token (``take_prompt_hidden``): layer i's
         # output (before the final norm), or -1: after the final norm, what feeds the LM head.
@@ -73,6 +94,7 @@ class ModelRunner:
         # The last launched step's sampled tokens (device) and each request's row in them: the
         # next step's inputs read the tokens still pending from there.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.steps_run = 0  # forward passes launched (on every rank: they run the same)
         # CUDA, for benchmarks: set to a list and each launch appends (start, end) events around
         # its device work; the gaps between one step's end and the next one's start are the
         # time the device waited for the host (benchmarks/gpu_async.py).
@@ -118,9 +140,11 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
         """Per layer ``[2, kv_heads, num_blocks * block_size, head_dim]`` (attention.py) in
         ``kv_dtype``: the consecutive slices of one allocation, so the KV tiers gather a block's
-        every layer in one kernel (engine.kv_tiers.BlockLayout.stacked)."""
+        every layer in one kernel (engine.kv_tiers.BlockLayout.stacked). ``kv_heads``: this
+        rank's."""
         mc = self.model_cfg
-        shape = (2, mc.num_kv_heads, num_blocks * self.cfg.block_size, mc.head_dim)
+        heads = self.model.layout.num_kv_heads
+        shape = (2, heads, num_blocks * self.cfg.block_size, mc.head_dim)
         pool = torch.zeros((mc.num_layers, *shape), dtype=self.kv_dtype, device=self.device)
         return list(pool.unbind(0))
 
@@ -129,13 +153,13 @@ class ModelRunner:
     def _load_model(self, max_model_len: int) -> torch.nn.Module:
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = model_class(self.model_cfg)(self.model_cfg, max_model_len)
+            model = model_class(self.model_cfg)(self.model_cfg, max_model_len, tp=self.tp)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
         model.tie_weights()
         if self.cfg.load_format == "dummy":
             init_dummy_weights(model, self.cfg.seed)
         else:
-            model.load_weights(iterate_weights(self.cfg.model_dir))
+            model.load_weights(iterate_weights(self.cfg.model_dir, model.tp_slice))
         model.rotary.build(self.device)
         if self.device.type == "cpu":
             use_cpu_linears(model)
@@ -150,10 +174,17 @@ class ModelRunner:
         return model
 
     def _num_kv_blocks(self) -> int:
+        """Blocks of the KV pool; under tensor parallelism the fewest any rank can hold (one
+        block table addresses every rank's pool)."""
+        blocks = self._kv_blocks_here()
+        return self.tp.min_int(blocks) if self.tp is not None else blocks
+
+    def _kv_blocks_here(self) -> int:
         if self.cfg.num_kv_blocks is not None:
             return self.cfg.num_kv_blocks
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        block_bytes = self.model_cfg.kv_bytes_per_token * elem * self.cfg.block_size
+        mc, heads = self.model_cfg, self.model.layout.num_kv_heads
+        block_bytes = mc.num_layers * 2 * heads * mc.head_dim * elem * self.cfg.block_size
         if self.device.type == "cuda":
             activations = self._profile_peak_activations()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -260,16 +291,48 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Queue one forward pass and its sampling on the device and return without waiting
         for them (``collect`` does). A token still pending in the step launched before this one
-        (async scheduling) is read from that step's device tensor of sampled tokens."""
+        (async scheduling) is read from that step's device tensor of sampled tokens. Under
+        tensor parallelism the step goes to the other ranks first (RankFailure: one is gone)."""
         marks = None
         if self.timeline is not None:
             marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             marks[0].record()
             self.timeline.append(marks)
+        inputs, sampling, capture = self._prepare(out, layer_hook)
+        if self.tp is not None:
+            self._send(inputs)
+        capture_rows = self._to_device(list(capture.values())) if capture else None
+        try:
+            logits, hidden, taps = self._run(inputs, layer_hook, capture_rows)
+        except Exception as exc:
+            if self.tp is None:
+                raise
+            # the other ranks are somewhere inside this step, or gone: never again in step
+            self.tp.failed = self.tp.failed or (
+                f"a step failed on rank 0 of {self.tp.size} ({type(exc).__name__}: {exc})"
+            )
+            raise RankFailure(self.tp.failed) from exc
+        hidden_rows = None
+        if capture:
+            hidden_rows = (list(capture), self._prompt_taps(hidden[capture_rows], taps))
+        ids = [c.request.request_id for c in sampling]
+        batch = None
+        if sampling:
+            batch = self.sampler.sample(logits, [self._sampling_row(c) for c in sampling])
+            self._last_sampled = (batch.tokens, {rid: i for i, rid in enumerate(ids)})
+        if marks is not None:
+            marks[1].record()
+        return LaunchedStep(ids, batch, hidden_rows)
+
+    def _prepare(
+        self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None
+    ) -> tuple[StepInputs, list[ScheduledRequest], dict[str, int]]:
+        """The step's inputs from the scheduler's output (host work only: whatever is wrong
+        with them raises before any rank starts the step), the chunks that sample in row order,
+        and the rows of prompts' last tokens whose hidden states are kept."""
         # Decodes first, shortest context first (the attention backend groups them by length).
         chunks = sorted(out.scheduled, key=lambda c: (c.num_tokens != 1, c.start))
         input_ids: list[int] = []
-        positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
         capture: dict[str, int] = {}  # request id -> row of its prompt's last token
@@ -282,38 +345,77 @@ class ModelRunner:
                     raise RuntimeError(f"{c.request.request_id}: more than one token pending")
                 input_ids.append(0)
                 pending.append((len(input_ids) - 1, c.request.request_id))
-            positions += range(c.start, c.start + c.num_tokens)
             if c.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(c)
                 if self.capture_layers and not c.request.output_token_ids:
                     capture[c.request.request_id] = len(input_ids) - 1
-        fill = self._pending_fill(pending)
-        specs = [ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks]
-        whole_graph = layer_hook is None and not capture
-        hidden_rows: tuple[list[str], dict[int, torch.Tensor]] | None = None
-        if self.graphs is not None and whole_graph and self.graphs.fits(specs):
-            logits = self.graphs.run(specs, input_ids, fill)
-            if len(sample_rows) < len(specs) and sampling:
+        inputs = StepInputs(
+            specs=[ChunkSpec(c.start, c.num_tokens, c.block_table) for c in chunks],
+            input_ids=input_ids,
+            sample_rows=sample_rows,
+            pending_rows=[row for row, _ in pending],
+            pending_sources=self._pending_sources(pending),
+            num_captured=len(capture),
+            whole_graph=layer_hook is None and not capture,
+        )
+        return inputs, sampling, capture
+
+    def _send(self, inputs: StepInputs) -> None:
+        if self.tp.failed is not None:
+            raise RankFailure(self.tp.failed)
+        try:
+            send_step(self.tp, inputs)
+        except RuntimeError as exc:
+            self.tp.failed = f"a tensor-parallel rank is gone: {exc}"
+            raise RankFailure(self.tp.failed) from exc
+
+    def _run(
+        self,
+        inputs: StepInputs,
+        layer_hook: Callable[[int], None] | None,
+        capture_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """What every rank runs of a step: the forward pass and the sampled rows' logits
+        (``(logits or None, hidden states or None, captured layers)``)."""
+        self.steps_run += 1
+        fill = self._pending_fill(inputs)
+        specs, sample_rows = inputs.specs, inputs.sample_rows
+        if self.graphs is not None and inputs.whole_graph and self.graphs.fits(specs):
+            logits = self.graphs.run(specs, inputs.input_ids, fill)
+            if len(sample_rows) < len(specs) and sample_rows:
                 logits = logits[self._to_device(sample_rows)]
-        else:
-            capture_rows = self._to_device(list(capture.values())) if capture else None
-            hidden, taps = self._forward(
-                specs, input_ids, positions, layer_hook, capture_rows, fill
-            )
-            if capture:
-                hidden_rows = (list(capture), self._prompt_taps(hidden[capture_rows], taps))
-            logits = None
-            if sampling:
-                logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
-        ids = [c.request.request_id for c in sampling]
-        batch = None
-        if sampling:
-            batch = self.sampler.sample(logits, [self._sampling_row(c) for c in sampling])
-            self._last_sampled = (batch.tokens, {rid: i for i, rid in enumerate(ids)})
-        if marks is not None:
-            marks[1].record()
-        return LaunchedStep(ids, batch, hidden_rows)
+            return logits, None, {}
+        hidden, taps = self._forward(
+            specs, inputs.input_ids, inputs.positions, layer_hook, capture_rows, fill
+        )
+        logits = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        return logits, hidden, taps
+
+    # -- the other ranks -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A rank other than 0: run every step rank 0 sends, until it says stop (or its group
+        fails, which raises)."""
+        while (inputs := receive_step(self.tp)) is not None:
+            self._run(inputs, None, None)
+
+    def close(self) -> bool:
+        """Rank 0: tell the other ranks to stop (they return from ``follow``). False when
+        they could not be told (the group had failed)."""
+        if self.tp is None or self.tp.failed is not None:
+            return False
+        try:
+            send_stop(self.tp)
+        except RuntimeError as exc:  # one is gone already: nothing to stop there
+            logger.warning("tensor-parallel ranks not stopped: %s", exc)
+            return False
+        finally:
+            self.tp.failed = "the runner is closed"
+        return True
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
         """Wait for a launched step's sampled tokens (and its prompts' hidden states, which
@@ -326,22 +428,31 @@ class ModelRunner:
                 self._prompt_hidden[rid] = {i: host[i][k] for i in self.capture_layers}
         return dict(zip(step.request_ids, tokens, strict=True))
 
-    def _pending_fill(
-        self, pending: list[tuple[int, str]]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(input rows, their token ids on the device) for the tokens still pending: each one
-        sampled by the step launched last."""
+    def _pending_sources(self, pending: list[tuple[int, str]]) -> list[int]:
+        """Where each pending token (input row, request id) is in the sampled tokens of the
+        step launched last."""
         if not pending:
-            return None
+            return []
         if self._last_sampled is None:
             raise RuntimeError("a pending token with no step launched before")
-        tokens, row_of = self._last_sampled
+        row_of = self._last_sampled[1]
         try:
-            source = [row_of[rid] for _, rid in pending]
+            return [row_of[rid] for _, rid in pending]
         except KeyError as exc:
             raise RuntimeError(f"request {exc} has a token pending from an older step") from None
-        rows = self._to_device([row for row, _ in pending])
-        return rows, tokens.index_select(0, self._to_device(source))
+
+    def _pending_fill(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input rows, their token ids on the device) for the tokens still pending: rank 0
+        reads them from the step it launched last and sends them to the other ranks."""
+        if not inputs.pending_rows:
+            return None
+        if self.tp is None or self.tp.rank == 0:
+            tokens = self._last_sampled[0].index_select(0, self._to_device(inputs.pending_sources))
+        else:
+            tokens = torch.empty(len(inputs.pending_rows), dtype=torch.int64, device=self.device)
+        if self.tp is not None:
+            tokens = self.tp.broadcast_device(tokens)
+        return self._to_device(inputs.pending_rows), tokens
 
     def _forward(
         self,

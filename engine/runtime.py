@@ -53,6 +53,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import Delta, StreamBatch, aborted
+from engine.parallel import RankFailure
+from engine.tp_ranks import LocalRanks, RayRanks
 from engine.tracing import StallWatch, trace
 
 logger = logging.getLogger(__name__)
@@ -190,9 +192,14 @@ class EngineWorker:
 
             torch.set_num_threads(int(threads))
         self.name = name or self.role
+        # Tensor parallelism: a worker actor's other ranks are Ray actors of its placement
+        # group (cluster/control/spawn.py); a worker built in-process starts child processes.
+        self._in_placement_group = _in_placement_group()
+        ranks = RayRanks if self._in_placement_group else LocalRanks
         # Workers stream token ids; the router detokenizes (and checks stop strings).
-        self.engine = LLMEngine(EngineConfig(**{**engine_config, "detokenize": False}))
+        self.engine = LLMEngine(EngineConfig(**{**engine_config, "detokenize": False}), ranks)
         self.engine.output_kind = "delta"
+        self.engine.on_rank_failure = self._rank_failed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         # What this worker keeps per request beside the engine (engine thread only).
@@ -237,6 +244,12 @@ class EngineWorker:
         from engine.kv_transfer import KVSpec
 
         mc, cfg = self.engine.model_config, self.engine.cfg
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={cfg.tensor_parallel_size}: KV transfer between workers "
+                "(prefill to decode, migration) is not supported with tensor parallelism yet; "
+                "run colocated workers"
+            )
         return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype, cfg.block_size)
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -278,6 +291,8 @@ class EngineWorker:
                     self.emit(deltas)
                 self._publish_blocks()
             except Exception as exc:  # noqa: BLE001 - a bug must not kill the thread silently
+                if isinstance(exc, RankFailure):
+                    self._rank_failed(str(exc))
                 self._step_started = None
                 error_id = secrets.token_hex(4)
                 logger.error(
@@ -289,6 +304,15 @@ class EngineWorker:
                 self._fail_everything(f"{type(exc).__name__}, error id {error_id}")
                 time.sleep(0.1)  # a persistent fault must not flood the log
         watch.stop()
+
+    def _rank_failed(self, why: str) -> None:
+        """A tensor-parallel rank of this worker is gone: the worker cannot step again. As an
+        actor it ends its process, so Ray, the controller and the routers see it dead and its
+        requests resume on other workers (their snapshots: prompt and tokens so far); built
+        in-process, its requests fail (the engine refuses every step from now on)."""
+        logger.critical("worker %s: %s; the worker ends", self.name, why)
+        if self._in_placement_group:
+            os._exit(1)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -633,6 +657,16 @@ def _ray_node() -> dict[str, str]:
         }
     except Exception:  # noqa: BLE001 - where it runs is for the operator's table only
         return {}
+
+
+def _in_placement_group() -> bool:
+    """Whether this process is a Ray actor placed in a placement group (a TP worker's)."""
+    try:
+        import ray
+        from ray.util import get_current_placement_group
+    except ImportError:
+        return False
+    return ray.is_initialized() and get_current_placement_group() is not None
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -28,13 +29,31 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class TensorSlice(NamedTuple):
+    """``length`` entries of dimension ``dim`` from ``start``: a tensor-parallel rank's part
+    of a checkpoint tensor."""
+
+    dim: int
+    start: int
+    length: int
+
+
+def iterate_weights(
+    model_dir: str | Path, slice_of: Callable[[str], TensorSlice | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor by name; with ``slice_of`` (a tensor-parallel rank's), only the
+    part it names of each tensor is read from the file (None: the whole tensor)."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                part = slice_of(name) if slice_of is not None else None
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                index = [slice(None)] * part.dim + [slice(part.start, part.start + part.length)]
+                yield name, f.get_slice(name)[tuple(index)]
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:

@@ -34,6 +34,7 @@ SERVE_FLAGS = {
     *("--redis-url", "--engine", "--ray-address", "--role-resources", "--kv-host"),
     *("--role-switching", "--operator-host", "--operator-port", "--operator-token-file"),
     *("--operator-tls-cert", "--operator-tls-key", "--no-operator", "--gateways", "--config"),
+    "--tensor-parallel-size",  # added with tensor parallelism (2026-12)
 }
 GATEWAY_FLAGS = {
     *("--host", "--port", "--api-key", "--api-key-file", "--admin-key-file", "--policy"),

@@ -119,3 +119,13 @@ def test_stop_token_ids_and_min_tokens(llm, prompts, expected):
     # min_tokens forbids eos and stop ids until reached
     outs = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=60, min_tokens=50))
     assert len(outs[0].outputs[0].token_ids) >= 50
+
+
+def test_tensor_parallel_3_matches_transformers(smollm2_dir, prompts, expected):
+    """The real weights split over 3 rank processes (one KV head each): the same greedy
+    tokens as transformers' (the row-parallel sums reorder fp32 additions; on these prompts
+    no token differs)."""
+    with LLM(str(smollm2_dir), tensor_parallel_size=3) as tp3:
+        outs = tp3.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        tp3.engine.block_manager.check_invariant(expect_idle=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.control.events import EventLog
-from cluster.control.spec import WorkerSpec
+from cluster.control.spec import WorkerSpec, tp_group_name
 from engine.messages import Membership, WorkerInfo, WorkerState, control
 from engine.settings import check, setting
 
@@ -165,6 +165,7 @@ class MembershipTable:
         with contextlib.suppress(Exception):  # it is killed next either way
             await asyncio.wait_for(info.handle.shutdown.remote(), 10.0)
         await kill_actor(info)
+        self._release_ranks(name)
         await self._forget_index(info)
         self.events.add(
             "worker",
@@ -193,6 +194,7 @@ class MembershipTable:
             with contextlib.suppress(Exception):
                 ray.kill(w.handle, no_restart=True)
             self.workers[w.name] = replace(w, state=WorkerState.DEAD)
+            self._release_ranks(w.name)
         self.publish()
 
     # -- state changes -------------------------------------------------------------------------
@@ -226,7 +228,20 @@ class MembershipTable:
         self._missed.pop(name, None)
         self._suspect_since.pop(name, None)
         self.set_state(name, WorkerState.DEAD, why)
+        self._release_ranks(name)
         await self._forget_index(info)
+
+    def _release_ranks(self, name: str) -> None:
+        """Remove the placement group of a gone worker's tensor-parallel ranks, if it had one
+        (its rank actors end with it, their CPUs and GPUs come back)."""
+        if self.spec.engine.get("tensor_parallel_size", 1) == 1:
+            return
+        from ray.util import get_placement_group, remove_placement_group
+
+        with contextlib.suppress(Exception):  # none by that name: nothing to release
+            remove_placement_group(
+                get_placement_group(tp_group_name(f"{self.spec.cluster_id}/{name}"))
+            )
 
     async def _forget_index(self, info: WorkerInfo) -> None:
         """Remove a gone worker's entries from the global prefix index."""

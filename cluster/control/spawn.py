@@ -4,7 +4,10 @@ spawn(role)          prefill: PrefillWorker; decode: DecodeWorker; colocated:
                      ColocatedWorker; with role switching, prefill and decode are
                      FlexWorkers (cluster/control/flex_worker.py, named flex-N); on a node with
                      the role's resource when the cluster has them -> STARTING in the table
-                     (the caller waits for ``ready()`` and activates it)
+                     (the caller waits for ``ready()`` and activates it); a worker of
+                     tensor_parallel_size N gets a placement group of N bundles packed on one
+                     node (``tp_group_name``), itself in bundle 0, its other ranks' actors
+                     (engine/tp_ranks.py) in the rest; the group goes when the worker does
 connect_kv_pairs()   every active prefill worker forms its KV channels to every active decode
                      worker (at start, and in the background when workers join or switch)
 """
@@ -17,7 +20,7 @@ import time
 from typing import Any
 
 from cluster.control.membership import MembershipTable
-from cluster.control.spec import WorkerSpec
+from cluster.control.spec import WorkerSpec, tp_group_name
 from engine.messages import (
     CONTROL_CONCURRENCY,
     CONTROL_GROUP,
@@ -94,12 +97,32 @@ class Spawner:
             options["num_gpus"] = spec.gpus.get(role, 1)
         if role in ("prefill", "decode") and spec.use_role_resources:
             options["resources"] = {role: 1}
+        tp = int(engine.get("tensor_parallel_size", 1))
+        if tp > 1:
+            options["scheduling_strategy"] = self._rank_bundles(actor_name, tp, options)
         actor = ray.remote(concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})(cls)
         handle = actor.options(**options).remote(engine, name, **kwargs)
         where = f"on a node with the {role!r} resource" if "resources" in options else ""
         info = WorkerInfo(name, role, handle, WorkerState.STARTING)
         self.membership.add(info, f"actor requested {where}".strip())
         return name
+
+    def _rank_bundles(self, actor_name: str, tp: int, options: dict[str, Any]) -> Any:
+        """A placement group of ``tp`` bundles, one per rank, all on one node (STRICT_PACK:
+        the ranks meet through a file and talk over loopback or NVLink), each with the CPU
+        and GPU one rank takes; the worker's actor goes to bundle 0 (its role's resource
+        too). Returns the worker's scheduling strategy."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": float(options["num_cpus"])}
+        if "num_gpus" in options:
+            bundle["GPU"] = float(options["num_gpus"])
+        first = {**bundle, **options.pop("resources", {})}
+        group = placement_group(
+            [first] + [bundle] * (tp - 1), strategy="STRICT_PACK", name=tp_group_name(actor_name)
+        )
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
 
     async def connect_kv_pairs(self) -> None:
         """Every active prefill worker forms its KV channels to every active decode worker now

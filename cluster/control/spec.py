@@ -11,6 +11,12 @@ from typing import Any
 ROLES = ("prefill", "decode", "colocated")
 
 
+def tp_group_name(actor_name: str) -> str:
+    """The name of the placement group of a worker's tensor-parallel ranks (the spawner makes
+    it, the membership table removes it with the worker)."""
+    return f"{actor_name}/ranks"
+
+
 @dataclass
 class WorkerSpec:
     """How to start every worker of a cluster (built by LocalCluster from ClusterConfig)."""

@@ -191,6 +191,13 @@ class ServeConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="`auto`: float32 on CPU, bfloat16 on CUDA."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Each worker's model split over this many ranks (processes, one GPU "
+        "each on CUDA), placed together on one node: `EngineConfig.tensor_parallel_size`. "
+        "Colocated workers only for now.",
+    )
     prefill: int | None = Field(
         None, ge=0, description="Prefill workers (with `decode`; default: by the GPUs here)."
     )

@@ -193,6 +193,14 @@ class ClusterConfig:
             raise ValueError(NO_CUPY)
         if self.role_resources not in ("auto", "on", "off"):
             raise ValueError(f"role_resources must be auto, on or off, got {self.role_resources!r}")
+        tp = {**self.engine, **self.prefill_engine, **self.decode_engine}.get(
+            "tensor_parallel_size", 1
+        )
+        if tp != 1 and self.num_prefill + self.num_decode > 0:
+            raise ValueError(
+                f"tensor_parallel_size={tp} runs colocated workers only for now: KV transfer "
+                "between prefill and decode workers of several ranks comes later"
+            )
         try:
             AutoscalerConfig(**self.autoscale)  # its errors here, not in the controller actor
         except TypeError as exc:
@@ -247,7 +255,10 @@ class LocalCluster:
         # Actor names are "<cluster id>/<name>": unique per cluster, so clusters sharing a Ray
         # namespace or a prefix index never mix; a gateway attaches by the id.
         self.cluster_id = secrets.token_hex(3)
-        workers = cfg.num_prefill + cfg.num_decode + cfg.num_colocated
+        # one process (and a logical CPU) per rank: a worker of tensor_parallel_size N has N
+        workers = (cfg.num_prefill + cfg.num_decode + cfg.num_colocated) * cfg.engine.get(
+            "tensor_parallel_size", 1
+        )
         self._owns_ray = not ray.is_initialized()
         self._owns_workers = True
         if self._owns_ray:

@@ -189,13 +189,21 @@ def _engine_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _tensor_parallel(args: argparse.Namespace) -> dict[str, int]:
+    size = args.tensor_parallel_size
+    return {"tensor_parallel_size": size} if size > 1 else {}
+
+
 def _topology(args: argparse.Namespace, device: str) -> tuple[int, int, int]:
     if args.colocated is not None or args.prefill is not None or args.decode is not None:
         return args.prefill or 0, args.decode or 0, args.colocated or 0
+    tp = args.tensor_parallel_size
     if device == "cuda":
         import torch
 
         gpus = torch.cuda.device_count()
+        if tp > 1:  # colocated workers of tp GPUs each (the only TP topology for now)
+            return 0, 0, max(1, gpus // tp)
         if gpus >= 2:
             return gpus // 2, gpus - gpus // 2, 0
     return 0, 0, 1
@@ -524,7 +532,7 @@ def _cluster_config(args: argparse.Namespace):
         num_decode=num_d,
         num_colocated=num_c,
         device=device,
-        engine={"dtype": dtype, **_engine_overrides(args.engine)},
+        engine={"dtype": dtype, **_tensor_parallel(args), **_engine_overrides(args.engine)},
         ray_address=args.ray_address,
         index_url=_redis_url(args),
         stall_timeout_s=args.stall_timeout,

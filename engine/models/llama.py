@@ -3,6 +3,13 @@
 
 Tokens of a step are flattened: ``T`` = total new tokens over all requests. Attention goes through
 the backend, which owns the paged KV cache layout; nothing here knows about blocks.
+
+Under tensor parallelism (engine/parallel.py) every projection stays a plain ``nn.Linear``
+holding this rank's shard (the checkpoint is read sliced: ``tp_slice``), so a pass applied from
+outside can still swap linears by name (CPU layouts, GEMV, quantization); the collectives are
+in the forward of the embedding, ``Attention.output``, ``MLP`` and ``compute_logits``. Shapes
+below are per rank: ``H``, ``KVH``, ``I`` and ``V`` are this rank's heads, KV heads,
+intermediate size and vocabulary rows.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.ops import TorchOps, apply_rotary, rms_norm
+from engine.parallel import TPGroup, TPLayout, tp_layout
+from engine.weights import TensorSlice
 
 __all__ = ["LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
 
@@ -88,19 +97,25 @@ class RotaryEmbedding(nn.Module):
         self.sin = emb.sin().to(device)
 
 
+def _all_reduce(tp: TPGroup | None, x: torch.Tensor) -> torch.Tensor:
+    return x if tp is None else tp.all_reduce(x)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, tp: TPGroup | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            layout.num_heads,
+            layout.num_kv_heads,
             cfg.head_dim,
         )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.tp = tp
         self.qkv_proj = nn.Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
+        # row-parallel: its bias is rank 0's alone (the others hold zeros), added once by the sum
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -122,6 +137,11 @@ class Attention(nn.Module):
         q, k = step.ops.apply_rotary(q, k, step.rope)
         return q, k, v
 
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output ``[T, H * D]`` through o_proj: ``[T, hidden]``, summed over the
+        ranks (each holds the columns of its own heads)."""
+        return _all_reduce(self.tp, self.o_proj(o))
+
     def attend(self, step: StepContext, q, k, v, kv_cache, out=None) -> torch.Tensor:
         """Writes k, v into the layer's cache and attends: ``[T, H * D]`` (into ``out``)."""
         return step.backend.forward(
@@ -139,20 +159,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, tp: TPGroup | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = layout.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)  # [gate I | up I]
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.tp = tp
 
     def forward(self, step: StepContext, x):
-        return self.down_proj(step.ops.silu_and_mul(self.gate_up_proj(x)))
+        """Column-parallel gate/up, row-parallel down, summed over the ranks."""
+        return _all_reduce(self.tp, self.down_proj(step.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layout, tp)
+        self.mlp = MLP(cfg, layout, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -169,7 +192,7 @@ class DecoderLayer(nn.Module):
     def post_attention(self, step: StepContext, o, residual):
         """Attention output ``o`` ``[T, H * D]`` to the layer's output ``(x, residual)``:
         o_proj, the residual add folded into the post-attention norm, MLP."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), step.ops, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn.output(o), step.ops, residual)
         return self.mlp(step, x), residual
 
     def forward(self, step: StepContext, x, residual, kv_cache):
@@ -204,14 +227,21 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     )
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
+        """``tp``: this rank's group when the model is split over several (None: one device
+        holds all of it)."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.layout = tp_layout(cfg, tp.size, tp.rank) if tp is not None else tp_layout(cfg, 1)
+        vocab = self.layout.vocab_size
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)  # this rank's vocabulary rows
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.layout, tp) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.ops = TorchOps()  # the runner swaps in TritonOps on GPUs
         self.tie_weights()
 
@@ -231,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [T, hidden], before the final norm
         """``layer_hook(i)``, when given, is called once layer ``i`` has written this step's KV
         (queued on the current stream): the prefill worker streams that layer out from there."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.ops.rope_state(self.rotary, positions, x.dtype)
         step = StepContext(self.ops, rope, meta, backend)
         residual = None
@@ -251,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
     def first_piece(self, step: StepContext, input_ids, positions):
         """Embedding, the step's rotary state (into ``step.rope``) and layer 0 up to attention:
         ``(q, k, v, residual)``."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         step.rope = self.ops.rope_state(self.rotary, positions, x.dtype)
         return self.layers[0].pre_attention(step, x, None)
 
@@ -266,8 +296,23 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.layers[-1].post_attention(step, o, residual)
         return x + residual
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The embedding; split over ranks, each looks up the ids in its vocabulary rows (zeros
+        for the others') and the sum over the ranks is the row (exact: one rank adds it)."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.layout.vocab_start
+        outside = (local < 0) | (local >= self.layout.vocab_size)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V] fp32
-        return self.lm_head(self.norm(hidden, self.ops)).float()
+        """Split over ranks: each rank's logits of its vocabulary rows, gathered on every rank
+        (no sum: the same values as one device's), the padding rows cut off."""
+        logits = self.lm_head(self.norm(hidden, self.ops))
+        if self.tp is not None:
+            logits = self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
+        return logits.float()
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -287,6 +332,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
                 )
+            if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+                tensor = _pad_rows(tensor, self.layout.vocab_size)  # the last rank's padding
+            if target.endswith("o_proj.bias") and self.layout.rank != 0:
+                tensor = torch.zeros_like(tensor)  # added once, by rank 0, in the sum
             _copy_shard(params[target], tensor, shard, self._shard_sizes(target))
             loaded.add(target if shard is None else f"{target}#{shard}")
         missing = self._expected_loads() - loaded
@@ -324,10 +373,35 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard_sizes(self, target: str) -> list[int]:
         if "qkv_proj" in target:
-            q = self.cfg.num_heads * self.cfg.head_dim
-            kv = self.cfg.num_kv_heads * self.cfg.head_dim
+            q = self.layout.num_heads * self.cfg.head_dim
+            kv = self.layout.num_kv_heads * self.cfg.head_dim
             return [q, kv, kv]
-        return [self.cfg.intermediate_size] * 2
+        return [self.layout.intermediate_size] * 2
+
+    def tp_slice(self, hf_name: str) -> TensorSlice | None:
+        """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it), so
+        each rank reads only its slice (engine/weights.py ``iterate_weights``)."""
+        lay, d = self.layout, self.cfg.head_dim
+        if lay.size == 1:
+            return None
+        name = hf_name.removeprefix("model.")
+        if not name.endswith((".weight", ".bias")):
+            return None  # KV cache scales: one per layer, on every rank
+        stem = name.rsplit(".", 1)[0]
+        if stem.endswith("q_proj"):
+            return TensorSlice(0, lay.head_start * d, lay.num_heads * d)
+        if stem.endswith(("k_proj", "v_proj")):
+            return TensorSlice(0, lay.kv_head_start * d, lay.num_kv_heads * d)
+        if stem.endswith("o_proj") and name.endswith(".weight"):
+            return TensorSlice(1, lay.head_start * d, lay.num_heads * d)
+        inter = lay.intermediate_size
+        if stem.endswith(("gate_proj", "up_proj")):
+            return TensorSlice(0, lay.rank * inter, inter)
+        if stem.endswith("down_proj"):
+            return TensorSlice(1, lay.rank * inter, inter)
+        if stem in ("embed_tokens", "lm_head"):
+            return TensorSlice(0, lay.vocab_start, lay.vocab_rows())
+        return None  # norms (and o_proj's bias: rank 0's alone, load_weights)
 
     def _expected_loads(self) -> set[str]:
         expected = set()
@@ -339,6 +413,14 @@ class LlamaForCausalLM(nn.Module):
             else:
                 expected.add(name)
         return expected
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``rows`` (the padded end of the vocabulary)."""
+    if tensor.shape[0] >= rows:
+        return tensor
+    pad = tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])
+    return torch.cat([tensor, pad])
 
 
 def _copy_shard(

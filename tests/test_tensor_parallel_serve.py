@@ -1,0 +1,133 @@
+"""`tandem serve --tensor-parallel-size 2` on CPU end to end: two colocated workers, each a
+Ray placement group of two rank actors (gloo), a tiny random Llama with SmolLM2's tokenizer.
+Completions equal transformers' greedy text; a rank process killed mid-stream takes its
+worker down (it ends its process: the controller marks it dead) and the streams it carried
+resume on the other worker, with the same text."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from cli_process import CliProcess
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("ray")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 120
+PROMPTS = ["The river runs past the mill", "A lantern in the harbor"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_dir):
+    """A random 2-layer Llama (4 heads, 2 KV heads) over SmolLM2's tokenizer."""
+    import torch
+    from hf_oracle import tiny_config
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**tiny_config(vocab_size=49152))
+    model = transformers.LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-tok")
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(smollm2_dir) / name).is_file():
+            shutil.copy(Path(smollm2_dir) / name, path / name)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    from hf_oracle import hf_greedy_ids
+
+    expected = [
+        tok.decode(hf_greedy_ids(model, tok(p)["input_ids"], MAX_TOKENS), skip_special_tokens=True)
+        for p in PROMPTS
+    ]
+    return str(path), expected
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    path, _ = tiny_dir
+    port = free_port()
+    env = {**os.environ, "TANDEM_TORCH_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = ["serve", "--model", path, "--device", "cpu", "--port", str(port)]
+    args += ["--colocated", "2", "--tensor-parallel-size", "2", "--shutdown-timeout", "3"]
+    proc = CliProcess(args, env)
+    try:
+        proc.wait_for(r"^serving http://", 300)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        yield proc, client
+    finally:
+        proc.stop()
+
+
+def _complete(client, prompt: str, stream: bool = False):
+    return client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def test_completions_equal_transformers(server, tiny_dir):
+    _, client = server
+    _, expected = tiny_dir
+    assert [_complete(client, p).choices[0].text for p in PROMPTS] == expected
+
+
+def _rank_pids() -> list[int]:
+    """The rank actors' processes (Ray titles them ``ray::RankActor.run``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::RankActor"):
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_rank_killed_mid_stream_worker_dies_streams_resume(server, tiny_dir):
+    proc, client = server
+    _, expected = tiny_dir
+    pids = _rank_pids()
+    assert len(pids) == 2, pids  # one per worker
+    texts = [""] * len(PROMPTS)
+    started = threading.Barrier(len(PROMPTS) + 1)
+
+    def read(i: int) -> None:
+        first = True
+        for chunk in _complete(client, PROMPTS[i], stream=True):
+            texts[i] += chunk.choices[0].text
+            if first:
+                first = False
+                started.wait(60)
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(PROMPTS))]
+    for t in readers:
+        t.start()
+    started.wait(60)  # both streams are producing tokens
+    os.kill(pids[0], signal.SIGKILL)
+    for t in readers:
+        t.join(120)
+    assert texts == expected
+    proc.wait_for(r"colocated-\d: \w+ -> DEAD", 60)
