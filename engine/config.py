@@ -231,6 +231,15 @@ class EngineConfig:
     # Hidden states to hand back on each RequestOutput (``prompt_hidden``) at the last prompt
     # token: a layer's output, or -1 for after the final norm (collecting a probe's data).
     prompt_hidden_layers: tuple[int, ...] = ()
+    grammar_compile_threads: int = field(
+        default=2,
+        metadata={
+            "help": "structured outputs: threads compiling grammars off the engine thread (a "
+            "request waits for its grammar while the batch goes on)",
+            "min": 1,
+            "max": 64,
+        },
+    )
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -280,6 +289,10 @@ class EngineConfig:
             raise ValueError(
                 "the KV tiers (kv_offload_cpu_gb, kv_offload_disk_dir) find blocks by their "
                 "prefix hashes: they need enable_prefix_caching=True"
+            )
+        if not 1 <= self.grammar_compile_threads <= 64:
+            raise ValueError(
+                f"grammar_compile_threads must be in [1, 64], got {self.grammar_compile_threads}"
             )
         if self.sm_carveout < 0:
             raise ValueError(f"sm_carveout must be >= 0, got {self.sm_carveout}")

@@ -216,15 +216,115 @@ def test_continuing_from_output_tokens_rebuilds_the_grammar(llm):
         assert fresh.token_ids[:k] + final.outputs[0].token_ids == fresh.token_ids, k
 
 
-def test_output_tokens_that_break_the_grammar_are_refused(llm):
-    prompt = chat(llm, "hi")
-    params = SamplingParams(max_tokens=8, structured=StructuredSpec.choice(["yes", "no"]))
+def run_all(engine) -> dict:
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def test_a_grammar_that_fails_ends_its_request_alone(llm):
+    """In one batch: a spec that does not compile (the engine compiles off its thread: the
+    request ends with the compile's error), carried output that breaks its grammar, and a
+    matcher that errs mid-answer each end their own request with finish_reason "error" and
+    the reason; the free request beside them keeps its greedy tokens."""
+    engine = llm.engine
+    prompt = chat(llm, "Name a color.")
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = llm.generate(prompt, free)[0].outputs[0].token_ids
+    choice = SamplingParams(max_tokens=8, structured=StructuredSpec.choice(["yes", "no"]))
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 6, "maxItems": 6}
+    array = SamplingParams(
+        temperature=0.0, max_tokens=40, structured=StructuredSpec.json_schema(schema)
+    )
     bad = llm.tokenizer.encode("maybe", add_special_tokens=False)
-    with pytest.raises(ValueError, match="does not follow"):
-        llm.engine.add_request(None, prompt, params, output_token_ids=bad)
-    with pytest.raises(ValueError, match="invalid regex"):
-        llm.engine.add_request(None, prompt, SamplingParams(structured=StructuredSpec.regex("a(")))
-    assert not llm.engine.has_unfinished_requests()
+    ids = {
+        "regex": engine.add_request(
+            None, prompt, SamplingParams(structured=StructuredSpec.regex("a("))
+        ),
+        "carried": engine.add_request(None, prompt, choice, output_token_ids=bad),
+        "free": engine.add_request(None, prompt, free),
+        "array": engine.add_request(None, prompt, array),
+    }
+    final, errs = {}, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = out
+        request = engine.single_request(ids["array"])
+        if request is not None and request.num_output_tokens == 3 and errs is None:
+            errs = request.grammar.accept(bad[0])  # a refused token puts the matcher in error
+    out = {name: final[rid] for name, rid in ids.items()}
+    assert errs is False
+    assert (
+        "invalid regex" in out["regex"].error and out["regex"].outputs[0].finish_reason == "error"
+    )
+    assert "does not follow" in out["carried"].error
+    assert "is not allowed here" in out["array"].error
+    assert out["array"].outputs[0].finish_reason == "error" and out["array"].finished
+    assert len(out["array"].outputs[0].token_ids) == 3  # the token drawn after is not sent
+    assert out["free"].error is None and out["free"].outputs[0].token_ids == alone
+    assert engine.grammar_stats()["errors"] >= 3
+    engine.block_manager.check_invariant(expect_idle=True)
+    with pytest.raises(ValueError, match="invalid regex"):  # offline: before anything runs
+        llm.generate(prompt, SamplingParams(structured=StructuredSpec.regex("a(")))
+
+
+def test_a_grammar_failure_is_an_error_delta_for_a_worker(smollm2_dir):
+    """The workers' output form: the failed request's stream ends with an error delta (its
+    client gets an OpenAI error), the other request's deltas go on to its end."""
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", async_scheduling=True)
+    engine = llm.engine
+    engine.output_kind = "delta"
+    prompt = chat(llm, "Name a color.")
+    spec = StructuredSpec.json_schema({"enum": ["red", "green", "blue"]})
+    engine.add_request("bad", prompt, SamplingParams(structured=StructuredSpec.regex("[")))
+    engine.add_request("good", prompt, SamplingParams(max_tokens=10, structured=spec))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    bad = [d for d in deltas if d.request_id == "bad"]
+    good = [d for d in deltas if d.request_id == "good"]
+    assert len(bad) == 1 and "regex" in bad[0].error and not bad[0].retryable
+    assert good[-1].finish_reason == "stop" and all(d.error is None for d in good)
+    text = llm.tokenizer.decode([t for d in good for t in d.token_ids], skip_special_tokens=True)
+    assert json.loads(text) in ("red", "green", "blue")
+
+
+def test_a_slow_compile_never_stalls_the_batch(smollm2_dir, monkeypatch):
+    """A compile that takes long runs off the engine thread: the request waits
+    (WAITING_FOR_GRAMMAR) while the free request decodes; it runs once its grammar lands."""
+    import threading
+
+    from engine.grammar import Grammars
+    from engine.request import RequestStatus
+
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    engine = llm.engine
+    release = threading.Event()
+    compile_once = Grammars.compile
+
+    def slow(self, spec):
+        release.wait(60)
+        return compile_once(self, spec)
+
+    monkeypatch.setattr(Grammars, "compile", slow)
+    prompt = chat(llm, "Name a color.")
+    spec = StructuredSpec.choice(["red", "green"])
+    slow_id = engine.add_request(None, prompt, SamplingParams(max_tokens=5, structured=spec))
+    free_id = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=6))
+    waiting = engine.single_request(slow_id)
+    final = {}
+    while free_id not in final:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        assert waiting.status == RequestStatus.WAITING_FOR_GRAMMAR
+    release.set()
+    final.update(run_all(engine))
+    assert final[slow_id].outputs[0].text in ("red", "green")
+    assert len(final[free_id].outputs[0].token_ids) == 6
 
 
 def test_async_scheduling_with_constrained_and_free_requests(smollm2_dir):
