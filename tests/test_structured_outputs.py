@@ -265,7 +265,10 @@ def test_a_grammar_that_fails_ends_its_request_alone(llm):
     assert out["array"].outputs[0].finish_reason == "error" and out["array"].finished
     assert len(out["array"].outputs[0].token_ids) == 3  # the token drawn after is not sent
     assert out["free"].error is None and out["free"].outputs[0].token_ids == alone
-    assert engine.grammar_stats()["errors"] >= 3
+    stats = engine.grammar_stats()
+    assert stats["errors"] >= 3
+    assert sum(n for _, n in stats["compile_buckets"]) == engine.structured_outputs().compiles
+    assert sum(n for _, n in stats["mask_buckets"]) >= 3 and stats["mask_sum"] > 0
     engine.block_manager.check_invariant(expect_idle=True)
     with pytest.raises(ValueError, match="invalid regex"):  # offline: before anything runs
         llm.generate(prompt, SamplingParams(structured=StructuredSpec.regex("a(")))
