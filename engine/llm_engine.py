@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -294,7 +295,7 @@ class LLMEngine:
         group, seq = self._seq_owner[request_id]
         request.num_computed_tokens = request.num_tokens  # the prompt (+ carried output)
         request.num_cached_tokens = int(num_cached_tokens)
-        request.land_grammar(wait=True)  # (asked for at the reservation: usually landed)
+        request.land_grammar(wait=True)  # (asked for at the reservation; see grammar_pending)
         request.append_output_token(first.token_id)
         self.scheduler.add_running(request)
         status = self.scheduler.check_stop(request)
@@ -307,6 +308,16 @@ class LLMEngine:
         if status is not None:
             self._finish_seq(seq, request)
         return self._emit(group)
+
+    def grammar_pending(self, request_id: str) -> Future | None:
+        """The future of a held request's grammar while it is still being made (None when it
+        has landed, or the request has none): its admission can wait for it without
+        blocking the engine thread."""
+        request = self._in_status(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
+        if request is None or request.grammar_pending is None:
+            return None
+        pending, _ = request.grammar_pending
+        return None if pending.done() else pending
 
     def grow_remote(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Room for ``num_tokens`` in a reservation still waiting for its KV (a migration whose

@@ -165,3 +165,49 @@ def test_resumed_from_its_snapshot_stays_valid_and_exact(workers, colocated, pro
     assert client.tokens == expected and client.finish == "stop"
     check(text_of(colocated, client.tokens))
     idle(p, b)
+
+
+def test_a_decode_worker_admits_when_its_compile_lands_and_never_stalls(
+    workers, colocated, prompt, monkeypatch
+):
+    """The decode worker's compile (started at the reservation) outlasts the prefill: the
+    request waits with its KV in, the engine thread is not blocked (a free request on the same
+    worker runs to its end meanwhile), and it is admitted, exact, once the compile lands."""
+    import threading
+
+    from engine.grammar import Grammars
+    from engine.request import RequestStatus
+
+    p, a, b = workers
+    spec = StructuredSpec.regex("[a-c]{12}")
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured=spec)
+    expected = colocated.generate([prompt], params)[0].outputs[0].token_ids
+    release, compile_once = threading.Event(), Grammars.compile
+
+    def slow(self, s):
+        if self is a.engine.structured_outputs() and s == spec:
+            release.wait(60)
+        return compile_once(self, s)
+
+    monkeypatch.setattr(Grammars, "compile", slow)
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        res = await a.reserve("slow", prompt, params, "slow")
+        assert isinstance(res, Reserved)
+        assert isinstance(await p.prefill("slow", prompt, params, res.endpoint), PrefillDone)
+        res = await a.reserve("free", prompt[:7], free, "free")
+        assert isinstance(await p.prefill("free", prompt[:7], free, res.endpoint), PrefillDone)
+        other = Client({"a": a}, "free")
+        await other.run("a")  # runs to its end while the compile is held
+        held = a.engine._seq_owner["slow"][1].request
+        assert held.status == RequestStatus.WAITING_FOR_REMOTE_KV and not release.is_set()
+        release.set()
+        client = Client({"a": a}, "slow")
+        await client.run("a")
+        return other, client
+
+    other, client = asyncio.run(main())
+    assert len(other.tokens) == 6 and other.finish == "length"
+    assert client.tokens == expected and client.finish == "stop"
+    idle(p, a)
