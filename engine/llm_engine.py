@@ -530,7 +530,12 @@ class LLMEngine:
         observer = self.step_observer
         hook = observer.begin_step(sched_out) if observer is not None else None
         try:
-            launched = self.runner.launch(sched_out, hook, sample=False)  # (step() samples)
+            # A step with constrained rows queues its forward pass only: its sampling waits for
+            # the step before's tokens to be in their grammars (step() queues it then).
+            constrained = any(
+                c.samples and c.request.params.structured is not None for c in sched_out.scheduled
+            )
+            launched = self.runner.launch(sched_out, hook, sample=not constrained)
             if self.tiers is not None:  # queued behind the step that fills them
                 self.tiers.save(self.block_manager.drain_full())
             return _InFlight(sched_out, launched, observer=observer)
