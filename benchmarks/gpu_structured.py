@@ -111,10 +111,11 @@ def decode_itl(llm, batch: int, steps: int, constrained: bool) -> dict:
             structured=spec if constrained else None,
         )
         ids.append(engine.add_request(f"{'c' if constrained else 'f'}{i}", prompt, params))
-    requests = [engine.single_request(rid) for rid in ids]
-    while not all(r is not None and r.num_output_tokens >= 2 for r in requests):
-        engine.step()  # grammars land, prompts prefill, the first decode steps
+    for _ in range(10_000):  # grammars land, prompts prefill, the first decode steps
         requests = [engine.single_request(rid) for rid in ids]
+        if all(r is None or r.num_output_tokens >= 2 for r in requests):
+            break  # (None: ended already, a grammar error: counted below)
+        engine.step()
     masks = runner.sampler.mask_seconds
     mask_n, mask_s = sum(masks.counts), masks.total
     if runner.device.type == "cuda":
