@@ -139,7 +139,7 @@ class Scheduler:
                 f"has {self.block_manager.num_blocks}; raise num_kv_blocks or shorten the prompt"
             )
         self.requests[request.request_id] = request
-        if not request.land_grammar():
+        if request.grammar_pending is not None:  # (landed by the next land_grammars)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._enqueue(request)
 
