@@ -12,7 +12,9 @@ life here (prefill_worker/worker.py has the other half)::
     2. the prefill worker streams the prompt's KV layer by layer; the receiver writes each
        layer into the reserved blocks as it arrives (its own thread; over NCCL its own stream)
     3. ``done`` after every layer: the request is admitted into the running batch with the
-       first token the prefill worker sampled (that token is its first stream output)
+       first token the prefill worker sampled (that token is its first stream output); a
+       constrained request whose grammar still compiles (off the engine thread, since the
+       reservation) is admitted when it lands
     4. decode steps, batched with every other running request; each step's deltas go out on
        the client's ``outputs`` stream (engine/runtime.py), one batch per step
     5. completion or abort frees the blocks. A transfer that fails (prefill abort, broken
@@ -156,6 +158,8 @@ class DecodeRole(Role):
 
     def _on_transfer_end(self, event: TransferEvent) -> None:
         rid = event.transfer_id
+        if event.kind is TransferOutcome.COMPLETE and self._wait_for_grammar(event):
+            return
         arrival = self.arriving.pop(rid, None)
         complete = event.kind is TransferOutcome.COMPLETE
         cancelled = arrival.cancel_reason if arrival is not None else None
@@ -180,6 +184,21 @@ class DecodeRole(Role):
             self.worker.fail(rid, f"KV transfer failed: {reason}", retryable=True)
         else:
             self.worker.emit([aborted(rid)])  # cancelled by the caller's abort
+
+    def _wait_for_grammar(self, event: TransferEvent) -> bool:
+        """A prefill's KV is in but the request's grammar still compiles (it started at the
+        reservation): admit it when the compile lands instead of blocking the engine thread.
+        Its arrival stays (an abort meanwhile still ends it here), its deadline off."""
+        arrival = self.arriving.get(event.transfer_id)
+        if arrival is None or arrival.on_end is not None or arrival.cancel_reason is not None:
+            return False
+        pending = self.engine.grammar_pending(event.transfer_id)
+        if pending is None:
+            return False
+        arrival.deadline = math.inf
+        again = lambda: self._on_transfer_end(event)  # noqa: E731
+        pending.add_done_callback(lambda _: self.worker.post(again))
+        return True
 
     def cancel(self, request_id: str, reason: str | None) -> None:
         """Stop a transfer still arriving. Exactly one receiver event follows (``released``, or

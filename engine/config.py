@@ -240,6 +240,15 @@ class EngineConfig:
     # Hidden states to hand back on each RequestOutput (``prompt_hidden``) at the last prompt
     # token: a layer's output, or -1 for after the final norm (collecting a probe's data).
     prompt_hidden_layers: tuple[int, ...] = ()
+    grammar_compile_threads: int = field(
+        default=2,
+        metadata={
+            "help": "structured outputs: threads compiling grammars off the engine thread (a "
+            "request waits for its grammar while the batch goes on)",
+            "min": 1,
+            "max": 64,
+        },
+    )
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -303,6 +312,10 @@ class EngineConfig:
                 "the KV tiers (kv_offload_cpu_gb, kv_offload_disk_dir) do not run with "
                 f"tensor_parallel_size={self.tensor_parallel_size} yet: each rank holds a slice "
                 "of every block; set tensor_parallel_size=1 or turn the tiers off"
+            )
+        if not 1 <= self.grammar_compile_threads <= 64:
+            raise ValueError(
+                f"grammar_compile_threads must be in [1, 64], got {self.grammar_compile_threads}"
             )
         if self.sm_carveout < 0:
             raise ValueError(f"sm_carveout must be >= 0, got {self.sm_carveout}")

@@ -9,10 +9,19 @@ Plain Python and numpy, no torch (the sampler turns the bitmask into a logits ma
                                                        already has (its state is rebuilt from
                                                        them: resume, migration, a decode
                                                        worker continuing a prefill worker's)
-    each step      matcher.fill_bitmask(rows, i)  ->  the sampler masks the row's logits
+    each step      fill_bitmasks(matchers, rows)  ->  the sampler masks the rows' logits
                    matcher.accept(token)          <-  the request appends the sampled token
     the end        a complete answer's mask allows only end-of-sequence tokens: the request
                    samples one and stops (one step after the last token of the answer)
+
+A failure is the request's own, never its batch's: a matcher that refuses a token, errs or
+allows nothing keeps the reason in ``matcher.error`` (its row allows every token that step;
+the draw is thrown away) and the scheduler ends that request with it (``FINISHED_ERROR``).
+
+Compiles run off the engine thread: ``Grammars.matcher_async`` hands the compile (and the
+matcher's catch-up over the tokens a request already has) to a small thread pool and returns
+a future; the request waits (``WAITING_FOR_GRAMMAR``) until it lands. A spec that does not
+compile lands as a matcher already in error (``FailedMatcher``).
 
 A bitmask row holds one bit per token id (bit ``t % 32`` of int32 word ``t // 32``), 1 where
 the token is allowed; end-of-sequence tokens are allowed only where the grammar may end.
@@ -24,13 +33,18 @@ lazily); ``llguidance`` is the default (benchmarks/NOTES.md, "Grammar engines").
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from engine.histogram import Buckets
 from engine.sampling_params import StructuredSpec
 
 DEFAULT_BACKEND = "llguidance"
@@ -59,10 +73,20 @@ def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
 class GrammarMatcher(ABC):
     """One sequence's place in its grammar. Not thread-safe; one per sequence."""
 
+    # Why this matcher can go no further (a refused token, the engine's error, a mask that
+    # allows nothing, a spec that did not compile); None while it is well. Set once, kept.
+    error: str | None = None
+
+    def fail(self, why: str) -> None:
+        """Put the matcher in error (the first reason is kept)."""
+        if self.error is None:
+            self.error = why
+
     @abstractmethod
     def accept(self, token_id: int) -> bool:
         """Advance over ``token_id``. Returns False (the state unchanged or unusable: drop the
-        matcher) when the grammar does not allow it here."""
+        matcher) when the grammar does not allow it here; an implementation also ``fail``s
+        then, naming the token."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
@@ -73,6 +97,54 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """Whether the answer is complete: no token but end-of-sequence may follow (or one was
         accepted)."""
+
+    @classmethod
+    def fill_many(cls, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """``fill_bitmask`` of each ``(matcher, row)`` (all of this class); a backend may do
+        them at once (llguidance: in parallel, off the GIL)."""
+        for matcher, row in rows:
+            matcher.fill_bitmask(bitmask, row)
+
+
+class FailedMatcher(GrammarMatcher):
+    """The matcher of a spec that did not compile: in error from the start (its request ends
+    with the compile's message before it runs)."""
+
+    def __init__(self, why: str) -> None:
+        self.error = why
+
+    def accept(self, token_id: int) -> bool:
+        return False
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row] = -1
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def fill_bitmasks(matchers: Sequence[GrammarMatcher], bitmask: np.ndarray) -> list[int]:
+    """Row ``j`` of ``bitmask`` (int32, C-contiguous) for ``matchers[j]``. A matcher in error,
+    or whose row allows no token, fails: its row allows every token (the draw is thrown away:
+    its request ends with ``matcher.error``). Returns those rows."""
+    groups: dict[type, list[tuple[GrammarMatcher, int]]] = {}
+    failed = []
+    for j, matcher in enumerate(matchers):
+        if matcher.error is not None:
+            failed.append(j)
+        else:
+            groups.setdefault(type(matcher), []).append((matcher, j))
+    for kind, rows in groups.items():
+        kind.fill_many(rows, bitmask)
+    filled = [j for rows in groups.values() for _, j in rows]
+    if filled:
+        empty = ~bitmask[filled].any(axis=1)
+        for j in np.asarray(filled)[empty].tolist():
+            matchers[j].fail("the grammar allows no token here (its matcher is in error)")
+        failed += [j for j in filled if matchers[j].error is not None]
+    for j in failed:
+        bitmask[j] = -1
+    return sorted(failed)
 
 
 class GrammarBackend(ABC):
@@ -127,29 +199,49 @@ def make_backend(
     return BACKENDS[name]()(tokenizer, vocab_size, eos_token_ids)
 
 
+COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+"""Upper edges (seconds) of the compile-time histogram (``Grammars.compile_seconds``)."""
+
+
 class Grammars:
     """Compiled grammars of one backend, cached per spec (least recently used out first), and
-    the matchers made from them."""
+    the matchers made from them. ``compile`` and ``matcher`` run on the caller's thread;
+    ``matcher_async`` on a pool of ``threads`` (the cache is shared, under a lock)."""
 
-    def __init__(self, backend: GrammarBackend, capacity: int = 256) -> None:
+    def __init__(self, backend: GrammarBackend, capacity: int = 256, threads: int = 2) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self.backend = backend
         self.capacity = capacity
+        self.threads = threads
         self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
         self.compiles = 0  # cache misses, for tests and stats
+        self.compile_seconds = Buckets(COMPILE_BUCKETS)  # each cache miss's compile
+
+    def _cached(self, spec: StructuredSpec) -> Any:
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+            return compiled
 
     def compile(self, spec: StructuredSpec) -> Any:
         """``spec`` compiled (from the cache when it is there). Raises ValueError."""
-        compiled = self._cache.get(spec)
+        compiled = self._cached(spec)
         if compiled is not None:
-            self._cache.move_to_end(spec)
             return compiled
-        compiled = self.backend.compile(spec)
-        self.compiles += 1
-        self._cache[spec] = compiled
-        if len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
+        t0 = time.perf_counter()
+        compiled = self.backend.compile(spec)  # outside the lock: compiles run side by side
+        with self._lock:
+            self.compile_seconds.observe(time.perf_counter() - t0)
+            self.compiles += 1
+            self._cache[spec] = compiled
+            if len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
         return compiled
 
     def matcher(self, spec: StructuredSpec, token_ids: Sequence[int] = ()) -> GrammarMatcher:
@@ -166,6 +258,31 @@ class Grammars:
                     f"{spec.kind} grammar"
                 )
         return matcher
+
+    def matcher_async(self, spec: StructuredSpec, token_ids: Sequence[int] = ()) -> Future:
+        """A future of ``matcher(spec, token_ids)``, made on the pool (at once, done, when the
+        spec is cached and there are no tokens to catch up on). A spec that does not compile,
+        or tokens that break it, give a ``FailedMatcher`` naming why."""
+        compiled = self._cached(spec) if not token_ids else None
+        if compiled is not None:
+            done: Future = Future()
+            done.set_result(self.backend.matcher(compiled))
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-compile")
+        return self._pool.submit(self._made, spec, list(token_ids))
+
+    def _made(self, spec: StructuredSpec, token_ids: list[int]) -> GrammarMatcher:
+        try:
+            return self.matcher(spec, token_ids)
+        except ValueError as exc:
+            return FailedMatcher(str(exc))
+        except Exception as exc:  # noqa: BLE001 - the engine's fault, still this request's alone
+            return FailedMatcher(f"the grammar engine failed ({type(exc).__name__}: {exc})")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -268,16 +385,54 @@ def _one_line(text: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+_EXECUTOR: list = []  # llguidance's thread pool for batched mask fills, made on first use
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> Any:
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            import llguidance
+
+            # A few threads: masks of a batch take tens of microseconds each, and the host's
+            # other cores launch kernels and run the KV transfers.
+            _EXECUTOR.append(llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 2) // 2))))
+        return _EXECUTOR[0]
+
+
 class _LLGuidanceMatcher(GrammarMatcher):
+    # Rows a batched fill does one by one instead (the pool's hand-off costs more)
+    SERIAL_ROWS = 4
+
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
 
     def accept(self, token_id: int) -> bool:
-        return self._m.consume_token(token_id)
+        if self.error is not None:
+            return False
+        if self._m.consume_token(token_id):
+            return True
+        self.fail(f"token {token_id} is not allowed here ({_one_line(self._m.get_error())})")
+        return False
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         view = bitmask[row]
         self._m.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+        if self._m.is_error():
+            self.fail(_one_line(self._m.get_error()))
+
+    @classmethod
+    def fill_many(cls, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        if len(rows) <= cls.SERIAL_ROWS:
+            super().fill_many(rows, bitmask)
+            return
+        batch, words = bitmask.shape
+        _executor().unsafe_compute_mask_ptr(
+            [(m._m, row) for m, row in rows], bitmask.ctypes.data, words * 4, batch
+        )
+        for m, _ in rows:
+            if m._m.is_error():
+                m.fail(_one_line(m._m.get_error()))
 
     def is_terminated(self) -> bool:
         return self._m.is_stopped()

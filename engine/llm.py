@@ -80,6 +80,9 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: text or a flat list of token ids
         params = _per_prompt(sampling_params, len(prompts))
+        for p in params:  # offline nothing runs yet: a spec that does not compile raises here
+            if p.structured is not None:
+                self.engine.structured_outputs().compile(p.structured)
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

@@ -20,13 +20,14 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import SequenceText
-from engine.grammar import DEFAULT_BACKEND, GrammarMatcher, Grammars, make_backend
+from engine.grammar import DEFAULT_BACKEND, Grammars, make_backend
 from engine.kv_tiers import STAGING_BLOCKS, BlockLayout, DiskTier, KVTiers, kv_identity
 from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
@@ -143,6 +144,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._ready: list = []
         self._grammars: Grammars | None = None  # structured outputs, made on first use
+        self.grammar_errors = 0  # requests ended by their grammar's failure
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
@@ -236,7 +238,7 @@ class LLMEngine:
             )
             for token in output_token_ids:
                 child.append_output_token(token)
-            child.grammar = self._grammar(params, output_token_ids)
+            self._ask_grammar(child)
             seq = _Sequence(child, CompletionOutput(index=i), self._sequence_text(child))
             seq.base = len(output_token_ids)
             if params.logprobs is not None:
@@ -267,7 +269,7 @@ class LLMEngine:
         if output_token_ids:
             self._check_continuation(token_ids, output_token_ids, params)
         if params.structured is not None:
-            self.structured_outputs().compile(params.structured)  # a bad spec changes nothing
+            self.structured_outputs()  # (its compile runs off this thread: _ask_grammar)
         group = _Group(request_id, text, token_ids, [], time.monotonic())
         return request_id, group, params.with_eos(self.eos_token_ids)
 
@@ -302,7 +304,7 @@ class LLMEngine:
         )
         for token in output_token_ids:
             request.append_output_token(token)
-        request.grammar = self._grammar(params, output_token_ids)
+        self._ask_grammar(request)  # compiles while the prompt's KV is computed and sent
         busy = (
             len(self.scheduler.running)
             + len(self.scheduler.waiting)
@@ -334,6 +336,7 @@ class LLMEngine:
         group, seq = self._seq_owner[request_id]
         request.num_computed_tokens = request.num_tokens  # the prompt (+ carried output)
         request.num_cached_tokens = int(num_cached_tokens)
+        request.land_grammar(wait=True)  # (asked for at the reservation; see grammar_pending)
         request.append_output_token(first.token_id)
         self.scheduler.add_running(request)
         status = self.scheduler.check_stop(request)
@@ -341,10 +344,21 @@ class LLMEngine:
             self.scheduler.finish_requests([request_id], status)
         group.first_token_time = time.monotonic()
         group.predicted = first.predicted
-        self._on_token(seq, first)
+        if status is not RequestStatus.FINISHED_ERROR:
+            self._on_token(seq, first)
         if status is not None:
             self._finish_seq(seq, request)
         return self._emit(group)
+
+    def grammar_pending(self, request_id: str) -> Future | None:
+        """The future of a held request's grammar while it is still being made (None when it
+        has landed, or the request has none): its admission can wait for it without
+        blocking the engine thread."""
+        request = self._in_status(request_id, RequestStatus.WAITING_FOR_REMOTE_KV)
+        if request is None or request.grammar_pending is None:
+            return None
+        pending, _ = request.grammar_pending
+        return None if pending.done() else pending
 
     def grow_remote(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Room for ``num_tokens`` in a reservation still waiting for its KV (a migration whose
@@ -364,6 +378,7 @@ class LLMEngine:
             request.num_prompt_tokens + len(output_token_ids) - 1
         ):
             raise ValueError(f"migration snapshot of {request_id!r} does not continue its request")
+        request.land_grammar(wait=True)  # (asked for at the reservation: usually landed)
         for token in output_token_ids[len(have) :]:
             request.append_output_token(token)
         request.num_computed_tokens = num_computed
@@ -487,6 +502,7 @@ class LLMEngine:
         sampled tokens, stop checks, outputs, the next schedule) runs while the device works.
         A step whose sampled ids the next one needs on the host (penalties), and every step
         of an engine with a step observer, is waited for in the call that launches it."""
+        self._land_grammars()
         sched_out = self.scheduler.schedule()
         launched = self._launch(sched_out) if not sched_out.is_empty else None
         if launched is None and self._inflight is None and self.scheduler.loading:
@@ -496,10 +512,27 @@ class LLMEngine:
         before, self._inflight = self._inflight, launched
         if before is not None:  # the step before, run while this one was prepared
             self._ready += self._finish(before)
+        if launched is not None and launched.launched is not None:
+            # Its grammar rows' tokens of the step before are accepted now: their masks are
+            # filled (while the forward pass runs on a GPU) and the sampling queued behind it.
+            self._sample(launched)
         if launched is not None and not self._may_overlap(launched):
             self._drain()
         outputs, self._ready = self._ready, []
         return outputs
+
+    def _land_grammars(self) -> None:
+        """Queued requests whose grammar compiled since wait to be admitted; one whose compile
+        failed ends with the error."""
+        for request in self.scheduler.land_grammars():
+            group, seq = self._seq_owner[request.request_id]
+            self._finish_seq(seq, request)
+            self._ready += self._outputs([group])
+
+    def _outputs(self, groups: Sequence[_Group]) -> list[RequestOutput] | list[Delta]:
+        if self.output_kind == "delta":
+            return [d for g in groups for d in self._make_deltas(g)]
+        return [self._make_output(g) for g in groups]
 
     def drain(self) -> list[RequestOutput] | list[Delta]:
         """Wait for the step still running (async scheduling) and return every output not
@@ -525,23 +558,25 @@ class LLMEngine:
     def _may_overlap(self, step: _InFlight) -> bool:
         """Whether the next step may be scheduled while ``step`` runs: not when a request it
         samples for needs that token's id on the host to sample its next one (penalties count
-        it; a grammar must accept it before it masks the next step: a host round trip per step
-        for structured outputs, for now)."""
+        it). A grammar needs it too, but only to mask the next step's sampling, which waits
+        for the step before (``ModelRunner.sample``): the forward pass goes ahead."""
         return (
             self.cfg.async_scheduling
             and step.launched is not None
             and step.observer is None
-            and not any(
-                c.samples and (c.request.params.uses_penalties or c.request.grammar is not None)
-                for c in step.out.scheduled
-            )
+            and not any(c.samples and c.request.params.uses_penalties for c in step.out.scheduled)
         )
 
     def _launch(self, sched_out: SchedulerOutput) -> _InFlight:
         observer = self.step_observer
         hook = observer.begin_step(sched_out) if observer is not None else None
         try:
-            launched = self.runner.launch(sched_out, hook)
+            # A step with constrained rows queues its forward pass only: its sampling waits for
+            # the step before's tokens to be in their grammars (step() queues it then).
+            constrained = any(
+                c.samples and c.request.params.structured is not None for c in sched_out.scheduled
+            )
+            launched = self.runner.launch(sched_out, hook, sample=not constrained)
             if self.tiers is not None:  # queued behind the step that fills them
                 self.tiers.save(self.block_manager.drain_full())
             return _InFlight(sched_out, launched, observer=observer)
@@ -555,6 +590,18 @@ class LLMEngine:
             self._drain()  # the step before may hold this one's inputs: know them first
             sampled, culprits = self._isolate(sched_out.scheduled, exc)
             return _InFlight(sched_out, None, sampled, self._fail_culprits(culprits, exc))
+
+    def _sample(self, step: _InFlight) -> None:
+        """Queue a launched step's sampling; a fault there is isolated as ``_launch``'s (the
+        step before is read already, so every input of this one is known)."""
+        try:
+            self.runner.sample(step.launched)
+        except Exception as exc:
+            if step.observer is not None:
+                raise
+            step.launched = None
+            step.sampled, culprits = self._isolate(step.out.scheduled, exc)
+            step.faulted = self._fail_culprits(culprits, exc)
 
     def _finish(self, step: _InFlight) -> list[RequestOutput] | list[Delta]:
         """Read a launched step's sampled tokens and apply them: progress, stops, outputs."""
@@ -571,7 +618,8 @@ class LLMEngine:
         for request in progressed:
             group, seq = self._seq_owner[request.request_id]
             group.first_token_time = group.first_token_time or now
-            self._on_token(seq, sampled[request.request_id])
+            if request.status is not RequestStatus.FINISHED_ERROR:  # (its token is not sent)
+                self._on_token(seq, sampled[request.request_id])
             touched[group.request_id] = group
         for request in finished:
             group, seq = self._seq_owner[request.request_id]
@@ -691,6 +739,26 @@ class LLMEngine:
     def _finish_seq(self, seq: _Sequence, request: Request) -> None:
         seq.output.finish_reason = request.status.finish_reason
         seq.output.stop_reason = request.stop_reason
+        if request.status is RequestStatus.FINISHED_ERROR:
+            self._grammar_failed(request)
+
+    def _grammar_failed(self, request: Request) -> None:
+        """``request``'s grammar failed: its group ends with the error (its other sequences
+        too: its client gets one error), the rest of the batch goes on."""
+        group, _ = self._seq_owner[request.request_id]
+        self.grammar_errors += 1
+        spec = request.params.structured
+        logger.warning(
+            "request %s: its %s grammar failed: %s", group.request_id, spec.kind,
+            request.grammar_error,
+        )  # fmt: skip
+        group.error = group.error or (
+            f"the request's {spec.kind} constraint failed: {request.grammar_error}"
+        )
+        others = [s.request.request_id for s in group.seqs if not s.request.is_finished]
+        self.scheduler.finish_requests(others, RequestStatus.FINISHED_ABORTED)
+        for s in group.seqs:
+            s.output.finish_reason = s.output.finish_reason or "error"
 
     def _make_output(self, group: _Group) -> RequestOutput:
         finished = all(s.output.finished for s in group.seqs)
@@ -720,6 +788,7 @@ class LLMEngine:
             first_token_time=group.first_token_time,
             predicted_tokens=group.predicted,
             prompt_hidden=group.prompt_hidden,
+            error=group.error,
         )
         if finished:
             self._retire(group)
@@ -730,7 +799,10 @@ class LLMEngine:
 
     def _make_deltas(self, group: _Group) -> list[Delta]:
         """What each sequence of ``group`` added since its last delta (nothing is copied but
-        the new tokens: per-request work and bytes stay O(tokens))."""
+        the new tokens: per-request work and bytes stay O(tokens)); an error ends it."""
+        if group.error is not None:
+            self._retire(group)
+            return [Delta(group.request_id, error=group.error)]
         deltas = []
         cached = max(group.seqs[0].request.num_cached_tokens, 0)
         for seq in group.seqs:
@@ -821,17 +893,31 @@ class LLMEngine:
             backend = make_backend(
                 DEFAULT_BACKEND, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
             )
-            self._grammars = Grammars(backend)
+            self._grammars = Grammars(backend, threads=self.cfg.grammar_compile_threads)
         return self._grammars
 
-    def _grammar(
-        self, params: SamplingParams, output_token_ids: Sequence[int]
-    ) -> GrammarMatcher | None:
-        """A sequence's grammar matcher, past the output it already has (ValueError when that
-        output breaks the grammar), or None without structured outputs."""
-        if params.structured is None:
+    def _ask_grammar(self, request: Request) -> None:
+        """Have the request's grammar matcher made off this thread (compiled, caught up over
+        the output it already has); the request waits for it (``Request.land_grammar``)."""
+        spec = request.params.structured
+        if spec is not None:
+            made = self.structured_outputs().matcher_async(spec, request.output_token_ids)
+            request.grammar_pending = (made, request.num_output_tokens)
+
+    def grammar_stats(self) -> dict | None:
+        """Structured outputs' counters (a worker's ``stats()["grammar"]``): compile and
+        per-step mask times (``[(upper bound, count), ...]`` and their sums) and the requests
+        ended by their grammar's failure; None before the first constrained request."""
+        if self._grammars is None:
             return None
-        return self.structured_outputs().matcher(params.structured, output_token_ids)
+        compiles, masks = self._grammars.compile_seconds, self.runner.sampler.mask_seconds
+        return {
+            "compile_buckets": compiles.pairs(),
+            "compile_sum": compiles.total,
+            "mask_buckets": masks.pairs(),
+            "mask_sum": masks.total,
+            "errors": self.grammar_errors,
+        }
 
     def _sequence_text(self, request: Request) -> SequenceText | None:
         if self.tokenizer is None or not self.cfg.detokenize:

@@ -79,6 +79,10 @@ class ModelRunner:
             if self.device.type == "cuda":
                 use_skinny_linears(self.model)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
+        if self.device.type == "cuda":  # the grammar-mask kernel, so it never compiles mid-run
+            from kernels.token_bitmask import warm_up
+
+            warm_up(model_cfg.vocab_size, self.device)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
         if self.device.type == "cuda" and self.backend.name == "triton":
@@ -287,12 +291,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+        self,
+        out: SchedulerOutput,
+        layer_hook: Callable[[int], None] | None = None,
+        *,
+        sample: bool = True,
     ) -> LaunchedStep:
         """Queue one forward pass and its sampling on the device and return without waiting
         for them (``collect`` does). A token still pending in the step launched before this one
         (async scheduling) is read from that step's device tensor of sampled tokens. Under
-        tensor parallelism the step goes to the other ranks first (RankFailure: one is gone)."""
+        tensor parallelism the step goes to the other ranks first (RankFailure: one is gone).
+
+        ``sample=False`` queues the forward pass only; ``sample(step)`` queues the sampling
+        later (the engine first takes in the tokens of the step before, which grammar masks
+        need), and must come before the next ``launch``."""
         marks = None
         if self.timeline is not None:
             marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -316,13 +328,11 @@ class ModelRunner:
         if capture:
             hidden_rows = (list(capture), self._prompt_taps(hidden[capture_rows], taps))
         ids = [c.request.request_id for c in sampling]
-        batch = None
-        if sampling:
-            batch = self.sampler.sample(logits, [self._sampling_row(c) for c in sampling])
-            self._last_sampled = (batch.tokens, {rid: i for i, rid in enumerate(ids)})
-        if marks is not None:
-            marks[1].record()
-        return LaunchedStep(ids, batch, hidden_rows)
+        step = LaunchedStep(ids, None, hidden_rows)
+        step.to_sample = (logits, sampling, marks) if sampling else None
+        if sample or not sampling:
+            self.sample(step, marks)
+        return step
 
     def _prepare(
         self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None
@@ -394,6 +404,22 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         return logits, hidden, taps
 
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, marks: tuple | None = None) -> None:
+        """Queue the sampling of a step launched with ``sample=False`` (nothing when it is
+        queued already): each row's grammar mask is filled on the host now, from the tokens
+        its request has now."""
+        if step.to_sample is not None:
+            logits, sampling, marks = step.to_sample
+            step.to_sample = None
+            step.batch = self.sampler.sample(logits, [self._sampling_row(c) for c in sampling])
+            self._last_sampled = (
+                step.batch.tokens,
+                {rid: i for i, rid in enumerate(step.request_ids)},
+            )
+        if marks is not None:
+            marks[1].record()
+
     # -- the other ranks -------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -420,6 +446,7 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
         """Wait for a launched step's sampled tokens (and its prompts' hidden states, which
         ``take_prompt_hidden`` hands out from then on)."""
+        self.sample(step)
         tokens = step.batch.wait() if step.batch is not None else []
         if step.prompt_hidden is not None:
             request_ids, taps = step.prompt_hidden
@@ -533,7 +560,8 @@ class ModelRunner:
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            grammar=request.grammar,
+            # (none once finished: by the token of the step before; this draw is thrown away)
+            grammar=request.grammar if not request.is_finished else None,
             # Inputs of this chunk not known yet (a token pending from the step before).
             num_pending=chunk.start + chunk.num_tokens - request.num_tokens,
         )
@@ -548,3 +576,6 @@ class LaunchedStep:
     request_ids: list[str]
     batch: SampledBatch | None
     prompt_hidden: tuple[list[str], dict[int, torch.Tensor]] | None = None
+    # Until its sampling is queued (``ModelRunner.sample``): the logits of the rows that
+    # sample, their chunks, and the timeline's marks
+    to_sample: tuple[torch.Tensor, list[ScheduledRequest], tuple | None] | None = None

@@ -32,7 +32,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     # Per generated token: {token_id: logprob} with the sampled token and the top-N alternatives.
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -57,3 +57,6 @@ class RequestOutput:
     predicted_tokens: tuple[float, float, float] | None = None
     # {layer: float32 [hidden]} at the last prompt token (EngineConfig.prompt_hidden_layers).
     prompt_hidden: dict[int, np.ndarray] | None = None
+    # Why the request failed alone in the engine (its grammar failed, or a step it was in
+    # faulted because of it); its sequences' finish_reason is then "error" or "abort".
+    error: str | None = None

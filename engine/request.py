@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,14 +35,19 @@ class RequestStatus(enum.IntEnum):
     """Where a request is. Ordered: every status after ``PREEMPTED`` is a finished one.
 
     ``WAITING`` / ``RUNNING`` / ``PREEMPTED``: in the scheduler's queue or batch.
+    ``WAITING_FOR_GRAMMAR``: in the queue, its grammar compiling off the engine thread
+    (``grammar_pending``); passed over by admission until it lands.
     ``WAITING_FOR_REMOTE_KV``: blocks reserved on a decode worker, its KV still coming (a
     prefill worker streams it, or a migration copies it); not in the scheduler until admitted.
     ``LOADING``: admitted with blocks whose KV a lower tier (host memory, disk) is filling; in
     the scheduler, out of the batch until the load lands.
     ``PAUSED``: taken out of the batch with its blocks held (a migration's last stage); put
-    back, or released when it continues elsewhere."""
+    back, or released when it continues elsewhere.
+    ``FINISHED_ERROR``: ended by its own failure (its grammar refused a token or did not
+    compile); the rest of the batch goes on. Its client gets the error."""
 
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
     LOADING = enum.auto()
     RUNNING = enum.auto()
@@ -50,6 +56,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -64,6 +71,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -92,6 +100,10 @@ class Request:
     # Structured outputs: where the output is in its grammar; it accepts every appended token
     # (made from the output so far, so a request continued elsewhere rebuilds it from tokens).
     grammar: GrammarMatcher | None = None
+    # The matcher while it is made off the engine thread (its compile, its catch-up over the
+    # output the request had then): (the future, how many output tokens it was made from);
+    # ``land_grammar`` takes it in.
+    grammar_pending: tuple[Future, int] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -116,13 +128,34 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def grammar_error(self) -> str | None:
+        """Why its grammar can go no further (the request ends with it), or None."""
+        return self.grammar.error if self.grammar is not None else None
+
     def append_output_token(self, token_id: int) -> None:
+        """Append a token; its grammar, if landed, accepts it (a refusal stays in
+        ``grammar_error``: the scheduler ends the request, its batch goes on)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.grammar is not None and not self.grammar.accept(token_id):
-            # Only a masked draw reaches here, so this is a fault (the grammar and the sampler
-            # disagree), never the client's input: carried tokens are checked before.
-            raise RuntimeError(f"{self.request_id}: token {token_id} breaks its grammar")
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+    def land_grammar(self, wait: bool = False) -> bool:
+        """Whether its grammar is here (or it has none): takes in a matcher made off the
+        engine thread once it is done (``wait``: waits for it), and has it accept the tokens
+        appended since it was asked for."""
+        if self.grammar_pending is None:
+            return True
+        pending, seen = self.grammar_pending
+        if not wait and not pending.done():
+            return False
+        matcher = pending.result()
+        self.grammar, self.grammar_pending = matcher, None
+        for token in self.output_token_ids[seen:]:
+            if not matcher.accept(token):
+                break
+        return True
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first and is preempted last: (priority, arrival)."""

@@ -580,6 +580,9 @@ class EngineWorker:
         }
         if self.engine.tiers is not None:  # per tier use, counters, and the measured costs
             stats["kv_tiers"] = self.engine.tiers.snapshot()  # the router prices hits by them
+        grammar = self.engine.grammar_stats()
+        if grammar is not None:  # structured outputs: compile and mask times, failures
+            stats["grammar"] = grammar
         for role in self.roles:
             for key, value in role.stats().items():
                 stats[key] = stats[key] + value if key in stats else value

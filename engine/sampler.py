@@ -31,25 +31,33 @@ that keep the random path cheap, each in its own function below:
   the first token, a worker that resumes or receives it mid-stream). Unseeded rows draw
   from the sampler's default generator.
 * Grammar masks (structured outputs). A row with a grammar matcher gets the tokens its
-  grammar forbids set to -inf, from a bitmask (one bit per token) the matcher fills on the
-  host; on CUDA the bitmask crosses to the device each step (a device-side mask is later
-  work). The matcher must have accepted every earlier token, so such a row has none pending.
-  Its ``min_tokens`` is not applied: the grammar decides where the answer ends.
+  grammar forbids set to -inf. The matchers fill a bitmask (one bit per token) on the host,
+  in parallel (engine/grammar.py ``fill_bitmasks``); on CUDA it crosses to the device once
+  per step (pinned, non-blocking, so the host runs on) and a Triton kernel masks the rows
+  (kernels/token_bitmask.py; the torch reference on CPU): no [rows, vocab] mask is built on
+  the host. A row whose grammar fails (in error, or allowing nothing) is left unmasked and
+  its matcher keeps the error: its request ends with it after the step, the batch goes on.
+  The matcher must have accepted every earlier token, so such a row has none pending (the
+  engine queues a constrained step's sampling after the step before is read:
+  ``ModelRunner.sample``). Its ``min_tokens`` is not applied: the grammar decides the end.
 * Reused scratch buffers. On CPU, fresh multi-megabyte tensors every step cost page faults
   that about double the step; the sampler keeps its [rows, vocab] scratch tensors.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.grammar import GrammarMatcher, allocate_bitmask
+from engine.grammar import GrammarMatcher, bitmask_words, fill_bitmasks
+from engine.histogram import Buckets
 from engine.outputs import SampledToken
 from engine.sampling_params import SamplingParams
+from kernels.token_bitmask import apply_token_bitmask_ref
 
 __all__ = ["SampledBatch", "SampledToken", "Sampler", "SamplingRow", "seeded_uniform"]
 
@@ -142,32 +150,52 @@ def _min_tokens_banned(sampling_row: SamplingRow, vocab_size: int) -> list[int]:
 # --------------------------------------------------------------------------- grammar
 
 
-_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+MASK_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+"""Upper edges (seconds) of the per-step mask-time histogram (``Sampler.mask_seconds``)."""
 
 
-def _bit_shifts(device: torch.device) -> torch.Tensor:
-    shifts = _BIT_SHIFTS.get(device)
-    if shifts is None:
-        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    return shifts
+class _Bitmasks:
+    """Host bitmask buffers of the grammar rows, reused across steps. On CUDA they are
+    pinned (the copy to the device is non-blocking) and two alternate, each reused only once
+    the copy out of it has run (its event)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[list] = []  # [host tensor, its copy's event or None]
+        self._turn = 0
+
+    def take(self, rows: int, words: int, device: torch.device) -> tuple[torch.Tensor, list]:
+        pinned = device.type == "cuda"
+        if len(self._buffers) < (2 if pinned else 1):
+            self._buffers.append([torch.empty(0, dtype=torch.int32), None])
+        self._turn = (self._turn + 1) % len(self._buffers)
+        slot = self._buffers[self._turn]
+        if slot[1] is not None:
+            slot[1].synchronize()  # (long done: a step ago)
+        if slot[0].numel() < rows * words:
+            slot[0] = torch.empty(rows * words, dtype=torch.int32, pin_memory=pinned)
+        return slot[0][: rows * words].view(rows, words), slot
 
 
-def _grammar_forbidden(
-    rows: Sequence[SamplingRow], index: list[int], vocab_size: int, device: torch.device
-) -> torch.Tensor:
-    """bool [len(index), vocab]: True where the grammar of row ``index[j]`` forbids a token.
-    Raises ValueError for a row whose grammar allows nothing (a matcher in error: that
-    request fails alone) or has tokens pending."""
-    bitmask = allocate_bitmask(len(index), vocab_size)
-    for j, i in enumerate(index):
+def _apply_grammar_masks(
+    work: torch.Tensor, rows: Sequence[SamplingRow], index: list[int], bitmasks: _Bitmasks
+) -> None:
+    """-inf in ``work`` where the grammar of row ``index[j]`` forbids a token."""
+    vocab, device = work.shape[-1], work.device
+    for i in index:
         if rows[i].num_pending:
             raise ValueError("a grammar needs every output token id: none may be pending")
-        rows[i].grammar.fill_bitmask(bitmask, j)
-    if not bitmask.any(axis=1).all():
-        raise ValueError("a grammar allows no token here (its matcher is in error)")
-    words = torch.from_numpy(bitmask).to(device)  # CUDA: the per-step host-to-device copy
-    bits = (words.unsqueeze(-1) >> _bit_shifts(device)) & 1  # [rows, words, 32], LSB first
-    return bits.view(len(index), -1)[:, :vocab_size] == 0
+    host, slot = bitmasks.take(len(index), bitmask_words(vocab), device)
+    fill_bitmasks([rows[i].grammar for i in index], host.numpy())
+    target = torch.tensor(index, dtype=torch.long)
+    if device.type == "cpu":
+        apply_token_bitmask_ref(work, host, target)
+        return
+    from kernels.token_bitmask import apply_token_bitmask_
+
+    words = host.to(device, non_blocking=True)
+    slot[1] = torch.cuda.Event()
+    slot[1].record()
+    apply_token_bitmask_(work, words, target.pin_memory().to(device, non_blocking=True))
 
 
 # --------------------------------------------------------------------------- weights
@@ -436,6 +464,8 @@ class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
         self._workspace = _Workspace()
+        self._bitmasks = _Bitmasks()
+        self.mask_seconds = Buckets(MASK_BUCKETS)  # per step with grammar rows: fill + apply
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Sample from ``logits`` [len(rows), vocab]; ``logits`` itself is left unchanged."""
@@ -501,9 +531,9 @@ class Sampler:
         for i, ids in banned.items():
             work[i, ids] = _NEG_INF
         if structured:
-            forbidden = _grammar_forbidden(rows, structured, vocab_size, logits.device)
-            for j, i in enumerate(structured):
-                work[i].masked_fill_(forbidden[j], _NEG_INF)
+            t0 = time.perf_counter()
+            _apply_grammar_masks(work, rows, structured, self._bitmasks)
+            self.mask_seconds.observe(time.perf_counter() - t0)
         return work
 
     def _sample_random(

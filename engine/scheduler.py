@@ -32,6 +32,11 @@ load lands (a copy may still be writing them), then frees them::
     waiting --admit--> running --preempt--> waiting
        |                  ^
        +--admit--> loading  (landed: computed = device hits + loaded blocks)
+
+Structured outputs: a request whose grammar is still compiling (off the engine thread) waits
+in ``WAITING_FOR_GRAMMAR``, passed over by admission (requests behind it go first) until
+``land_grammars`` finds it landed. A grammar that fails (a spec that did not compile, a token
+it refuses) ends its request alone with ``FINISHED_ERROR``.
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ class Scheduler:
     # -- queue -----------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue ``request``: WAITING, or WAITING_FOR_GRAMMAR while its grammar compiles."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         needed = self.block_manager.blocks_needed(request.num_tokens + 1)
@@ -133,7 +139,23 @@ class Scheduler:
                 f"has {self.block_manager.num_blocks}; raise num_kv_blocks or shorten the prompt"
             )
         self.requests[request.request_id] = request
+        if request.grammar_pending is not None:  # (landed by the next land_grammars)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._enqueue(request)
+
+    def land_grammars(self) -> list[Request]:
+        """Requests whose grammar compiled since the last call wait to be admitted (in their
+        place in the queue); one whose compile failed ends (``FINISHED_ERROR``, its error on
+        its grammar). Returns those that ended."""
+        ended = []
+        for request in [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_GRAMMAR]:
+            if not request.land_grammar():
+                continue
+            if request.grammar_error is not None:
+                ended += self.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+            else:
+                request.status = RequestStatus.WAITING
+        return ended
 
     def add_running(self, request: Request) -> None:
         """Take in a request whose blocks are already held and whose KV is computed up to
@@ -212,13 +234,18 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and self.num_seqs < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Admit from the head of the queue, passing over requests whose grammar compiles."""
+        skip = 0  # requests at the head waiting for their grammar
+        while len(self.waiting) > skip and budget > 0 and self.num_seqs < self.config.max_num_seqs:
+            request = self.waiting[skip]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skip += 1
+                continue
             if request.num_pending:
                 break  # preempted while its last token was pending: it is known next step
             hits = self.block_manager.get_computed_blocks(request)
             if self.tiers is not None:
-                loads = self._admit_loading(request, hits)
+                loads = self._admit_loading(request, hits, skip)
                 if loads is None:
                     break
                 if loads:
@@ -227,7 +254,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.block_manager.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(skip)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -236,7 +263,7 @@ class Scheduler:
             out.scheduled.append(self._chunk(request, num_hit_tokens, num_new))
             budget -= num_new
 
-    def _admit_loading(self, request: Request, hits: list[int]) -> bool | None:
+    def _admit_loading(self, request: Request, hits: list[int], at: int = 0) -> bool | None:
         """Admit ``request`` to ``LOADING`` when blocks after its prefix hits are worth loading
         from a lower tier. True: admitted; False: nothing to load (admit it as usual); None:
         its blocks do not fit now."""
@@ -249,7 +276,7 @@ class Scheduler:
         fresh = bm.allocate_for_load(request, hits, num_load)
         if fresh is None:
             return None
-        self.waiting.pop(0)
+        self.waiting.pop(at)
         request.status = RequestStatus.LOADING
         request.num_computed_tokens = len(hits) * bm.block_size
         self.loading[request.request_id] = request
@@ -329,7 +356,9 @@ class Scheduler:
         """The token-level stop (if any) that its last output token triggers."""
         params = request.params
         token = request.output_token_ids[-1]
-        if request.grammar is not None and token in params._eos_token_ids:
+        if request.grammar_error is not None:
+            return RequestStatus.FINISHED_ERROR  # its grammar refused the token (or failed)
+        if params.structured is not None and token in params._eos_token_ids:
             # Its grammar allowed the end only because the answer is complete: nothing may
             # follow (ignore_eos and min_tokens do not apply to a structured answer).
             return RequestStatus.FINISHED_STOPPED

@@ -513,6 +513,7 @@ class _Gateway:
             await loop.run_in_executor(self._tokenizer_pool, self._compile, params.structured)
         except ValueError as exc:
             raise protocol.bad_request(f"{param}: {exc}", param=param) from None
+        self.metrics.structured(params.structured.kind)
 
     def _compile(self, spec: StructuredSpec) -> None:
         tokenizer = self.backend.tokenizer

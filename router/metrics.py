@@ -103,6 +103,13 @@ class GatewayMetrics:
             [*m, "reason"],
             registry=r,
         )
+        self._structured = Counter(
+            "tandem:structured_output_requests_total",
+            "Requests with a structured-output constraint, by kind (json_schema, "
+            "json_object, regex, choice).",
+            [*m, "kind"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "tandem:gateway_requests_in_flight",
             "Completion requests admitted by the gateway and not yet answered.",
@@ -112,6 +119,9 @@ class GatewayMetrics:
 
     def reject(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def structured(self, kind: str) -> None:
+        self._structured.labels(self.model_name, kind).inc()
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -368,6 +378,39 @@ class BackendCollector:
         yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds)
         yield from self._migration_metrics()
         yield from self._tier_metrics()
+        yield from self._grammar_metrics()
+
+    def _grammar_metrics(self) -> Iterator[Metric]:
+        """Structured outputs on each worker, from ``stats()["grammar"]``
+        (``LLMEngine.grammar_stats``); a worker that has had no constrained request adds no
+        series."""
+        w = ["model_name", "worker"]
+        compile_time = HistogramMetricFamily(
+            "tandem:grammar_compile_seconds",
+            "Grammar compiles on the worker (cache misses), off its engine thread.",
+            labels=w,
+        )
+        mask_time = HistogramMetricFamily(
+            "tandem:grammar_mask_seconds",
+            "Per engine step with constrained rows: filling their token bitmasks on the host "
+            "and queuing the mask on the logits.",
+            labels=w,
+        )
+        errors = CounterMetricFamily(
+            "tandem:grammar_errors",
+            "Requests ended by their grammar's failure (a spec that did not compile on the "
+            "worker, a refused token, a matcher in error); each failed alone.",
+            labels=w,
+        )
+        for i, s in enumerate(self._workers):
+            g = s.get("grammar")
+            if not isinstance(g, dict):
+                continue
+            name = [self._model, str(s.get("name", f"worker-{i}"))]
+            compile_time.add_metric(name, _cumulative(g["compile_buckets"]), g["compile_sum"])
+            mask_time.add_metric(name, _cumulative(g["mask_buckets"]), g["mask_sum"])
+            _add(errors, name, g["errors"])
+        yield from (compile_time, mask_time, errors)
 
     def _tier_metrics(self) -> Iterator[Metric]:
         """The KV tiers below each worker's pool, from ``stats()["kv_tiers"]`` (engine.kv_tiers

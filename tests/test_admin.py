@@ -437,3 +437,24 @@ def test_admin_keys_come_from_the_environment_and_a_0600_file(tmp_path, monkeypa
     argv = _child_argv(args)  # the detached server gets them in its environment, not argv
     assert "--admin-key-file" not in argv and str(path) not in argv, argv
     assert _secret_env(args) == {"TANDEM_ADMIN_KEY": "a3\na1\na2"}
+
+
+def test_grammar_metrics() -> None:
+    """Structured outputs' per-worker series from stats()["grammar"]; a worker without it
+    adds none."""
+    grammar = {
+        "compile_buckets": [(0.001, 3), (0.01, 1), (float("inf"), 0)],
+        "compile_sum": 0.012,
+        "mask_buckets": [(0.0001, 5), (0.001, 2), (float("inf"), 1)],
+        "mask_sum": 0.02,
+        "errors": 2,
+    }
+    got = scrape([{"name": "decode-0", "grammar": grammar}, {"name": "prefill-0"}])
+    w = {"worker": "decode-0"}
+    assert got[sample("tandem:grammar_compile_seconds_count", **w)] == 4
+    assert got[sample("tandem:grammar_compile_seconds_bucket", **w, le="0.001")] == 3
+    assert got[sample("tandem:grammar_compile_seconds_sum", **w)] == 0.012
+    assert got[sample("tandem:grammar_mask_seconds_bucket", **w, le="0.001")] == 7
+    assert got[sample("tandem:grammar_mask_seconds_count", **w)] == 8
+    assert got[sample("tandem:grammar_errors_total", **w)] == 2
+    assert not [k for k in got if k[0].startswith("tandem:grammar") and "prefill-0" in str(k)]

@@ -1320,6 +1320,11 @@ async def test_structured_output_fields_reach_the_sampling_params(
     spec = backend.opened[0]["params"].structured
     assert spec.kind == kind and spec.strict is strict
     assert (json.loads(spec.value) if kind == "json_schema" else spec.value) == value
+    async with http(app) as c:  # counted by kind (a 400 is not)
+        await c.post(path, json={**body, "guided_regex": "a("})
+        text = (await c.get("/metrics")).text
+    name = f'tandem:structured_output_requests_total{{kind="{kind}",model_name="{MODEL}"}}'
+    assert metric_value(text, name) == 1
 
 
 async def test_response_format_text_asks_for_nothing(app, backend) -> None:

@@ -529,11 +529,20 @@ def test_grammar_mask_composes_with_greedy_random_penalties_and_logprobs() -> No
     assert out[3].logprob == pytest.approx(float(raw[out[3].token_id]), abs=1e-5)
 
 
-def test_grammar_rows_refuse_pending_tokens_and_empty_masks() -> None:
-    logits = flat_logits(1, 64)
+def test_grammar_rows_refuse_pending_tokens_and_fail_alone() -> None:
+    """A grammar that allows nothing, or is in error, fails its row alone: the row is left
+    unmasked (its draw is thrown away), its matcher keeps the reason; the other rows of the
+    batch stay masked."""
+    logits = flat_logits(3, 64)
     row = grammar_row([5], temperature=0.0)
     row.num_pending = 1
     with pytest.raises(ValueError, match="pending"):
-        sampler()(logits, [row])
-    with pytest.raises(ValueError, match="allows no token"):
-        sampler()(logits, [grammar_row([], temperature=0.0)])
+        sampler()(logits[:1], [row])
+    rows = [grammar_row([], temperature=0.0), grammar_row([7], temperature=0.0)]
+    rows.append(grammar_row([9], temperature=0.0))
+    rows[2].grammar.fail("broken")
+    out = sampler()(logits, rows)
+    assert rows[0].grammar.error and "allows no token" in rows[0].grammar.error
+    assert rows[1].grammar.error is None and out[1].token_id == 7
+    assert rows[2].grammar.error == "broken"
+    assert out[0].token_id == int(logits[0].argmax()) and out[2].token_id == int(logits[2].argmax())

@@ -815,3 +815,52 @@ def test_randomized_stress_exercises_preemption_aborts_and_prefix_hits() -> None
     totals = [stress(seed, num_steps=300) for seed in SEEDS[:4]]
     for key in ("preemptions", "aborts", "prefix_hits"):
         assert sum(t[key] for t in totals) > 0, key
+
+
+# ----------------------------------------------------------------------------- grammars
+
+
+def test_a_request_waits_for_its_grammar_and_a_failed_one_ends_alone() -> None:
+    """A request whose grammar compiles is passed over (the ones behind it run), admitted once
+    it lands; one whose compile failed ends FINISHED_ERROR holding no block; a token its
+    matcher refuses ends that request at the step that drew it."""
+    from concurrent.futures import Future
+
+    from engine.grammar import FailedMatcher, GrammarMatcher
+
+    class Only(GrammarMatcher):
+        def __init__(self, allowed: int) -> None:
+            self.allowed = allowed
+
+        def accept(self, token_id: int) -> bool:
+            if token_id != self.allowed:
+                self.fail(f"token {token_id} refused")
+            return self.error is None
+
+        def fill_bitmask(self, bitmask, row: int) -> None:
+            raise AssertionError("no sampler here")
+
+        def is_terminated(self) -> bool:
+            return False
+
+    sched = make_scheduler()
+    slow, failed, free = (make_request(n, 5, arrival=i) for i, n in enumerate("sfx"))
+    compiling, broken = Future(), Future()
+    slow.grammar_pending, failed.grammar_pending = (compiling, 0), (broken, 0)
+    add(sched, slow, failed, free)
+    assert sched.land_grammars() == []
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.scheduled] == ["x"]
+    assert slow.status == failed.status == RequestStatus.WAITING_FOR_GRAMMAR
+    broken.set_result(FailedMatcher("invalid regex: unclosed group"))
+    compiling.set_result(Only(TOKEN))
+    assert sched.land_grammars() == [failed]
+    assert failed.status == RequestStatus.FINISHED_ERROR and "unclosed" in failed.grammar_error
+    assert sched.block_manager.block_table("f") == []
+    assert slow.status == RequestStatus.WAITING
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.scheduled] == ["x", "s"]
+    progressed, finished = sched.update_from_output(out, {"x": TOKEN, "s": TOKEN + 1})
+    assert {r.request_id for r in progressed} == {"x", "s"}
+    assert finished == [slow] and slow.status == RequestStatus.FINISHED_ERROR
+    assert "refused" in slow.grammar_error and free.status == RequestStatus.RUNNING

@@ -7,14 +7,21 @@ request's token before masking its next step."""
 from __future__ import annotations
 
 import json
-import random
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredSpec
 from engine.tokenizer import apply_chat_template
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.structured_suite import schemas  # noqa: E402
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -34,66 +41,6 @@ def chat(llm, text: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the schemas
-
-_NAMES = ["name", "city", "color", "size", "count", "score", "tags", "owner", "ok", "code"]
-_PATTERNS = ["^[A-Z]{2}[0-9]{2}$", "^[a-z]{1,6}@[a-z]{1,6}\\.com$", "^[0-9]{3}-[0-9]{4}$"]
-
-
-def _leaf(rng: random.Random, depth: int) -> dict:
-    kind = rng.choice(
-        ["string", "enum", "integer", "number", "boolean", "pattern", "array", "nullable"]
-        + (["object"] if depth < 2 else [])
-    )
-    if kind == "string":
-        return {"type": "string", "minLength": 1, "maxLength": rng.randint(3, 12)}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "small", "large", "n/a"], 3)}
-    if kind == "integer":
-        low = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
-    if kind == "number":
-        low = rng.choice([-10.5, 0, 0.25, 3])
-        return {"type": "number", "minimum": low, "maximum": low + rng.choice([1, 7.5, 100])}
-    if kind == "boolean":
-        return {"type": "boolean"}
-    if kind == "pattern":
-        return {"type": "string", "pattern": rng.choice(_PATTERNS)}
-    if kind == "nullable":
-        return {"type": ["integer", "null"], "minimum": 0, "maximum": 9}
-    if kind == "array":
-        low = rng.randint(0, 2)
-        items = rng.choice(
-            [
-                {"type": "integer", "minimum": 0, "maximum": 99},
-                {"type": "string", "maxLength": 6},
-                {"enum": ["a", "b", "c"]},
-            ]
-        )
-        return {
-            "type": "array",
-            "items": items,
-            "minItems": low,
-            "maxItems": low + rng.randint(0, 2),
-        }
-    return _object(rng, depth + 1, rng.randint(1, 2))
-
-
-def _object(rng: random.Random, depth: int, size: int) -> dict:
-    names = rng.sample(_NAMES, size)
-    return {
-        "type": "object",
-        "properties": {n: _leaf(rng, depth) for n in names},
-        "required": names,
-        "additionalProperties": False,
-    }
-
-
-def schemas(count: int = 52) -> list[dict]:
-    rng = random.Random(27)
-    out = [_object(rng, 0, rng.randint(1, 4)) for _ in range(count - 2)]
-    out.append({"type": "array", "items": _object(rng, 1, 2), "minItems": 1, "maxItems": 2})
-    out.append({"enum": ["yes", "no", "maybe"]})
-    return out
 
 
 def test_the_suite_is_varied():
@@ -216,15 +163,118 @@ def test_continuing_from_output_tokens_rebuilds_the_grammar(llm):
         assert fresh.token_ids[:k] + final.outputs[0].token_ids == fresh.token_ids, k
 
 
-def test_output_tokens_that_break_the_grammar_are_refused(llm):
-    prompt = chat(llm, "hi")
-    params = SamplingParams(max_tokens=8, structured=StructuredSpec.choice(["yes", "no"]))
+def run_all(engine) -> dict:
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def test_a_grammar_that_fails_ends_its_request_alone(llm):
+    """In one batch: a spec that does not compile (the engine compiles off its thread: the
+    request ends with the compile's error), carried output that breaks its grammar, and a
+    matcher that errs mid-answer each end their own request with finish_reason "error" and
+    the reason; the free request beside them keeps its greedy tokens."""
+    engine = llm.engine
+    prompt = chat(llm, "Name a color.")
+    free = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = llm.generate(prompt, free)[0].outputs[0].token_ids
+    choice = SamplingParams(max_tokens=8, structured=StructuredSpec.choice(["yes", "no"]))
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 6, "maxItems": 6}
+    array = SamplingParams(
+        temperature=0.0, max_tokens=40, structured=StructuredSpec.json_schema(schema)
+    )
     bad = llm.tokenizer.encode("maybe", add_special_tokens=False)
-    with pytest.raises(ValueError, match="does not follow"):
-        llm.engine.add_request(None, prompt, params, output_token_ids=bad)
-    with pytest.raises(ValueError, match="invalid regex"):
-        llm.engine.add_request(None, prompt, SamplingParams(structured=StructuredSpec.regex("a(")))
-    assert not llm.engine.has_unfinished_requests()
+    ids = {
+        "regex": engine.add_request(
+            None, prompt, SamplingParams(structured=StructuredSpec.regex("a("))
+        ),
+        "carried": engine.add_request(None, prompt, choice, output_token_ids=bad),
+        "free": engine.add_request(None, prompt, free),
+        "array": engine.add_request(None, prompt, array),
+    }
+    final, errs = {}, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = out
+        request = engine.single_request(ids["array"])
+        if request is not None and request.num_output_tokens == 3 and errs is None:
+            errs = request.grammar.accept(bad[0])  # a refused token puts the matcher in error
+    out = {name: final[rid] for name, rid in ids.items()}
+    assert errs is False
+    assert (
+        "invalid regex" in out["regex"].error and out["regex"].outputs[0].finish_reason == "error"
+    )
+    assert "does not follow" in out["carried"].error
+    assert "is not allowed here" in out["array"].error
+    assert out["array"].outputs[0].finish_reason == "error" and out["array"].finished
+    assert len(out["array"].outputs[0].token_ids) == 3  # the token drawn after is not sent
+    assert out["free"].error is None and out["free"].outputs[0].token_ids == alone
+    stats = engine.grammar_stats()
+    assert stats["errors"] >= 3
+    assert sum(n for _, n in stats["compile_buckets"]) == engine.structured_outputs().compiles
+    assert sum(n for _, n in stats["mask_buckets"]) >= 3 and stats["mask_sum"] > 0
+    engine.block_manager.check_invariant(expect_idle=True)
+    with pytest.raises(ValueError, match="invalid regex"):  # offline: before anything runs
+        llm.generate(prompt, SamplingParams(structured=StructuredSpec.regex("a(")))
+
+
+def test_a_grammar_failure_is_an_error_delta_for_a_worker(smollm2_dir):
+    """The workers' output form: the failed request's stream ends with an error delta (its
+    client gets an OpenAI error), the other request's deltas go on to its end."""
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu", async_scheduling=True)
+    engine = llm.engine
+    engine.output_kind = "delta"
+    prompt = chat(llm, "Name a color.")
+    spec = StructuredSpec.json_schema({"enum": ["red", "green", "blue"]})
+    engine.add_request("bad", prompt, SamplingParams(structured=StructuredSpec.regex("[")))
+    engine.add_request("good", prompt, SamplingParams(max_tokens=10, structured=spec))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    bad = [d for d in deltas if d.request_id == "bad"]
+    good = [d for d in deltas if d.request_id == "good"]
+    assert len(bad) == 1 and "regex" in bad[0].error and not bad[0].retryable
+    assert good[-1].finish_reason == "stop" and all(d.error is None for d in good)
+    text = llm.tokenizer.decode([t for d in good for t in d.token_ids], skip_special_tokens=True)
+    assert json.loads(text) in ("red", "green", "blue")
+
+
+def test_a_slow_compile_never_stalls_the_batch(smollm2_dir, monkeypatch):
+    """A compile that takes long runs off the engine thread: the request waits
+    (WAITING_FOR_GRAMMAR) while the free request decodes; it runs once its grammar lands."""
+    import threading
+
+    from engine.grammar import Grammars
+    from engine.request import RequestStatus
+
+    llm = LLM(str(smollm2_dir), dtype="float32", device="cpu")
+    engine = llm.engine
+    release = threading.Event()
+    compile_once = Grammars.compile
+
+    def slow(self, spec):
+        release.wait(60)
+        return compile_once(self, spec)
+
+    monkeypatch.setattr(Grammars, "compile", slow)
+    prompt = chat(llm, "Name a color.")
+    spec = StructuredSpec.choice(["red", "green"])
+    slow_id = engine.add_request(None, prompt, SamplingParams(max_tokens=5, structured=spec))
+    free_id = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=6))
+    waiting = engine.single_request(slow_id)
+    final = {}
+    while free_id not in final:
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        assert waiting.status == RequestStatus.WAITING_FOR_GRAMMAR
+    release.set()
+    final.update(run_all(engine))
+    assert final[slow_id].outputs[0].text in ("red", "green")
+    assert len(final[free_id].outputs[0].token_ids) == 6
 
 
 def test_async_scheduling_with_constrained_and_free_requests(smollm2_dir):

@@ -221,6 +221,57 @@ def test_n_samples_through_the_router_resume_when_their_worker_hangs(
     assert_idle(cluster, timeout=30.0)  # the stopped worker, continued, aborted what moved away
 
 
+def test_a_constrained_request_resumes_valid_and_exact(setup, prompts) -> None:
+    """A schema-constrained greedy request whose decode worker hangs mid-answer (SIGSTOP: the
+    router gives up on it after the stall timeout and resumes it elsewhere from its snapshot,
+    as after a kill; a kill here would leave the later tests short of workers): the new worker
+    rebuilds the grammar from the tokens carried, and the answer is the uninterrupted one,
+    token for token, and valid."""
+    import json
+
+    from engine.sampling_params import StructuredSpec
+    from router.membership import MembershipView
+    from router.service import ClusterBackend
+
+    cluster, _, _ = setup
+    words = ["alpha", "beta", "gamma"]
+    schema = {"type": "array", "items": {"enum": words}, "minItems": 8, "maxItems": 8}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=80, structured=StructuredSpec.json_schema(schema)
+    )
+
+    async def run(rid: str, hang: bool):
+        view = MembershipView(await cluster.controller.members.remote(), cluster.controller)
+        backend = ClusterBackend(view, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S)
+        gen = await backend.open(rid, prompts[1], params)
+        pid, stopped, last = _pid(cluster, gen.placement.decode), False, None
+        answer = Answer(rid, prompts[1], 1, logprobs=False)
+        try:
+            async for step in gen.outputs():
+                last = answer.add(step)
+                if hang and not stopped and len(last.outputs[0].token_ids) >= 3:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = True
+        finally:
+            if stopped:
+                os.kill(pid, signal.SIGCONT)
+            await gen.aclose()
+            resumes = dict(backend.dispatcher.resumes)
+            await backend.aclose()
+        return last, stopped, resumes
+
+    whole, _, _ = asyncio.run(run("constrained-whole", False))
+    last, stopped, resumes = asyncio.run(run("constrained-resumed", True))
+    assert stopped and resumes.get("stalled", 0) >= 1, resumes
+    assert whole.outputs[0].finish_reason == "stop" and last.outputs[0].finish_reason == "stop"
+    assert list(last.outputs[0].token_ids) == list(whole.outputs[0].token_ids)
+    value = json.loads(
+        cluster.tokenizer.decode(last.outputs[0].token_ids, skip_special_tokens=True)
+    )
+    assert len(value) == 8 and set(value) <= set(words)
+    assert_idle(cluster, timeout=30.0)
+
+
 def test_seeded_sampling_continues_exactly_after_a_kill(setup, prompts) -> None:
     cluster, mode, pool = setup
 
