@@ -485,6 +485,8 @@ def _partial_before(
     text: str, k: int, stop: int, keys: tuple[str, ...]
 ) -> tuple[ParsedCall | None, int | None]:
     """The call as scanned from ``k`` up to the broken position ``stop``."""
+    if stop <= k:
+        return None, None
     try:
         call, _ = _scan_call(text[:stop], k, keys)
     except _Broken:
