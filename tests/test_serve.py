@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import CliProcess
-from openai_checks import check_n_samples
+from openai_checks import check_n_samples, check_tool_calls
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -270,6 +270,12 @@ def test_structured_outputs_through_the_openai_client(client) -> None:
             model=MODEL, messages=messages, max_tokens=5, extra_body={"guided_regex": "a(b"}
         )
     assert bad.value.body["param"] == "guided_regex" and "regex" in bad.value.message
+
+
+def test_tool_calls_through_the_openai_client(client) -> None:
+    """Disaggregated: a named tool, ``required`` streamed, parallel calls on and off, a tool
+    result answered (tests/openai_checks.py)."""
+    check_tool_calls(client, MODEL)
 
 
 def test_errors_are_openai_json(server, client) -> None:
