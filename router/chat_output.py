@@ -41,13 +41,17 @@ REASONING_PARSERS = ("auto", "none", *PARSERS)
 class ChatFormat:
     """``tools``: the tool-call format; ``template_tools``: the chat template renders tools
     itself (else tandem describes them in the system prompt); ``reasoning``: the reasoning
-    parser, if any; ``special``: the format's markers that are one special token (written as
-    that token in grammars, and kept in the answer's text so they can be read)."""
+    parser, if any; ``tokens``: the format's markers that are one added token of the
+    vocabulary (Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``): grammars write them as
+    that token, since llguidance reads every added token as a special one, never as text;
+    ``special``: those of them the tokenizer calls special (kept in the answer's text, so they
+    can be read)."""
 
     tools: ToolFormat
     template_tools: bool
     reasoning: ReasoningParser | None
-    special: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    special: frozenset[str] = frozenset()
 
     @classmethod
     def of(
@@ -73,14 +77,15 @@ class ChatFormat:
             reasoning = parser_of_template(template)
         else:
             reasoning = PARSERS.get(reasoning_parser)
-        return cls(fmt, renders, reasoning, _special_ids(tokenizer, fmt.markers))
+        tokens, special = _marker_tokens(tokenizer, fmt.markers)
+        return cls(fmt, renders, reasoning, tokens, special)
 
     def grammar(self, req: ToolRequest) -> StructuredSpec:
         """The grammar of the calls ``req`` asks for (``required`` or a named function)."""
         return StructuredSpec.lark(call_grammar(self.tools, req, self._marker))
 
     def _marker(self, text: str) -> str:
-        token = self.special.get(text)
+        token = self.tokens.get(text)
         return f"<[{token}]>" if token is not None else json.dumps(text, ensure_ascii=False)
 
     @property
@@ -112,17 +117,17 @@ def template_text(tokenizer: Any) -> str:
     return str(template)
 
 
-def _special_ids(tokenizer: Any, markers: tuple[str, ...]) -> dict[str, int]:
+def _marker_tokens(
+    tokenizer: Any, markers: tuple[str, ...]
+) -> tuple[dict[str, int], frozenset[str]]:
+    """The markers that are one added token (by id), and those of them that are special."""
     if tokenizer is None:
-        return {}
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
-    out = {}
-    for marker in markers:
-        if marker in special:
-            out[marker] = int(tokenizer.convert_tokens_to_ids(marker))
-    return out
+        return {}, frozenset()
+    added = {t.content: (i, t.special) for i, t in (tokenizer.added_tokens_decoder or {}).items()}
+    named = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    tokens = {m: int(added[m][0]) for m in markers if m in added}
+    special = frozenset(m for m in tokens if added[m][1] or m in named)
+    return tokens, special
 
 
 @dataclass

@@ -645,7 +645,8 @@ def call_grammar(fmt: ToolFormat, req: ToolRequest, marker: Callable[[str], str]
     rules = []
     for i, tool in enumerate(tools):
         head, tail = fmt.call_text(tool.name)
-        rules.append(f"call_{i}: {_lark_text(head)} args_{i} {_lark_text(tail)}")
+        head, tail = _lark_seq(head, fmt.markers, marker), _lark_seq(tail, fmt.markers, marker)
+        rules.append(f"call_{i}: {head} args_{i} {tail}")
         options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         schema = {**tool.parameters, "x-guidance": {**options, "lenient": not tool.strict}}
         rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
@@ -653,8 +654,14 @@ def call_grammar(fmt: ToolFormat, req: ToolRequest, marker: Callable[[str], str]
     return f"start: {fmt.calls_rule('call', not one, marker)}\n" + "\n".join(rules) + "\n"
 
 
-def _lark_text(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+def _lark_seq(text: str, markers: Sequence[str], marker: Callable[[str], str]) -> str:
+    """``text`` as a Lark sequence, each of ``markers`` in it written by ``marker`` (a token)."""
+    if not markers:
+        return json.dumps(text, ensure_ascii=False)
+    pieces = re.split("(" + "|".join(re.escape(m) for m in markers) + ")", text)
+    return " ".join(
+        marker(p) if p in markers else json.dumps(p, ensure_ascii=False) for p in pieces if p
+    )
 
 
 # ------------------------------------------------------------------------------- the prompt

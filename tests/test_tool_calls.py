@@ -288,9 +288,16 @@ def test_the_grammar_is_the_templates_own_call_syntax(name, grammars, tokenizer)
 
 
 def test_a_special_token_marker_is_written_as_that_token():
-    fmt = ChatFormat(FORMATS["mistral"], True, None, {"[TOOL_CALLS]": 5})
+    fmt = ChatFormat(
+        FORMATS["mistral"], True, None, {"[TOOL_CALLS]": 5}, frozenset({"[TOOL_CALLS]"})
+    )
     grammar = fmt.grammar(tools_of("required")).value
     assert grammar.startswith('start: <[5]> " "? "["') and fmt.keeps_special_tokens
+    # Qwen's <tool_call> is an added token the tokenizer does not call special
+    qwen = ChatFormat(FORMATS["hermes"], True, None, {"<tool_call>": 7, "</tool_call>": 8})
+    grammar = qwen.grammar(tools_of({"type": "function", "function": {"name": "get_time"}}))
+    assert 'call_0: <[7]> "\\n{\\"name\\": ' in grammar.value and not qwen.keeps_special_tokens
+    assert '"}\\n" <[8]>' in grammar.value
 
 
 # ------------------------------------------------------------------------------ bad requests
@@ -348,8 +355,8 @@ def gateway_post(app, body: dict, stream: bool = False):
     return asyncio.run(go())
 
 
-@pytest.fixture()
-def fake(tokenizer):
+def fake_app(tokenizer):
+    """The gateway's app over test_gateway's backend that replays fixed tokens."""
     from test_gateway import FakeBackend
 
     from router.gateway import create_app
@@ -357,6 +364,11 @@ def fake(tokenizer):
     backend = FakeBackend(tokenizer)
     backend.max_model_len = 4096
     return create_app(backend), backend
+
+
+@pytest.fixture()
+def fake(tokenizer):
+    return fake_app(tokenizer)
 
 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
