@@ -332,6 +332,8 @@ class _LLGuidanceBackend(GrammarBackend):
                 raise ValueError(f"invalid JSON schema: {exc}") from None
         if spec.kind == "regex":
             return matcher.grammar_from_regex(spec.value)
+        if spec.kind == "lark":
+            return matcher.grammar_from_lark(spec.value)
         return matcher.grammar_from_regex("|".join(_regex_literal(c) for c in spec.choices))
 
     def _check_writable(self, spec: StructuredSpec) -> None:
@@ -344,6 +346,7 @@ class _LLGuidanceBackend(GrammarBackend):
             "choice": lambda: spec.choices,
             "json_schema": lambda: _strings(spec.schema),
             "json_object": lambda: [],
+            "lark": lambda: [],  # (written by the gateway from tool names and schemas)
         }[spec.kind]()
         for text in texts:
             for char in text:

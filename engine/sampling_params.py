@@ -14,9 +14,10 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 """What a structured-output spec constrains the answer to: a JSON schema, any JSON object, a
-regular expression, or one of a list of strings."""
+regular expression, one of a list of strings, or a grammar in llguidance's Lark syntax (the
+gateway writes these itself: tool calls in the model's own format, router/tool_calls.py)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class StructuredSpec:
     * ``json_object``: ``value`` is empty; any JSON object
     * ``regex``: the pattern (the whole answer matches it)
     * ``choice``: a JSON list of the allowed strings (``choice(...)`` writes it)
+    * ``lark``: a grammar in llguidance's Lark syntax (``%json`` rules inside)
 
     Built by the classmethods; the grammar itself is compiled by ``engine.grammar``.
     """
@@ -51,7 +53,7 @@ class StructuredSpec:
                 f"structured output {self.kind} must be text of at most "
                 f"{self.MAX_VALUE_LEN} characters."
             )
-        if self.kind in ("regex", "json_schema") and not self.value:
+        if self.kind in ("regex", "json_schema", "lark") and not self.value:
             raise ValueError(f"structured output {self.kind} must not be empty.")
         if not isinstance(self.strict, bool):
             raise ValueError(
@@ -87,6 +89,12 @@ class StructuredSpec:
         if any(not isinstance(c, str) for c in choices):
             raise ValueError("the choice list must hold strings only.")
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def lark(cls, grammar: str) -> StructuredSpec:
+        if not isinstance(grammar, str):
+            raise ValueError(f"the grammar must be a string, got {type(grammar).__name__}.")
+        return cls("lark", grammar)
 
     @property
     def choices(self) -> list[str]:

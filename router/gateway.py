@@ -41,6 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import anyio
@@ -58,6 +59,7 @@ from engine.tracing import trace
 from router import admin, protocol
 from router.auth import bearer_matches
 from router.backend import Backend, Generation
+from router.chat_output import ChatFormat
 from router.errors import CapacityError, ClusterError, RequestError
 from router.metrics import GatewayMetrics, RequestTimer
 from router.outputs import Answer, Step
@@ -80,6 +82,8 @@ def create_app(
     body_timeout_s: float = 30.0,
     write_timeout_s: float = 30.0,
     max_header_bytes: int = 16 << 10,
+    tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     """The gateway app over ``backend``. ``api_keys`` empty: no auth. ``admin_keys``: the keys
     of the /admin routes (none: the API keys guard them, or with no keys at all only loopback
@@ -88,7 +92,9 @@ def create_app(
     of the response); more get 429 with Retry-After: 1, never a queue. ``body_timeout_s``: the
     whole body must arrive within it (408). ``write_timeout_s``: a streamed frame the client
     does not take within it ends the stream. ``max_header_bytes``: larger request headers get
-    431. ``app.state.gateway.drain`` shuts it down gracefully."""
+    431. ``tool_call_parser`` / ``reasoning_parser``: how chat answers are read (``auto``: by
+    the model's chat template; router/chat_output.py). ``app.state.gateway.drain`` shuts it
+    down gracefully."""
     if min(max_concurrent, max_body_bytes, max_header_bytes) < 1:
         raise ValueError(
             f"max_concurrent, max_body_bytes and max_header_bytes must be >= 1, got "
@@ -97,6 +103,8 @@ def create_app(
     if body_timeout_s <= 0 or write_timeout_s <= 0:
         raise ValueError("body_timeout_s and write_timeout_s must be > 0")
     gateway = _Gateway(backend, max_body_bytes, max_concurrent, body_timeout_s, write_timeout_s)
+    if backend.tokenizer is not None:  # a bad setting fails here, before anything serves
+        gateway.chat_format = ChatFormat.of(backend.tokenizer, tool_call_parser, reasoning_parser)
     app = FastAPI(title="tandem", version="0.1.0")
     app.state.gateway = gateway
     if api_keys:
@@ -439,6 +447,7 @@ class _Gateway:
         # HF fast tokenizers are not safe to call from several threads at once: one thread.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
         self._grammars: Grammars | None = None  # structured outputs compiled here, made on use
+        self.chat_format: ChatFormat | None = None  # (set by create_app from the tokenizer)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, _COMPLETION)
@@ -504,10 +513,12 @@ class _Gateway:
     async def _check_structured(self, req: Any, params: SamplingParams) -> None:
         """A structured-output spec that does not compile is a 400 naming the field and the
         problem, before anything runs (compiled on the tokenizer thread; cached here, and the
-        worker compiles it again from its own cache)."""
+        worker compiles it again from its own cache). A tool grammar's problem is in a
+        function's parameters: ``tools``."""
         if params.structured is None:
             return
-        param = protocol.structured_spec(req)[1]
+        asked = protocol.structured_spec(req)
+        param = asked[1] if asked is not None else "tools"
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._tokenizer_pool, self._compile, params.structured)
@@ -544,12 +555,19 @@ class _Gateway:
     async def _start(
         self, request: Request, kind: _Kind, req: Any, request_id: str, arrival: float, call: _Call
     ) -> Response:
+        read = None
         if kind is _CHAT:
-            params = protocol.chat_sampling_params(req)
+            tools = protocol.chat_tools(req)
+            fmt = self.chat_format
+            params = protocol.chat_sampling_params(req, fmt, tools)
             await self._check_structured(req, params)
-            ids, hints = await self._tokenize(
-                protocol.chat_prompt_and_hints, req.messages, req.add_generation_prompt
+            render = protocol.ChatRender(fmt, tools, req.chat_template_kwargs)
+            render.check()
+            ids, hints, thinking = await self._tokenize(
+                _chat_prompt, req.messages, req.add_generation_prompt, render
             )
+            if fmt is not None and fmt.reads_anything(tools):
+                read = partial(fmt.reader, tools, thinking)
             text = None
         else:
             params = protocol.completion_sampling_params(req)
@@ -601,6 +619,8 @@ class _Gateway:
             self.texts,
             stream_usage=req.include_usage,
             prompt_token_ids=list(ids) if req.return_token_ids else None,
+            read=read,
+            reasoning=read is not None and self.chat_format.reasoning is not None,  # type: ignore[union-attr]
         )
         timer = self.metrics.timer(arrival)
         if req.stream:
@@ -683,12 +703,19 @@ class _Gateway:
                     yield protocol.sse(protocol.chat_role_chunk(shape, index))
             last = None
             started: set[int] = set()  # choices whose first frame went out
+            readers: dict[int, Any] = {}  # chat: each choice's reader (shape.read)
             try:
                 async for step in call.generation.outputs():  # type: ignore[union-attr]
                     timer.observe(step)
                     _check_not_aborted(step)
                     for delta in step.choices:
-                        if kind is _CHAT:
+                        if kind is _CHAT and shape.read is not None:
+                            if delta.index not in readers:
+                                readers[delta.index] = shape.read()
+                            frame = chunk(shape, delta, readers[delta.index])
+                            if frame is not None:
+                                yield protocol.sse(frame)
+                        elif kind is _CHAT:
                             yield protocol.sse(chunk(shape, delta))
                         else:
                             first = delta.index not in started
@@ -813,6 +840,16 @@ async def _unless_gone(request: Request, call: _Call, work: Awaitable[Any]) -> t
     if task.cancelled():
         return False, None
     raise task.exception()  # type: ignore[misc]
+
+
+def _chat_prompt(
+    messages: Any, add_generation_prompt: bool, render: protocol.ChatRender, tokenizer: Any
+) -> tuple[list[int], PredictInput, bool]:
+    """The chat prompt's ids and hints, and whether it leaves the answer inside the model's
+    thinking (on the tokenizer thread: the tokenizer is not safe from two threads)."""
+    ids, hints = protocol.chat_prompt_and_hints(messages, add_generation_prompt, tokenizer, render)
+    thinking = render.fmt is not None and render.fmt.thinking(tokenizer, ids)
+    return ids, hints, thinking
 
 
 def _decode(token_ids: list[int], tokenizer: Any) -> str:

@@ -22,13 +22,20 @@ Where the OpenAI API leaves room, this module decides:
   extra but not supported here, a 400 saying so unless its value asks for nothing (null,
   ``false``, an empty list, its default); or unknown, a 400 "Unrecognized request argument
   supplied: NAME" as OpenAI answers (a typo such as ``max_token`` must not run to the context).
-  ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, ``tools`` and
-  ``guided_grammar`` are such unsupported fields, never silently ignored.
+  ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, the legacy ``functions``
+  and ``guided_grammar`` are such unsupported fields, never silently ignored.
 * Structured outputs (``structured_spec``): one of ``response_format`` (``json_schema``,
   ``json_object``; ``text`` asks for nothing), ``guided_json``, ``guided_regex``,
   ``guided_choice`` or ``structured_outputs`` (``json``, ``regex``, ``choice``,
   ``json_object``), on both endpoints; two of them at once is a 400. The gateway compiles the
   spec before anything runs: a schema that does not compile is a 400 naming the problem.
+* Tool calling (``chat_tools``, router/tool_calls.py): ``tools``, ``tool_choice`` (``none``,
+  ``auto``, ``required``, a named function), ``parallel_tool_calls``; ``role: tool`` messages and
+  assistant messages with ``tool_calls`` go to the chat template. ``required`` and a named
+  function are a grammar over the model's own call syntax, so they cannot be combined with
+  another structured output (a 400). ``none`` leaves the tools out of the prompt.
+  ``chat_template_kwargs`` go to the template (``enable_thinking``), but for the names the
+  gateway sets itself.
 * ``top_logprobs`` lists the N most likely alternatives (descending), whether or not the sampled
   token is among them; completions' ``text_offset`` counts from the start of the completion.
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,8 +53,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import SamplingParams, StructuredSpec
 from engine.tokenizer import apply_chat_template, encode_prompt
+from router.chat_output import ChatFormat, ChoiceReader, message_tool_calls
 from router.outputs import Answer, ChoiceDelta, TokenTexts, Usage
 from router.predictor import PredictInput
+from router.tool_calls import ToolError, ToolRequest, fallback_messages, parse_tools
+from router.tool_calls import template_messages as tool_template_messages
 
 MAX_N = 128
 """Largest ``n`` the gateway forwards (each sample is a sequence on a worker)."""
@@ -56,7 +67,13 @@ MIN_REPETITION_PENALTY = 0.01
 it means nothing useful, and near 1e-37 and below the logits overflow float32 to inf and the
 draw fails (found by tests/test_fuzz.py: ``1e-300`` was a 500)."""
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 """Accepted message roles and what the chat template sees (OpenAI's ``developer`` is ``system``)."""
 
 
@@ -137,8 +154,6 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "functions": ([],),
     "function_call": ("none",),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # means nothing without tools (which are a 400)
     "prediction": (),
     "reasoning_effort": (),
     "verbosity": (),
@@ -155,19 +170,15 @@ _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "documents": ([],),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
     "mm_processor_kwargs": ({},),
 }
 _ACCEPTED_HINTS = frozenset({"prompt_cache_key", "safety_identifier"})
 """OpenAI fields that ask for nothing tandem would do differently: a prompt-cache routing key
 (tandem caches and routes by prefix on every request) and an end-user id (like ``user``)."""
 _UNSUPPORTED_MESSAGE: dict[str, tuple[Any, ...]] = {
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "audio": (),
     "refusal": (),
-    "reasoning_content": (),
 }
 _UNSUPPORTED_STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {
     "include_obfuscation": (False,),
@@ -235,11 +246,27 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """A call in an assistant message of the history (OpenAI's shape)."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     unsupported = _UNSUPPORTED_MESSAGE
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant (templates that show past thinking)
 
 
 class _GenerationBody(_Body):
@@ -302,7 +329,11 @@ class ChatCompletionRequest(_GenerationBody):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    # tool calling (router/tool_calls.py checks them: a 400 naming the param)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -333,6 +364,9 @@ def check_fields(req: _Body) -> None:
         _check_extra(response_format.json_schema, "response_format.json_schema.")
     for i, m in enumerate(getattr(req, "messages", None) or ()):
         _check_extra(m, f"messages.{i}.")
+        for j, call in enumerate(getattr(m, "tool_calls", None) or ()):
+            _check_extra(call, f"messages.{i}.tool_calls.{j}.")
+            _check_extra(call.function, f"messages.{i}.tool_calls.{j}.function.")
 
 
 def _check_extra(body: _Body, where: str) -> None:
@@ -443,9 +477,10 @@ def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
         raise bad_request(f"{param}: token ids must be in {limit}, got {bad[:5]}", param=param)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template wants them: known roles, content as one string (text parts
-    joined with newlines, as vLLM does)."""
+    joined with newlines, as vLLM does); an assistant's ``tool_calls`` and a tool result's
+    ``tool_call_id`` kept."""
     if not messages:
         raise bad_request("messages must hold at least one message", param="messages")
     out = []
@@ -456,7 +491,42 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 f"messages.{i}.role: {m.role!r} is not supported; use one of {sorted(CHAT_ROLES)}",
                 param="messages",
             )
-        out.append({"role": role, "content": _content_text(m.content, i)})
+        message: dict[str, Any] = {"role": role, "content": _content_text(m.content, i)}
+        if m.tool_calls and role != "assistant":
+            raise bad_request(f"messages.{i}: only assistant messages have tool_calls", "messages")
+        if m.tool_calls:
+            message["tool_calls"] = [_history_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request(
+                    f"messages.{i}.tool_call_id: a tool message answers a call: give the id of "
+                    "the call it answers",
+                    param="messages",
+                )
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None and role == "tool":
+            message["name"] = m.name
+        if m.reasoning_content is not None and role == "assistant":
+            message["reasoning_content"] = m.reasoning_content
+        out.append(message)
+    return out
+
+
+def _history_call(call: ToolCall, i: int, j: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise bad_request(
+            f"messages.{i}.tool_calls.{j}.function.arguments must be a JSON object as text, "
+            f"got {call.function.arguments[:80]!r}",
+            param="messages",
+        )
+    out: dict[str, Any] = {"type": "function"}
+    if call.id is not None:
+        out["id"] = call.id
+    out["function"] = {"name": call.function.name, "arguments": call.function.arguments}
     return out
 
 
@@ -475,15 +545,68 @@ def _content_text(content: str | list[ContentPart] | None, i: int) -> str:
     return "\n".join(texts)
 
 
+# Template variables the gateway sets itself: chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        *("messages", "conversation", "tools", "documents", "add_generation_prompt"),
+        *("continue_final_message", "tokenize", "chat_template", "return_dict", "padding"),
+        *("truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"),
+        *("tokenizer_kwargs", "return_attention_mask"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChatRender:
+    """How one chat request's prompt is rendered beyond its messages: the model's chat format,
+    the request's tools (None: none, or tool_choice none) and extra template variables."""
+
+    fmt: ChatFormat | None = None
+    tools: ToolRequest | None = None
+    template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """400 for template variables the gateway sets itself."""
+        bad = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(self.template_kwargs or {}))
+        if bad:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(bad)} (the request's own fields do)",
+                param="chat_template_kwargs",
+            )
+
+    def messages_and_kwargs(
+        self, rendered: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The template's messages and keyword arguments: the tools through the template
+        when it renders them, else through tandem's fallback (router/tool_calls.py)."""
+        kwargs = dict(self.template_kwargs or {})
+        active = self.tools is not None and self.tools.active
+        in_template = self.fmt is not None and self.fmt.template_tools
+        history = any(m["role"] == "tool" or m.get("tool_calls") for m in rendered)
+        if in_template or not (active or history) or self.fmt is None:
+            if active and in_template:
+                kwargs["tools"] = [t.openai() for t in self.tools.tools]  # type: ignore[union-attr]
+            return tool_template_messages(rendered), kwargs
+        tools = self.tools.tools if active else ()  # type: ignore[union-attr]
+        return fallback_messages(rendered, tools, self.fmt.tools), kwargs
+
+
 def chat_prompt(
-    messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tokenizer: Any,
+    render: ChatRender | None = None,
 ) -> list[int]:
     """Token ids of the rendered conversation (the engine's own template call)."""
-    return _render_chat(_chat_messages_for(messages, tokenizer), add_generation_prompt, tokenizer)
+    rendered = _chat_messages_for(messages, tokenizer)
+    return _render_chat(rendered, add_generation_prompt, tokenizer, render or ChatRender())
 
 
 def chat_prompt_and_hints(
-    messages: list[ChatMessage], add_generation_prompt: bool, tokenizer: Any
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tokenizer: Any,
+    render: ChatRender | None = None,
 ) -> tuple[list[int], PredictInput]:
     """Token ids of the rendered conversation, and what the length predictor reads of it: the
     last user turn's text, the number of user turns, the previous answer's tokens and the
@@ -498,18 +621,24 @@ def chat_prompt_and_hints(
         last_answer_len=last_answer,
         prev_answers=tuple(a for a in answers if a),
     )
-    return _render_chat(rendered, add_generation_prompt, tokenizer), hints
+    ids = _render_chat(rendered, add_generation_prompt, tokenizer, render or ChatRender())
+    return ids, hints
 
 
-def _chat_messages_for(messages: list[ChatMessage], tokenizer: Any) -> list[dict[str, str]]:
+def _chat_messages_for(messages: list[ChatMessage], tokenizer: Any) -> list[dict[str, Any]]:
     if tokenizer is None:
         raise bad_request("messages: this model has no tokenizer or chat template", "messages")
     return chat_messages(messages)
 
 
-def _render_chat(rendered: list[dict[str, str]], add_generation_prompt: bool, tokenizer: Any):
+def _render_chat(
+    rendered: list[dict[str, Any]], add_generation_prompt: bool, tokenizer: Any, render: ChatRender
+) -> list[int]:
+    messages, kwargs = render.messages_and_kwargs(rendered)
     try:
-        ids = apply_chat_template(tokenizer, rendered, add_generation_prompt=add_generation_prompt)
+        ids = apply_chat_template(
+            tokenizer, messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
     except Exception as exc:  # the template is Jinja over user content: its errors are 400s
         raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
     check_token_ids(ids, tokenizer, "messages")
@@ -529,9 +658,32 @@ def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
     return _sampling_params(req, req.max_tokens, req.logprobs, {})
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
+def chat_tools(req: ChatCompletionRequest) -> ToolRequest | None:
+    """The request's tool calling, checked (400 naming ``tools`` or ``tool_choice``)."""
+    try:
+        return parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+
+
+def chat_sampling_params(
+    req: ChatCompletionRequest, fmt: ChatFormat | None = None, tools: ToolRequest | None = None
+) -> SamplingParams:
+    """``tools``: the request's (``chat_tools``); ``required`` or a named function constrain
+    the answer to calls in ``fmt``'s syntax."""
+    tool_spec = None
+    if tools is not None and tools.active:
+        if fmt is None:
+            raise bad_request("tools need the model's tokenizer; this model has none", "tools")
+        if tools.constrained:
+            other = structured_spec(req)
+            if other is not None:
+                raise bad_request(
+                    f"tool_choice {tools.choice if tools.named is None else repr(tools.named)} "
+                    f"and {other[1]} each constrain the answer; give one",
+                    param="tool_choice",
+                )
+            tool_spec = fmt.grammar(tools)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -540,11 +692,18 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
         names["max_tokens"] = "max_completion_tokens"
-    return _sampling_params(req, max_tokens, logprobs, names)
+    params = _sampling_params(req, max_tokens, logprobs, names, tool_spec)
+    if tools is not None and tools.active and fmt is not None and fmt.keeps_special_tokens:
+        params.skip_special_tokens = False  # the call marker is one: the text must keep it
+    return params
 
 
 def _sampling_params(
-    req: _GenerationBody, max_tokens: int | None, logprobs: int | None, names: dict[str, str]
+    req: _GenerationBody,
+    max_tokens: int | None,
+    logprobs: int | None,
+    names: dict[str, str],
+    spec: StructuredSpec | None = None,
 ) -> SamplingParams:
     """SamplingParams from the body; its ValueError (which starts with the field's name) becomes
     a 400 naming the API parameter (``names`` maps engine names to API names)."""
@@ -572,10 +731,12 @@ def _sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
-    structured = structured_spec(req)
+    if spec is None:
+        structured = structured_spec(req)
+        spec = structured[0] if structured is not None else None
     try:
         return SamplingParams(
-            structured=structured[0] if structured is not None else None,
+            structured=spec,
             n=req.n,
             seed=req.seed,
             max_tokens=max_tokens,
@@ -780,6 +941,10 @@ class Shape:
     stream_usage: bool = False  # include_usage: every chunk carries "usage" (null but the last)
     # return_token_ids: the prompt's ids (None: not asked), sent on the first frame of a stream
     prompt_token_ids: list[int] | None = None
+    # chat: a new reader of one choice's answer (thinking, content, tool calls); None: the
+    # text is the content (router/chat_output.py)
+    read: Callable[[], ChoiceReader] | None = None
+    reasoning: bool = False  # messages and deltas carry reasoning_content
 
     @property
     def token_ids(self) -> bool:
@@ -811,11 +976,24 @@ def chat_response(shape: Shape, answer: Answer) -> dict[str, Any]:
         lp = None
         if shape.logprobs is not None and o.logprobs is not None:
             lp = chat_logprobs(shape.texts, o.token_ids, o.logprobs, shape.logprobs)
+        message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        finish = o.finish_reason
+        if shape.read is not None:
+            reader = shape.read()
+            read = reader.feed(o.text, final=True)
+            message["content"] = read.content
+            if shape.reasoning:
+                message["reasoning_content"] = read.reasoning or None
+            if read.tool_calls:
+                message["tool_calls"] = message_tool_calls(read.tool_calls)
+                if not read.content.strip():
+                    message["content"] = None
+            finish = reader.finish_reason(finish)
         choice = {
             "index": o.index,
-            "message": {"role": "assistant", "content": o.text},
+            "message": message,
             "logprobs": lp,
-            "finish_reason": o.finish_reason,
+            "finish_reason": finish,
             "stop_reason": o.stop_reason,
         }
         if shape.token_ids:
@@ -866,15 +1044,34 @@ def chat_role_chunk(shape: Shape, index: int) -> dict[str, Any]:
     return {**_chunk(shape, "chat.completion.chunk", choice), **extra}
 
 
-def chat_chunk(shape: Shape, d: ChoiceDelta) -> dict[str, Any]:
+def chat_chunk(
+    shape: Shape, d: ChoiceDelta, reader: ChoiceReader | None = None
+) -> dict[str, Any] | None:
+    """One choice's step; with a ``reader`` (``shape.read``) its text is split into thinking,
+    content and tool-call deltas, and a step that adds nothing to send is None (its text held
+    back until it is decided)."""
     lp = None
     if shape.logprobs is not None and d.logprobs is not None:
         lp = chat_logprobs(shape.texts, d.token_ids, d.logprobs, shape.logprobs)
+    delta: dict[str, Any] = {"content": d.text}
+    finish = d.finish_reason
+    if reader is not None:
+        read = reader.feed(d.text, final=finish is not None)
+        delta = {}
+        if read.reasoning:
+            delta["reasoning_content"] = read.reasoning
+        if read.content:
+            delta["content"] = read.content
+        if read.tool_calls:
+            delta["tool_calls"] = read.tool_calls
+        finish = reader.finish_reason(finish)
+        if not delta and finish is None and lp is None and not shape.token_ids:
+            return None
     choice = {
         "index": d.index,
-        "delta": {"content": d.text},
+        "delta": delta,
         "logprobs": lp,
-        "finish_reason": d.finish_reason,
+        "finish_reason": finish,
         "stop_reason": d.stop_reason,
     }
     if shape.token_ids:

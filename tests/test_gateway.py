@@ -615,8 +615,8 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ),
         (
             "/v1/chat/completions",
-            {**CHAT, "tool_choice": "auto"},
-            "tool_choice",
+            {**CHAT, "functions": [{"name": "f"}]},  # the legacy form of tools
+            "functions",
             "unsupported_parameter",
         ),
         ("/v1/chat/completions", {**CHAT, "best_of": True}, "best_of", "unsupported_parameter"),
@@ -649,8 +649,8 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]}]},
-            "messages.0.tool_calls",
+            {"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f"}}]},
+            "messages.0.function_call",
             "unsupported_parameter",
         ),
     ],

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import CliProcess
-from openai_checks import check_n_samples
+from openai_checks import check_n_samples, check_tool_calls
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -316,6 +316,12 @@ def test_the_schema_suite_at_temperature_1_through_the_openai_client(server) -> 
         except Exception as exc:  # noqa: BLE001 - collected, reported together
             bad.append((choice.message.content, str(exc)[:120]))
     assert not bad, f"{len(bad)}/{len(suite)} invalid: {bad[:3]}"
+
+
+def test_tool_calls_through_the_openai_client(client) -> None:
+    """Disaggregated: a named tool, ``required`` streamed, parallel calls on and off, a tool
+    result answered (tests/openai_checks.py)."""
+    check_tool_calls(client, MODEL)
 
 
 def test_errors_are_openai_json(server, client) -> None:

@@ -43,6 +43,7 @@ GATEWAY_FLAGS = {
     *("--stall-timeout", "--hang-timeout", "--shutdown-timeout", "--body-timeout"),
     *("--write-timeout", "--max-header-bytes", "--served-model-name", "--log-level", "--loop"),
     *("--http", "--reuse-port"),
+    *("--tool-call-parser", "--reasoning-parser"),  # (vLLM's spelling)
 }
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import CliProcess
-from openai_checks import check_n_samples
+from openai_checks import check_n_samples, check_tool_calls
 
 from cluster.launch.gateways import (
     GatewayGroup,
@@ -425,6 +425,19 @@ def test_n_samples_through_both_gateway_processes(servers):
             base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120
         )
         check_n_samples(client, MODEL)
+
+
+@pytest.mark.slow
+def test_tool_calls_through_a_child_gateway(servers):
+    """Colocated, through the child gateway process (its tool settings came on its argv): a
+    named tool and ``required`` streamed (tests/openai_checks.py)."""
+    import openai
+
+    port = servers["split"].port + 1
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120
+    )
+    check_tool_calls(client, MODEL, everything=False)
 
 
 def _owners(port: int, client_ports: set[int], pids: list[int]) -> dict[int, int]:

@@ -50,6 +50,7 @@ from cluster.control.autoscaler import AutoscalerConfig, PoolPolicy
 from cluster.control.migrations import RebalanceSettings as Rebalance
 from decode_worker.migration_config import MigrationConfig
 from engine.settings import bounds_of, help_of
+from router.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 __all__ = ["ConfigError", "ServeConfig", "load_serve_config"]
 
@@ -345,6 +346,19 @@ class ServeConfig(BaseModel):
         ge=0,
         description="On SIGTERM, seconds in-flight requests get to finish (new ones get 503 at "
         "once; a second signal stops at once).",
+    )
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="How chat answers' tool calls are written and read: `hermes` "
+        "(`<tool_call>` JSON: Qwen2.5, Qwen3, Hermes), `llama3_json` (Llama 3.1+), `mistral` "
+        "(`[TOOL_CALLS]`), or `auto`: the format the model's chat template writes (a template "
+        "without tools, as SmolLM2's: `hermes`, with the tools in the system prompt).",
+    )
+    reasoning_parser: Literal[REASONING_PARSERS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="Split the model's thinking into `reasoning_content`: `qwen3` "
+        "(`<think>...</think>`), `none`, or `auto`: `qwen3` when the chat template knows "
+        "`</think>`.",
     )
 
     # -- routing and scheduling -----------------------------------------------------------------

@@ -434,6 +434,8 @@ def _gateway_app(backend, args: argparse.Namespace):
         body_timeout_s=args.body_timeout,
         write_timeout_s=args.write_timeout,
         max_header_bytes=args.max_header_bytes,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -64,6 +64,7 @@ GATEWAY_SETTINGS = frozenset(
         *("served_model_name", "host", "port", "reuse_port", "api_key_file", "admin_key_file"),
         *("log_level", "loop", "http", "max_concurrent", "max_body_bytes", "max_header_bytes"),
         *("body_timeout", "write_timeout", "shutdown_timeout"),
+        *("tool_call_parser", "reasoning_parser"),
         *("policy", "queue_policy", "predictor", "max_queue", "slots_per_worker"),
         *("queue_aging", "max_queue_wait", "reject_wait"),
         *("max_resumes", "stall_timeout", "hang_timeout"),
