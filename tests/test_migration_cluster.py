@@ -116,6 +116,37 @@ def test_long_greedy_request_migrated_mid_stream_equals_transformers(cluster, to
     assert_idle(cluster)
 
 
+def test_a_constrained_request_migrated_mid_answer_stays_valid_and_exact(cluster, tok):
+    """A schema-constrained greedy request moved to the other decode worker while it answers:
+    the destination rebuilds the grammar from the tokens carried, so the answer is the unmoved
+    one token for token, and it validates against the schema."""
+    import json
+
+    from engine.sampling_params import StructuredSpec
+
+    words = ["harbor", "lantern", "copper", "meadow"]
+    schema = {"type": "array", "items": {"enum": words}, "minItems": 24, "maxItems": 24}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=200, structured=StructuredSpec.json_schema(schema)
+    )
+    prompt = tok("List twenty-four words as a JSON array:")["input_ids"]
+
+    async def main():
+        unmoved = await collect(cluster, prompt, params, "json-ref")
+        progress = {}
+        task = asyncio.ensure_future(collect(cluster, prompt, params, "json-moved", progress))
+        await until(progress, "json-moved", 20)
+        result = await migrate(cluster, "json-moved", "decode-1")
+        return unmoved, await task, result
+
+    (ref, ref_finish), (tokens, finish), result = asyncio.run(main())
+    assert result.outcome == "migrated", result
+    assert tokens == ref and finish == ref_finish == "stop"
+    answer = json.loads(tok.decode(tokens, skip_special_tokens=True))
+    assert len(answer) == 24 and set(answer) <= set(words)
+    assert_idle(cluster)
+
+
 N_MOVED = 12  # requests decoding at once, each moved once or twice
 
 
