@@ -161,3 +161,26 @@ def test_a_torch_without_the_fp8_kernel_is_refused_before_loading(tiny, monkeypa
 def test_an_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model_dir="x", quantization="int4")
+
+
+def test_serve_flag_and_file_key_reach_the_engine(tmp_path):
+    """``tandem serve --quantization fp8`` (or ``quantization: fp8`` in a file) becomes every
+    worker's ``EngineConfig.quantization``."""
+    import argparse
+
+    from cluster.launch.config_file import load_serve_config
+    from cluster.launch.serve import _cluster_config
+    from cluster.launch.serve_flags import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--quantization", "fp8", "--device", "cpu"])
+    assert _cluster_config(args).engine["quantization"] == "fp8"
+    plain = parser.parse_args(["--device", "cpu"])
+    assert "quantization" not in _cluster_config(plain).engine
+    path = tmp_path / "serve.yaml"
+    path.write_text("quantization: fp8\n")
+    assert load_serve_config(path).quantization == "fp8"
+    path.write_text("quantization: int4\n")
+    with pytest.raises(ValueError, match="quantization"):
+        load_serve_config(path)
