@@ -30,6 +30,7 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 FP8_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and nonzero
 _MIN_CAPABILITY = (8, 9)
+_CHUNK_ROWS = 4096
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +63,16 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        """Quantize ``linear``'s weight (per output channel); its bias is kept as it is."""
-        weight, scale = quantize_rows(linear.weight.detach())
-        return cls(weight, scale, linear.bias, linear.weight.dtype)
+        """Quantize ``linear``'s weight (per output channel), ``_CHUNK_ROWS`` rows at a time so
+        the float32 temporaries stay small beside a model that fills the GPU; its bias is kept
+        as it is."""
+        w = linear.weight.detach()
+        weight = torch.empty(w.shape, dtype=FP8, device=w.device)
+        scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+        for start in range(0, w.shape[0], _CHUNK_ROWS):
+            rows = slice(start, start + _CHUNK_ROWS)
+            weight[rows], scale[rows] = quantize_rows(w[rows])
+        return cls(weight, scale, linear.bias, w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -136,16 +144,30 @@ def capability_problem(name: str, capability: tuple[int, int]) -> str | None:
 
 def quantize_model(model: nn.Module, device: torch.device) -> int:
     """Swap every ``FP8_TARGETS`` linear below ``model`` for an ``Fp8Linear``, one at a time,
-    so the unquantized weight of each is freed before the next is quantized (on CUDA the freed
-    memory goes back to the device, so what the KV pool is sized from counts the e4m3 bytes).
-    Check ``fp8_problem`` first (before loading). Returns how many were swapped."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if name in FP8_TARGETS and isinstance(child, nn.Linear):
-                setattr(parent, name, Fp8Linear.from_linear(child))
-                del child
-                swapped += 1
-    if torch.device(device).type == "cuda":
+    so the unquantized weight of each is freed before the next is quantized: the peak is the
+    unquantized model plus one projection's temporaries. Check ``fp8_problem`` first (before
+    loading). Returns how many were swapped.
+
+    On CUDA the e4m3 weights wait on the host until every unquantized weight is freed and the
+    allocator's cache is emptied, then come back: placed among the freed weights' segments they
+    would keep them half used, unreleasable, and the KV pool, sized from the device's free
+    memory after load, would not get the bytes quantization saved."""
+    cuda = torch.device(device).type == "cuda"
+    targets = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if name in FP8_TARGETS and isinstance(child, nn.Linear)
+    ]
+    swapped: list[Fp8Linear] = []
+    for parent, name in targets:  # no other reference to the old linear: freed on setattr
+        layer = Fp8Linear.from_linear(getattr(parent, name))
+        if cuda:
+            layer.weight.data = layer.weight.data.cpu()
+        setattr(parent, name, layer)
+        swapped.append(layer)
+    if cuda:
         torch.cuda.empty_cache()
-    return swapped
+        for layer in swapped:
+            layer.weight.data = layer.weight.data.to(device)
+    return len(swapped)

@@ -7,6 +7,8 @@ GPU machine; skipped without one).
   quantized weight and input, at decode and prefill row counts and Llama-3-8B's shapes;
 - the layer captured in a CUDA graph replays a new input as eagerly (the per-token scales are
   computed on the device, nothing waits for the host);
+- quantizing a model gives the device back half of its projections' bytes (what the KV pool is
+  sized from: free memory after load);
 - a tiny bf16 model with fp8 weights, decode graphs and piecewise graphs on: its logprobs close
   to the bf16 model's, and the same as its own eager run.
 """
@@ -20,7 +22,7 @@ import torch
 from hf_oracle import GPU_TINY, save_tiny
 from torch import nn
 
-from engine.quant import FP8, Fp8Linear, fp8_reference
+from engine.quant import FP8, FP8_TARGETS, Fp8Linear, fp8_reference, quantize_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -60,6 +62,38 @@ def test_fp8_linear_replays_in_a_cuda_graph():
     static.copy_(fresh)
     graph.replay()
     torch.testing.assert_close(out, layer(fresh), rtol=0, atol=0)
+
+
+def test_quantizing_gives_the_device_back_half_the_projection_bytes():
+    from engine.config import ModelConfig
+    from engine.models import model_class
+
+    cfg = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 1024,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+        }
+    )
+    torch.cuda.empty_cache()
+    with torch.device("cuda"):
+        model = model_class(cfg)(cfg, 64).to(torch.bfloat16)  # 1.74 GB of projections
+    proj = sum(
+        getattr(m, n).weight.numel() * 2
+        for m in model.modules()
+        for n in FP8_TARGETS
+        if hasattr(m, n)
+    )
+    torch.cuda.empty_cache()  # the fp32 build's cached segments: not the weights' to save
+    free_before, _ = torch.cuda.mem_get_info()
+    assert quantize_model(model, torch.device("cuda")) == 16
+    free_after, _ = torch.cuda.mem_get_info()
+    saved = free_after - free_before
+    assert 0.45 * proj < saved <= 0.5 * proj + (64 << 20), (saved, proj)
 
 
 @pytest.fixture(scope="module")
