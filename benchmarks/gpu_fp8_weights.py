@@ -6,14 +6,15 @@ context, so one engine's memory cannot shrink the next one's budget):
 1. decode ITL at batch 1 (512-token context, engine steps, graphs on) over each one's weights
    floor: the bytes a decode step reads of the weights (every parameter but the input embedding,
    of which a step reads one row) over the HBM copy rate measured in this run (aim: fp8 at most
-   1.15x its floor), and the batch-1 decode graph's replay alone;
+   1.15x its floor), and the batch-1 decode graph's replay alone; ``--gemv-off`` adds fp8 with
+   its batch-1 products through ``torch._scaled_mm`` instead of kernels/fp8_gemv.py;
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
    least 1.4x bf16), and each engine's KV pool;
    both on the Llama-3-8B shape (benchmarks/configs/llama3-8b, dummy weights);
 3. ``--big``: a model that does not serve from one H100 in bf16, served in fp8: Llama-3-70B's
    layer shapes (hidden 8192, 64 heads, 8 KV heads, intermediate 28672) at ``--big-layers``
-   layers (default 40: 37.5 B parameters, 70 GiB in bf16, so at utilization 0.9 bf16 leaves
+   layers (default 40: 36.3 B parameters, 68 GiB in bf16, so at utilization 0.9 bf16 leaves
    no room for the KV pool; 80 layers is Llama-3-70B itself, for an H200), its ITL against its
    floor. The weights load in bf16 and are quantized a projection at a time (engine/quant.py),
    so the bf16 weights must fit the GPU while loading;
@@ -23,9 +24,9 @@ context, so one engine's memory cannot shrink the next one's budget):
    part alone on the CPU (fp32 model; torch's CPU ``_scaled_mm`` is the same kernel call).
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
-        [--num-requests 1000] [--big [--big-layers 40]] [--ppl-model DIR]
+        [--num-requests 1000] [--gemv-off] [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
-        ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-answer 64
+        ~/.cache/tandem/models/smollm2 --ppl-samples 8 --ppl-batch 8 --ppl-max-prompt 256 --ppl-max-answer 48
 
 Prints a table, writes JSON and a plot beside it (``.png``).
 """
@@ -90,6 +91,10 @@ def engine_run(args: argparse.Namespace) -> dict:
 
     name = args.one
     model_dir = CONFIG_8B
+    if name == "fp8_cublas":  # batch 1 through _scaled_mm, not the FP8 GEMV
+        from engine.quant import Fp8Linear
+
+        Fp8Linear.gemv_max_rows = 0
     if name == "big":
         model_dir = Path(tempfile.mkdtemp(prefix="fp8-big-"))
         (model_dir / "config.json").write_text(json.dumps(big_config(args.big_layers)))
@@ -119,7 +124,7 @@ def engine_run(args: argparse.Namespace) -> dict:
     times = decode_itl(llm, context=CONTEXT, steps=ITL_STEPS)
     out["itl_s"] = statistics.median(times)
     out["graph_replay_s"] = graph_replay_s(llm)
-    if name != "big" and args.num_requests:
+    if name in ("bf16", "fp8") and args.num_requests:
         items = read_workload(VLLM_SAMPLE)[: args.num_requests]
         prompts = [list(i.prompt_token_ids) for i in items]
         log(f"{name}: throughput, {len(prompts)} vLLM ShareGPT requests")
@@ -205,7 +210,8 @@ def summary(result: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{result['device']}, HBM copy {(result.get('hbm_copy_bytes_per_s') or 0) / 1e12:.2f} TB/s")  # fmt: skip
+    hbm = result.get("hbm_copy_bytes_per_s")
+    print(f"\n{result['device']}" + (f", HBM copy {hbm / 1e12:.2f} TB/s" if hbm else ""))
     rows = [("run", "weights GiB", "floor ms", "ITL ms", "ITL / floor", "graph / floor",
              "KV blocks", "out tok/s")]  # fmt: skip
     for r in result.get("runs", {}).values():
@@ -266,7 +272,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ppl-batch", type=int, default=16, help="answers scored at once")
     ap.add_argument("--ppl-max-prompt", type=int, default=1024, help="longer prompts skipped")
     ap.add_argument("--ppl-max-answer", type=int, default=256, help="answer tokens scored")
-    ap.add_argument("--one", choices=("bf16", "fp8", "big"), help=argparse.SUPPRESS)
+    ap.add_argument("--gemv-off", action="store_true", help="also fp8 with batch 1 on cuBLAS")
+    ap.add_argument("--one", choices=("bf16", "fp8", "fp8_cublas", "big"), help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -289,7 +296,7 @@ def main(argv=None) -> None:
         hbm = hbm_copy_bandwidth()
         log(f"HBM copy {hbm / 1e12:.2f} TB/s")
         result["hbm_copy_bytes_per_s"] = hbm
-        names = ["bf16", "fp8"] + (["big"] if args.big else [])
+        names = ["bf16", "fp8"] + ["fp8_cublas"] * args.gemv_off + ["big"] * args.big
         result["runs"] = {n: in_child(args, n) for n in names}
         with_floors(result["runs"], hbm)
     if args.ppl_model:

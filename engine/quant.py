@@ -44,7 +44,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` stored in e4m3 and a float32 scale per output channel; the
     input is quantized per row (token) at each call and the product runs through
-    ``torch._scaled_mm``, its output in ``out_dtype`` (the model's), the bias added after."""
+    ``torch._scaled_mm``, its output in ``out_dtype`` (the model's), the bias added after.
+    On CUDA one kernel quantizes the input, and up to ``gemv_max_rows`` rows (decode at batch 1)
+    take the FP8 GEMV, which streams the weight at HBM rate where cuBLAS's M = 1 kernels do not
+    (as ``SkinnyLinear`` does for bf16)."""
+
+    gemv_max_rows = 1  # class-wide: benchmarks set 0 to compare against _scaled_mm alone
 
     def __init__(
         self,
@@ -76,7 +81,17 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xq, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
+        x = x.reshape(-1, shape[-1])
+        if x.is_cuda:  # the same numbers in fewer launches: kernels/fp8_quant.py, fp8_gemv.py
+            from kernels.fp8_gemv import fp8_gemv
+            from kernels.fp8_quant import quantize_per_token
+
+            xq, x_scale = quantize_per_token(x)
+            if x.shape[0] <= self.gemv_max_rows:
+                y = fp8_gemv(xq, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+                return y.reshape(*shape[:-1], self.out_features)
+        else:
+            xq, x_scale = quantize_rows(x)
         y = torch._scaled_mm(
             xq,
             self.weight.t(),
