@@ -26,7 +26,8 @@ context, so one engine's memory cannot shrink the next one's budget):
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
         [--num-requests 1000] [--gemv-off] [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
-        ~/.cache/tandem/models/smollm2 --ppl-samples 8 --ppl-batch 8 --ppl-max-prompt 256 --ppl-max-answer 48
+        ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-prompt 256 --ppl-max-answer 64 \\
+        --out benchmarks/results/fp8_weights_ppl_cpu.json      # 5 min on 2 cores
 
 Prints a table, writes JSON and a plot beside it (``.png``).
 """

@@ -9,7 +9,8 @@ parallelism the rank's shard) become an ``Fp8Linear``:
     output  y = torch._scaled_mm(xq, Wq^T, scale_a=sx [M, 1], scale_b=sw [1, N]) + bias
 
 so a decode step reads one byte per weight instead of two. The LM head, the embedding and the
-norms stay in the model's dtype. The activation scales are computed on the device (no host
+norms stay in the model's dtype. On CUDA the input's quantization is one Triton kernel
+(kernels/fp8_quant.py) and batch 1 takes an FP8 GEMV (kernels/fp8_gemv.py): the same numbers. The activation scales are computed on the device (no host
 sync), so the CUDA graphs capture the quantized forward as they capture the unquantized one.
 
 Where it runs: wherever ``torch._scaled_mm`` takes e4m3 with row-wise scales. On CUDA that is
@@ -174,6 +175,14 @@ def quantize_model(model: nn.Module, device: torch.device) -> int:
         for name, child in parent.named_children()
         if name in FP8_TARGETS and isinstance(child, nn.Linear)
     ]
+    if cuda:  # cuBLASLt's fp8 products want both dimensions in multiples of 16
+        for parent, name in targets:
+            n, k = getattr(parent, name).weight.shape
+            if n % 16 or k % 16:
+                raise ValueError(
+                    f"quantization='fp8' on CUDA needs projection sizes divisible by 16; "
+                    f"{name} is {n} x {k} here (after any tensor-parallel split)"
+                )
     swapped: list[Fp8Linear] = []
     for parent, name in targets:  # no other reference to the old linear: freed on setattr
         layer = Fp8Linear.from_linear(getattr(parent, name))
