@@ -83,6 +83,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if x.stride(-1) != 1:
+            x = x.contiguous()
         if x.is_cuda:  # the same numbers in fewer launches: kernels/fp8_quant.py, fp8_gemv.py
             from kernels.fp8_gemv import fp8_gemv
             from kernels.fp8_quant import quantize_per_token
