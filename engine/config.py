@@ -20,6 +20,8 @@ _DTYPES = ("float32", "bfloat16", "float16")
 # What the KV pool may hold: "auto" is the model's dtype; "fp8" is e4m3 (torch.float8_e4m3fn,
 # max 448) with a per-layer K and V scale (engine/attention.py, kernels/).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Weight quantizations (engine/quant.py): "fp8" is e4m3 weights with per-output-channel scales.
+QUANTIZATIONS = ("fp8",)
 FP8_KV_DTYPE = "float8_e4m3fn"
 # Largest piecewise graph bucket allowed: each bucket is L + 1 graphs and a working set that grows
 # with its tokens; past this a step is GPU-bound and graphs win nothing.
@@ -171,6 +173,13 @@ class EngineConfig:
         },
     )
     gpu_memory_utilization: float = 0.9
+    quantization: str | None = setting(
+        None,
+        "'fp8': the decoder layers' projections quantized at load to e4m3 with a scale per "
+        "output channel, activations quantized per token at each matmul (torch._scaled_mm: "
+        "CUDA compute capability 8.9+, or torch's CPU kernel); the LM head, embedding and "
+        "norms stay in dtype. Half the weight bytes of bf16. None: weights as loaded",
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks one worker's model is split over (tensor parallelism: a process and a device "
@@ -272,6 +281,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} ('auto': the model's dtype), "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None (weights in dtype), got "
+                f"{self.quantization!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

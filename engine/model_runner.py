@@ -33,6 +33,7 @@ from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
 from engine.parallel import RankFailure, TPGroup
+from engine.quant import fp8_problem, quantize_model
 from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputs, receive_step, send_step, send_stop
@@ -72,6 +73,8 @@ class ModelRunner:
             # KV stream's NCCL sends) get SMs during a prefill instead of waiting for its GEMMs.
             # Process-wide: one engine per worker process.
             torch._C._set_sm_carveout_experimental(cfg.sm_carveout)
+        if cfg.quantization == "fp8" and (problem := fp8_problem(self.device, self.dtype)):
+            raise ValueError(problem)  # before loading: refused at once
         self.model = self._load_model(max_model_len)
         self.backend: AttentionBackend = select_backend(self.device, self.dtype, self.kv_dtype)
         if self.backend.name == "triton":
@@ -164,6 +167,8 @@ class ModelRunner:
             init_dummy_weights(model, self.cfg.seed)
         else:
             model.load_weights(iterate_weights(self.cfg.model_dir, model.tp_slice))
+        if self.cfg.quantization == "fp8":  # before any pass below swaps the linears
+            logger.info("fp8 weights: %d projections quantized", quantize_model(model, self.device))
         model.rotary.build(self.device)
         if self.device.type == "cpu":
             use_cpu_linears(model)

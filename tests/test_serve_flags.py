@@ -35,6 +35,7 @@ SERVE_FLAGS = {
     *("--role-switching", "--operator-host", "--operator-port", "--operator-token-file"),
     *("--operator-tls-cert", "--operator-tls-key", "--no-operator", "--gateways", "--config"),
     "--tensor-parallel-size",  # added with tensor parallelism (2026-12)
+    "--quantization",  # added with FP8 weights (vLLM's spelling)
 }
 GATEWAY_FLAGS = {
     *("--host", "--port", "--api-key", "--api-key-file", "--admin-key-file", "--policy"),

@@ -199,6 +199,12 @@ class ServeConfig(BaseModel):
         "each on CUDA), placed together on one node: `EngineConfig.tensor_parallel_size`. "
         "Colocated workers only for now.",
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="`fp8`: each worker quantizes the decoder layers' weights to e4m3 at load "
+        "(per-channel scales, activations per token; half of bf16's weight bytes): "
+        "`EngineConfig.quantization`. Needs FP8 matmuls (CUDA compute capability 8.9+).",
+    )
     prefill: int | None = Field(
         None, ge=0, description="Prefill workers (with `decode`; default: by the GPUs here)."
     )

@@ -534,7 +534,12 @@ def _cluster_config(args: argparse.Namespace):
         num_decode=num_d,
         num_colocated=num_c,
         device=device,
-        engine={"dtype": dtype, **_tensor_parallel(args), **_engine_overrides(args.engine)},
+        engine={
+            "dtype": dtype,
+            **_tensor_parallel(args),
+            **({"quantization": args.quantization} if args.quantization else {}),
+            **_engine_overrides(args.engine),
+        },
         ray_address=args.ray_address,
         index_url=_redis_url(args),
         stall_timeout_s=args.stall_timeout,

@@ -1,0 +1,199 @@
+"""FP8 weights (``quantization="fp8"``), applied from outside the model after its weights load.
+
+As vLLM's ``--quantization fp8`` does for a bf16 checkpoint: each decoder layer's four
+projections (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``; under tensor
+parallelism the rank's shard) become an ``Fp8Linear``:
+
+    weight  W [N, K] -> Wq = W / sw  in e4m3 (float8_e4m3fn, max 448),  sw [N] = amax(|W[n, :]|) / 448
+    input   x [M, K] -> xq = x / sx  in e4m3, computed at each call,     sx [M] = amax(|x[m, :]|) / 448
+    output  y = torch._scaled_mm(xq, Wq^T, scale_a=sx [M, 1], scale_b=sw [1, N]) + bias
+
+so a decode step reads one byte per weight instead of two. The LM head, the embedding and the
+norms stay in the model's dtype. On CUDA the input's quantization is one Triton kernel
+(kernels/fp8_quant.py) and batch 1 takes an FP8 GEMV (kernels/fp8_gemv.py): the same numbers. The activation scales are computed on the device (no host
+sync), so the CUDA graphs capture the quantized forward as they capture the unquantized one.
+
+Where it runs: wherever ``torch._scaled_mm`` takes e4m3 with row-wise scales. On CUDA that is
+compute capability 8.9 and up (Ada, Hopper); torch's CPU build (2.13) has the same kernel, so
+CPU tests run the real path, not an emulation. ``fp8_problem`` checks the device at start (a
+capability test on CUDA and a one-off call of the kernel anywhere); the engine refuses to start
+with its message rather than fail on the first request.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# The projections that become Fp8Linear, by their names in engine/models/llama.py.
+FP8_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_MIN_AMAX = 1e-12  # an all-zero row gets this amax: its scale stays finite and nonzero
+_MIN_CAPABILITY = (8, 9)
+_CHUNK_ROWS = 4096
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [R, K]`` as e4m3 with one float32 scale per row (``amax / 448``): ``(xq [R, K],
+    scale [R, 1])``, ``xq * scale ~ x``. On the device, no host sync (graph-capturable)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(_MIN_AMAX) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    """``y = x W^T + b`` with ``W`` stored in e4m3 and a float32 scale per output channel; the
+    input is quantized per row (token) at each call and the product runs through
+    ``torch._scaled_mm``, its output in ``out_dtype`` (the model's), the bias added after.
+    On CUDA one kernel quantizes the input, and up to ``gemv_max_rows`` rows (decode at batch 1)
+    take the FP8 GEMV, which streams the weight at HBM rate where cuBLAS's M = 1 kernels do not
+    (as ``SkinnyLinear`` does for bf16)."""
+
+    gemv_max_rows = 1  # class-wide: benchmarks set 0 to compare against _scaled_mm alone
+
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [N, K] float8_e4m3fn
+        weight_scale: torch.Tensor,  # [N, 1] float32
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        # [1, N], as _scaled_mm's scale_b wants it (one per column of W^T)
+        self.weight_scale = nn.Parameter(weight_scale.reshape(1, -1).contiguous(), False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.out_dtype = out_dtype
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """Quantize ``linear``'s weight (per output channel), ``_CHUNK_ROWS`` rows at a time so
+        the float32 temporaries stay small beside a model that fills the GPU; its bias is kept
+        as it is."""
+        w = linear.weight.detach()
+        weight = torch.empty(w.shape, dtype=FP8, device=w.device)
+        scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+        for start in range(0, w.shape[0], _CHUNK_ROWS):
+            rows = slice(start, start + _CHUNK_ROWS)
+            weight[rows], scale[rows] = quantize_rows(w[rows])
+        return cls(weight, scale, linear.bias, w.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if x.is_cuda:  # the same numbers in fewer launches: kernels/fp8_quant.py, fp8_gemv.py
+            from kernels.fp8_gemv import fp8_gemv
+            from kernels.fp8_quant import quantize_per_token
+
+            xq, x_scale = quantize_per_token(x)
+            if x.shape[0] <= self.gemv_max_rows:
+                y = fp8_gemv(xq, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+                return y.reshape(*shape[:-1], self.out_features)
+        else:
+            xq, x_scale = quantize_rows(x)
+        y = torch._scaled_mm(
+            xq,
+            self.weight.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale,
+            out_dtype=self.out_dtype,
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"
+
+
+def fp8_reference(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What ``layer(x)`` computes, in float32 from the same quantized weight and input (tests
+    and the benchmark's numerics check)."""
+    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    w = layer.weight.float() * layer.weight_scale.reshape(-1, 1)
+    y = (xq.float() * x_scale) @ w.t()
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def fp8_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``quantization="fp8"`` cannot run on ``device`` with the model in ``dtype`` (None
+    when it can): a CUDA device below compute capability 8.9, or a torch build whose
+    ``_scaled_mm`` refuses e4m3 with row-wise scales there (tried on a 16 x 32 product)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < _MIN_CAPABILITY:
+            return capability_problem(torch.cuda.get_device_name(device), cap)
+    try:
+        layer = Fp8Linear.from_linear(nn.Linear(32, 16, bias=False).to(device, dtype))
+        layer(torch.ones(16, 32, device=device, dtype=dtype))
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (
+            f"quantization='fp8' needs FP8 matmuls (torch._scaled_mm with float8_e4m3fn and "
+            f"row-wise scales, output {str(dtype).removeprefix('torch.')}), which torch "
+            f"{torch.__version__} cannot run on {device}: {first}. Serve without quantization"
+            + (
+                " or use dtype bfloat16"
+                if device.type == "cuda" and dtype != torch.bfloat16
+                else ""
+            )
+        )
+    return None
+
+
+def capability_problem(name: str, capability: tuple[int, int]) -> str | None:
+    """The refusal for a CUDA device of ``capability`` (None from 8.9 up)."""
+    if tuple(capability) >= _MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (
+        f"quantization='fp8' needs FP8 matmuls, which {name} (compute capability "
+        f"{major}.{minor}) does not have: they need compute capability 8.9 or higher (Ada, "
+        "Hopper and later). Serve this model without quantization"
+    )
+
+
+def quantize_model(model: nn.Module, device: torch.device) -> int:
+    """Swap every ``FP8_TARGETS`` linear below ``model`` for an ``Fp8Linear``, one at a time,
+    so the unquantized weight of each is freed before the next is quantized: the peak is the
+    unquantized model plus one projection's temporaries. Check ``fp8_problem`` first (before
+    loading). Returns how many were swapped.
+
+    On CUDA the e4m3 weights wait on the host until every unquantized weight is freed and the
+    allocator's cache is emptied, then come back: placed among the freed weights' segments they
+    would keep them half used, unreleasable, and the KV pool, sized from the device's free
+    memory after load, would not get the bytes quantization saved."""
+    cuda = torch.device(device).type == "cuda"
+    targets = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if name in FP8_TARGETS and isinstance(child, nn.Linear)
+    ]
+    if cuda:  # cuBLASLt's fp8 products want both dimensions in multiples of 16
+        for parent, name in targets:
+            n, k = getattr(parent, name).weight.shape
+            if n % 16 or k % 16:
+                raise ValueError(
+                    f"quantization='fp8' on CUDA needs projection sizes divisible by 16; "
+                    f"{name} is {n} x {k} here (after any tensor-parallel split)"
+                )
+    swapped: list[Fp8Linear] = []
+    for parent, name in targets:  # no other reference to the old linear: freed on setattr
+        layer = Fp8Linear.from_linear(getattr(parent, name))
+        if cuda:
+            layer.weight.data = layer.weight.data.cpu()
+        setattr(parent, name, layer)
+        swapped.append(layer)
+    if cuda:
+        torch.cuda.empty_cache()
+        for layer in swapped:
+            layer.weight.data = layer.weight.data.to(device)
+    return len(swapped)

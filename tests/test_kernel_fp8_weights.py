@@ -1,0 +1,57 @@
+"""kernels/fp8_quant.py and kernels/fp8_gemv.py (the CUDA path of ``Fp8Linear``) against their
+references (CPU: Triton interpreter, small shapes). The interpreter's fp32 -> e4m3 rounding is
+not the GPU's (tests/gpu/test_kv_fp8_gpu.py), so the quantizer's bytes are compared on inputs
+whose quantized values are exact; tests/gpu/test_fp8_weights_gpu.py compares random ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref
+from kernels.fp8_quant import FP8, quantize_per_token, quantize_per_token_ref
+
+
+def test_quantizer_matches_reference_on_exact_values():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 0x7F, (5, 300), generator=g, dtype=torch.uint8).view(FP8).float()
+    codes[:, 7] = 448.0  # every row's amax: the scale is exactly the row's factor
+    signs = torch.randint(0, 2, codes.shape, generator=g) * 2 - 1
+    factors = torch.tensor([1.0, 2.0**-5, 2.0**3, 0.5, 2.0**-12])[:, None]
+    x = codes * signs * factors
+    x[3] = 0.0  # an all-zero row: the smallest scale, zeros out
+    q, scale = quantize_per_token(x[:, :], block_k=64)
+    q_ref, scale_ref = quantize_per_token_ref(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantizer_scales_on_random_rows(dtype):
+    """The scales (amax / 448, read over several tiles of K) equal torch's; the bytes are
+    checked on the GPU only (the interpreter rounds -31.05 to -16 in e4m3)."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(4, 130, generator=g) * torch.tensor([[1.0], [30.0], [1e-3], [5.0]])).to(dtype)
+    _, scale = quantize_per_token(x, block_k=32)
+    _, scale_ref = quantize_per_token_ref(x)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 64), (1, 37, 100), (3, 20, 513)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_matches_reference(out_dtype, m, n, k, bias):
+    g = torch.Generator().manual_seed(n * k + m)
+    xq = torch.randn(m, k, generator=g).mul(50).clamp(-448, 448).to(FP8)
+    wq = torch.randn(n, k, generator=g).mul(50).clamp(-448, 448).to(FP8)
+    xs = torch.rand(m, 1, generator=g) * 0.01 + 1e-3
+    ws = torch.rand(1, n, generator=g) * 0.01 + 1e-3
+    b = torch.randn(n, generator=g).to(out_dtype) if bias else None
+    got = fp8_gemv(xq, xs, wq, ws, b, out_dtype, block_n=4, block_k=64)
+    want = fp8_gemv_ref(xq, xs, wq, ws, b, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    # fp32 sums of k exact products in another order, then the output's rounding (twice: bias)
+    mag = (xq.float().abs() @ wq.float().abs().T) * xs * ws
+    ulp = torch.finfo(out_dtype).eps
+    bound = 2 * (k + 1) * 2**-24 * mag + 2 * ulp * (want.float().abs() + mag) + 1e-30
+    assert ((got.float() - want.float()).abs() <= bound).all()
