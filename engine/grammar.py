@@ -311,7 +311,7 @@ class _LLGuidanceBackend(GrammarBackend):
 
         self._llg = llguidance
         eos = list(self.eos_token_ids) or None
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._tokenizer = _text_tokenizer(llguidance, tokenizer, vocab_size, eos)
         # Bytes no token holds (a byte-level vocabulary may lack some: SmolLM2 has no token
         # with 0xF1, 0xF2 or a few control bytes). A spec that needs one is refused: llguidance
         # would silently drop such a character, or (4-byte characters) allow a token it then
@@ -369,6 +369,47 @@ class _LLGuidanceBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return _LLGuidanceMatcher(compiled.deep_copy())
+
+
+def _text_tokenizer(llguidance: Any, tokenizer: Any, vocab_size: int, eos: list[int] | None) -> Any:
+    """llguidance's view of ``tokenizer``, whose encoder never matches an added token in text.
+
+    llguidance tokenizes the bytes a grammar forces (``<think>`` in a regex, a JSON key) with the
+    tokenizer it is given; an HF tokenizer matches its added tokens in any text, special or not,
+    so the forced text ``<think>`` became Qwen3's added token 151667, which llguidance's parser
+    (added tokens are special to it) then refused: the mask allowed only a token the matcher would
+    not take, and the request failed. The encoder here is the same tokenizer without its added
+    tokens, so forced text is written in ordinary tokens; the added tokens stay in the vocabulary
+    as special tokens, which a Lark grammar still names (``<think>``, the tool-call markers)."""
+    import tokenizers
+
+    base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}) or ())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not added or backend is None:
+        return base
+    doc = json.loads(backend.to_str())
+    doc["added_tokens"] = []
+    plain = tokenizers.Tokenizer.from_str(json.dumps(doc))
+    plain.no_padding()
+    plain.no_truncation()
+
+    class _Vocabulary:
+        """What ``llguidance.TokenizerWrapper`` reads: each token's bytes, the special ids, and
+        an encoder (called for forced text only)."""
+
+        eos_token_id = eos[0] if eos else tokenizer.eos_token_id
+        bos_token_id = None
+        tokens = [base.decode_bytes([i]) for i in range(base.vocab_size)]
+        special_token_ids = [i for i in added if i < base.vocab_size]
+
+        def __call__(self, text: str | bytes) -> list[int]:
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            return plain.encode(text, add_special_tokens=False).ids
+
+    wrapper = llguidance.TokenizerWrapper(_Vocabulary())
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
 
 
 def _strings(value: Any) -> list[str]:

@@ -211,6 +211,26 @@ def test_json_object_regex_and_choice(grammars, tokenizer, eos):
     assert not follows(grammars, choice, tokenizer, "aXb (c)")  # "." is literal
 
 
+def test_text_that_spells_an_added_token_is_written_in_ordinary_tokens(grammars, tokenizer, eos):
+    """A regex whose text is an added token's (``<|im_start|>``: the HF tokenizer would match the
+    added token in it, which llguidance's parser refuses as special) is written with ordinary
+    tokens: every step's mask holds a token the matcher takes, and the answer ends as written."""
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    matcher = grammars.matcher(StructuredSpec.regex(r"<\|im_start\|>[a-z]{2}"))
+    bitmask = allocate_bitmask(1, VOCAB)
+    written = []
+    while not matcher.is_terminated():
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = [t for t in allowed_tokens(bitmask[0], VOCAB).tolist() if t != eos]
+        assert allowed and special not in allowed, allowed[:5]
+        assert matcher.accept(allowed[0]), matcher.error
+        written.append(allowed[0])
+        assert len(written) < 32
+        if may_end(matcher, eos):
+            break
+    assert tokenizer.decode(written).startswith("<|im_start|>") and len(written) > 1
+
+
 def test_terminated_only_when_complete(grammars, tokenizer, eos):
     spec = StructuredSpec.choice(["yes"])
     matcher = grammars.matcher(spec)
