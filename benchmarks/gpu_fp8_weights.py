@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -139,40 +138,15 @@ def engine_run(args: argparse.Namespace) -> dict:
 def perplexity(args: argparse.Namespace, quantization: str | None) -> dict:
     """Perplexity of the held-out answers with the weights as loaded or in fp8, scored by
     benchmarks/gpu_kv_fp8.py's teacher-forced path (KV in the model's dtype)."""
-    from benchmarks.gpu_kv_fp8 import answer_logprobs, sharegpt_samples
-    from engine import LLM
+    from benchmarks.gpu_kv_fp8 import perplexity as score
+    from benchmarks.gpu_kv_fp8 import sharegpt_samples
     from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.ppl_model)
     samples = sharegpt_samples(
         tokenizer, args.ppl_data, args.ppl_samples, args.ppl_max_prompt, args.ppl_max_answer
     )
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    need = max(len(s.prompt) + len(s.answer) for s in samples)
-    llm = LLM(
-        args.ppl_model,
-        dtype=dtype,
-        device=args.device,
-        quantization=quantization,
-        num_kv_blocks=args.ppl_batch * -(-need // 16),
-        enforce_eager=True,
-        max_model_len=need + 16,
-    )
-    logprobs: list[float] = []
-    t0 = time.perf_counter()
-    for first in range(0, len(samples), args.ppl_batch):
-        for row in answer_logprobs(llm.engine.runner, samples[first : first + args.ppl_batch]):
-            logprobs += row
-    nll = -sum(logprobs) / len(logprobs)
-    return {
-        "quantization": quantization,
-        "dtype": dtype,
-        "samples": len(samples),
-        "tokens": len(logprobs),
-        "nll": nll,
-        "ppl": math.exp(nll),
-        "seconds": time.perf_counter() - t0,
-    }
+    return score(args.ppl_model, args.device, samples, args.ppl_batch, quantization=quantization)
 
 
 # -- the parent: children, table, JSON, plot -------------------------------------------------------

@@ -37,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -201,12 +202,13 @@ def _target_logprobs(logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
 
 def perplexity(
     model_dir: str,
-    kv_cache_dtype: str,
     device: str,
     samples: list[Sample],
     batch: int,
+    **engine: Any,
 ) -> dict:
-    """Perplexity of every sample's answer tokens with the KV cache at ``kv_cache_dtype``."""
+    """Perplexity of every sample's answer tokens with the engine set by ``engine`` (the KV
+    cache's dtype here, the weights' quantization in benchmarks/gpu_fp8_weights.py)."""
     from engine import LLM
 
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -216,10 +218,10 @@ def perplexity(
         model_dir,
         dtype=dtype,
         device=device,
-        kv_cache_dtype=kv_cache_dtype,
         num_kv_blocks=blocks,
         enforce_eager=True,
         max_model_len=need + 16,
+        **engine,
     )
     runner = llm.engine.runner
     logprobs: list[float] = []
@@ -229,7 +231,7 @@ def perplexity(
             logprobs += row
     nll = -sum(logprobs) / len(logprobs)
     return {
-        "kv_cache_dtype": kv_cache_dtype,
+        **engine,
         "dtype": dtype,
         "samples": len(samples),
         "tokens": len(logprobs),
@@ -255,7 +257,9 @@ def run_one(args: argparse.Namespace) -> dict:
             tokenizer, args.ppl_data, args.ppl_samples, args.ppl_max_prompt, args.ppl_max_answer
         )
         log(f"{kv}: perplexity of {len(samples)} answers")
-        result["ppl"] = perplexity(args.ppl_model, kv, args.device, samples, args.ppl_batch)
+        result["ppl"] = perplexity(
+            args.ppl_model, args.device, samples, args.ppl_batch, kv_cache_dtype=kv
+        )
     return result
 
 
