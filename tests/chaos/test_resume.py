@@ -9,7 +9,8 @@ uninterrupted run with the same seeds. Afterwards every live worker is idle with
 accounting (a stopped worker, once continued, frees what it held).
 
 Two clusters: 1 prefill + 3 decode workers (disaggregated, TCP KV), and 3 colocated workers;
-each test takes one worker out, so each cluster keeps two for its later tests.
+the greedy and seeded kills each take one worker out (a constrained kill scales its pool
+back), so each cluster keeps two for its later tests.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def expected_greedy(smollm2_dir, prompts):
 
 def _pid(cluster, name: str) -> int:
     return next(w.pid for w in cluster.workers if w.name == name)
+
+
+def _live(cluster, role: str) -> list[str]:
+    """The ACTIVE workers of ``role`` in the controller's table now."""
+    from engine.messages import WorkerState
+
+    table = ray.get(cluster.controller.members.remote())
+    return [w.name for w in table.workers if w.role == role and w.state == WorkerState.ACTIVE]
 
 
 def _busiest(cluster, names: list[str]) -> str:
@@ -221,54 +230,68 @@ def test_n_samples_through_the_router_resume_when_their_worker_hangs(
     assert_idle(cluster, timeout=30.0)  # the stopped worker, continued, aborted what moved away
 
 
-def test_a_constrained_request_resumes_valid_and_exact(setup, prompts) -> None:
-    """A schema-constrained greedy request whose decode worker hangs mid-answer (SIGSTOP: the
-    router gives up on it after the stall timeout and resumes it elsewhere from its snapshot,
-    as after a kill; a kill here would leave the later tests short of workers): the new worker
-    rebuilds the grammar from the tokens carried, and the answer is the uninterrupted one,
-    token for token, and valid."""
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_constrained_request_resumes_valid_and_exact(setup, prompts, how) -> None:
+    """A schema-constrained greedy request whose decode worker hangs (SIGSTOP: the router
+    gives up on it after the stall timeout) or dies (SIGKILL) mid-answer resumes elsewhere from
+    its snapshot: the new worker rebuilds the grammar from the tokens carried, and the answer
+    is the uninterrupted one, token for token, and valid. After a kill the pool is scaled back
+    to its size (a real new worker), so the later tests keep theirs."""
     import json
 
     from engine.sampling_params import StructuredSpec
     from router.membership import MembershipView
     from router.service import ClusterBackend
 
-    cluster, _, _ = setup
+    cluster, mode, pool = setup
+    role = "decode" if mode == "disagg" else "colocated"
+    size = len(_live(cluster, role))  # the controller's count (this process may suspect one)
     words = ["alpha", "beta", "gamma"]
     schema = {"type": "array", "items": {"enum": words}, "minItems": 8, "maxItems": 8}
     params = SamplingParams(
         temperature=0.0, max_tokens=80, structured=StructuredSpec.json_schema(schema)
     )
+    sig = signal.SIGSTOP if how == "stop" else signal.SIGKILL
 
-    async def run(rid: str, hang: bool):
+    async def run(rid: str, fault: bool):
         view = MembershipView(await cluster.controller.members.remote(), cluster.controller)
         backend = ClusterBackend(view, tokenizer=cluster.tokenizer, stall_timeout_s=STALL_S)
         gen = await backend.open(rid, prompts[1], params)
-        pid, stopped, last = _pid(cluster, gen.placement.decode), False, None
+        victim = gen.placement.decode
+        pid, hit, last = _pid(cluster, victim), False, None
         answer = Answer(rid, prompts[1], 1, logprobs=False)
         try:
             async for step in gen.outputs():
                 last = answer.add(step)
-                if hang and not stopped and len(last.outputs[0].token_ids) >= 3:
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped = True
+                if fault and not hit and len(last.outputs[0].token_ids) >= 3:
+                    os.kill(pid, sig)
+                    hit = True
         finally:
-            if stopped:
+            if hit and how == "stop":
                 os.kill(pid, signal.SIGCONT)
             await gen.aclose()
             resumes = dict(backend.dispatcher.resumes)
             await backend.aclose()
-        return last, stopped, resumes
+        return last, hit, resumes, victim
 
-    whole, _, _ = asyncio.run(run("constrained-whole", False))
-    last, stopped, resumes = asyncio.run(run("constrained-resumed", True))
-    assert stopped and resumes.get("stalled", 0) >= 1, resumes
+    whole, _, _, _ = asyncio.run(run(f"constrained-whole-{how}", False))
+    last, hit, resumes, victim = asyncio.run(run(f"constrained-resumed-{how}", True))
+    assert hit and resumes.get("stalled" if how == "stop" else "worker_died", 0) >= 1, resumes
     assert whole.outputs[0].finish_reason == "stop" and last.outputs[0].finish_reason == "stop"
     assert list(last.outputs[0].token_ids) == list(whole.outputs[0].token_ids)
     value = json.loads(
         cluster.tokenizer.decode(last.outputs[0].token_ids, skip_special_tokens=True)
     )
     assert len(value) == 8 and set(value) <= set(words)
+    if how == "kill":
+        deadline = time.monotonic() + 30
+        while victim in _live(cluster, role) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victim not in _live(cluster, role)
+        ray.get(cluster.controller.scale.remote(role, size), timeout=180)
+        cluster.refresh()
+        live = _live(cluster, role)
+        assert len(live) == size and victim not in live
     assert_idle(cluster, timeout=30.0)
 
 
