@@ -586,7 +586,8 @@ class ChatRender:
         if in_template or not (active or history) or self.fmt is None:
             if active and in_template:
                 kwargs["tools"] = [t.openai() for t in self.tools.tools]  # type: ignore[union-attr]
-            return tool_template_messages(rendered), kwargs
+            fmt = self.fmt.tools if self.fmt is not None else None
+            return tool_template_messages(rendered, fmt), kwargs
         tools = self.tools.tools if active else ()  # type: ignore[union-attr]
         return fallback_messages(rendered, tools, self.fmt.tools), kwargs
 

@@ -26,8 +26,11 @@ does not parse, or names no tool of the request, stays content.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import secrets
+import string
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -191,6 +194,23 @@ def _shown(value: Any) -> str:
 def new_call_id() -> str:
     """An OpenAI-style tool call id."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other tool call id."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+def _mistral_template_id(call_id: str) -> str:
+    """``call_id`` if it is nine letters and digits, else nine derived from its sha256 (the
+    same for a call and its result, different for different ids)."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(_ALNUM[(n // 62**k) % 62] for k in range(9))
 
 
 # ----------------------------------------------------------------------------- JSON scanning
@@ -392,6 +412,14 @@ class ToolFormat(ABC):
 
     def _args_keys(self) -> tuple[str, ...]:
         return ("arguments", "parameters")
+
+    def new_call_id(self) -> str:
+        """A new id for a call read out of an answer (clients send it back in tool results)."""
+        return new_call_id()
+
+    def template_id(self, call_id: str) -> str:
+        """A call id of the history as this format's chat template takes it."""
+        return call_id
 
 
 class HermesFormat(ToolFormat):
@@ -611,9 +639,91 @@ class MistralFormat(ToolFormat):
     def matches(self, template: str) -> bool:
         return self.mark in template
 
+    def new_call_id(self) -> str:
+        return _mistral_call_id()
+
+    def template_id(self, call_id: str) -> str:
+        return _mistral_template_id(call_id)
+
+
+class MistralArgsFormat(ToolFormat):
+    """Mistral's newer syntax (tokenizer v11 and later: Mistral Small 3.x, Devstral,
+    Magistral): each call is ``[TOOL_CALLS]name[ARGS]{...}``, one after another; v11 may put
+    ``[CALL_ID]id`` between the name and ``[ARGS]`` (read and dropped). Text before the first
+    call is content; after the last, nothing is."""
+
+    name = "mistral_v11"
+    mark, args, call_id = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    markers = (mark, args)
+
+    def scan(self, text: str, final: bool, names: frozenset[str]) -> Scan:
+        j = text.find(self.mark)
+        if j < 0:
+            return Scan(text if final else held_back(text, self.mark))
+        content, calls = text[:j], []
+
+        def not_a_call() -> Scan:
+            return Scan(content, calls) if calls else Scan(text)
+
+        i = j
+        while True:  # text[i:] starts with the mark
+            k = i + len(self.mark)
+            a = text.find(self.args, k)
+            name, has_id, _ = (text[k:] if a < 0 else text[k:a]).partition(self.call_id)
+            name = name.strip()
+            if a < 0:
+                if final:  # cut before its arguments: the call, if it is one
+                    if name in names:
+                        calls.append(ParsedCall(name, None, True))
+                        return Scan(content, calls)
+                    return not_a_call()
+                if has_id:
+                    return Scan(content, calls) if name in names else not_a_call()
+                begun = held_back(held_back(name, self.args), self.call_id)
+                if any(n.startswith(begun) for n in names):
+                    return Scan(content, calls)  # the name is still being written
+                return not_a_call()
+            if name not in names:
+                return not_a_call()
+            call = ParsedCall(name)
+            calls.append(call)
+            v = _skip_ws(text, a + len(self.args))
+            if v == len(text):
+                return Scan(content, calls)
+            if text[v] != "{":  # not an object: the call, with no arguments
+                call.complete = True
+                return Scan(content, calls)
+            end = _value_end(text, v)
+            call.arguments = text[v:] if end is None else text[v:end]
+            if end is None:
+                return Scan(content, calls)
+            call.complete = True
+            i = _skip_ws(text, end)
+            if not text.startswith(self.mark, i):
+                return Scan(content, calls)
+
+    def calls_rule(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
+        return f"{call}+" if parallel else call
+
+    def call_text(self, name: str) -> tuple[str, str]:
+        return f"{self.mark}{name}{self.args}", ""
+
+    def write_call(self, name: str, arguments: str) -> str:
+        head, tail = self.call_text(name)
+        return head + arguments + tail
+
+    def matches(self, template: str) -> bool:
+        return self.args in template
+
+    def new_call_id(self) -> str:
+        return _mistral_call_id()
+
+    def template_id(self, call_id: str) -> str:
+        return _mistral_template_id(call_id)
+
 
 FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())
+    f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat(), MistralArgsFormat())
 }
 """Tool-call formats by name (the ``tool_call_parser`` setting)."""
 
@@ -625,7 +735,8 @@ def format_of_template(template: str | None) -> tuple[ToolFormat, bool]:
     """The format a chat template writes calls in, and whether it renders tools itself
     (otherwise ``fallback_messages`` does, in the fallback format)."""
     template = template or ""
-    for fmt in (FORMATS["mistral"], FORMATS["hermes"], FORMATS["llama3_json"]):
+    order = ("mistral_v11", "mistral", "hermes", "llama3_json")  # (v11 templates hold both marks)
+    for fmt in (FORMATS[name] for name in order):
         if fmt.matches(template):
             return fmt, "tools" in template
     return FORMATS[FALLBACK], False
@@ -667,9 +778,14 @@ def _lark_seq(text: str, markers: Sequence[str], marker: Callable[[str], str]) -
 # ------------------------------------------------------------------------------- the prompt
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], fmt: ToolFormat | None = None
+) -> list[dict[str, Any]]:
     """Messages as chat templates take them: a call's arguments as an object (Llama's and
-    Mistral's templates write them with ``tojson``; Qwen's take either)."""
+    Mistral's templates write them with ``tojson``; Qwen's take either), and call ids as
+    ``fmt``'s template accepts them (``ToolFormat.template_id``: Mistral's raise on any id
+    but nine letters and digits, and clients send back ids of other servers)."""
+    ident = fmt.template_id if fmt is not None else (lambda i: i)
     out = []
     for m in messages:
         if m.get("tool_calls"):
@@ -677,7 +793,10 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {**c, "function": {**c["function"], "arguments": _as_object(c)}}
                 for c in m["tool_calls"]
             ]
+            calls = [{**c, "id": ident(c["id"])} if c.get("id") else c for c in calls]
             m = {**m, "tool_calls": calls}
+        if m.get("role") == "tool" and m.get("tool_call_id"):
+            m = {**m, "tool_call_id": ident(m["tool_call_id"])}
         out.append(m)
     return out
 
@@ -767,7 +886,7 @@ class ToolStream:
             delta: dict[str, Any] = {"index": index}
             function: dict[str, Any] = {}
             if index == len(self._ids):
-                self._ids.append(new_call_id())
+                self._ids.append(self.fmt.new_call_id())
                 self._args_sent.append(0)
                 delta.update(id=self._ids[index], type="function")
                 function["name"] = call.name

@@ -126,7 +126,10 @@ def read(fmt: ChatFormat, pieces: list[str], thinking: bool = False) -> dict:
 
 def check_every_split(fmt: ChatFormat, answer: str, thinking: bool = False) -> dict:
     whole = read(fmt, [answer], thinking)
-    assert all(i.startswith("call_") and len(i) == 29 for i in whole["ids"])
+    if fmt.tools.name.startswith("mistral"):  # nine letters and digits, as its templates want
+        assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in whole["ids"])
+    else:
+        assert all(i.startswith("call_") and len(i) == 29 for i in whole["ids"])
     fields = ("reasoning", "content", "calls")
     for k in range(len(answer) + 1):
         split = read(fmt, [answer[:k], answer[k:]], thinking)
@@ -207,6 +210,59 @@ def test_mistral_calls_rendered_by_mistral_common():
         assert after_text["content"] == "Sure. " and after_text["calls"] == got["calls"]
 
 
+@pytest.mark.parametrize("version", ["v11", "v13"])
+def test_mistral_args_calls_rendered_by_mistral_common(version):
+    """Mistral's newer syntax, ``[TOOL_CALLS]name[ARGS]{...}`` per call (v11: with
+    ``[CALL_ID]id`` before ``[ARGS]``), as mistral-common's own v11 / v13 encoders write it."""
+    data = json.loads((DATA / "tool_formats" / "mistral_v11.json").read_text())
+    fmt = ChatFormat(FORMATS["mistral_v11"], True, None)
+    for case in data["versions"][version]:
+        answer = case["answer"]
+        assert answer.startswith("[TOOL_CALLS]get_weather")
+        assert ("[CALL_ID]" in answer) == (version == "v11")
+        got = check_every_split(fmt, answer)
+        assert got["calls"] == [(c["name"], json.loads(c["arguments"])) for c in case["calls"]]
+        assert got["content"] == ""
+        after_text = check_every_split(fmt, "Sure. " + answer)
+        assert after_text["content"] == "Sure. " and after_text["calls"] == got["calls"]
+    # the format is told by its template; v3 templates keep the older parser
+    v11 = "{{ '[TOOL_CALLS]' + call.function.name + '[ARGS]' + call.function.arguments|tojson }}"
+    assert format_of_template(v11)[0].name == "mistral_v11"
+    assert format_of_template("{{ '[TOOL_CALLS] [' }}")[0].name == "mistral"
+
+
+def test_mistral_args_text_that_is_not_a_call_stays_content():
+    fmt = ChatFormat(FORMATS["mistral_v11"], True, None)
+    for text in ("[TOOL_CALLS]rm_rf[ARGS]{}", "[TOOL_CALLS]get_weather not a call", "[TOOLS] x"):
+        assert check_every_split(fmt, text)["content"] == text
+    reader = fmt.reader(tools_of())  # a call cut by max_tokens keeps what was written
+    d = reader.feed('[TOOL_CALLS]get_time[ARGS]{"city": "Os', final=True)
+    assert d.content == "" and message_tool_calls(d.tool_calls)[0]["function"] == {
+        "name": "get_time",
+        "arguments": '{"city": "Os',
+    }
+
+
+def test_mistral_call_ids_reach_its_template_as_it_takes_them():
+    """Mistral's templates raise on call ids other than nine letters and digits; ids sent
+    back from other servers (``call_...``) are mapped to nine, the same for a call and its
+    result; other formats keep them as sent."""
+    history = [
+        *QUESTION,
+        assistant(CALLS),
+        {"role": "tool", "tool_call_id": "call_0", "content": "12 C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "09:00"},
+    ]
+    for name in ("mistral", "mistral_v11"):
+        out = template_messages(history, FORMATS[name])
+        ids = [c["id"] for c in out[1]["tool_calls"]]
+        assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2
+        assert [out[2]["tool_call_id"], out[3]["tool_call_id"]] == ids
+        kept = template_messages([{**history[2], "tool_call_id": "abcDEF123"}], FORMATS[name])
+        assert kept[0]["tool_call_id"] == "abcDEF123"
+    assert template_messages(history, FORMATS["hermes"])[2]["tool_call_id"] == "call_0"
+
+
 # ----------------------------------------------------------------------- what is not a call
 
 
@@ -285,6 +341,26 @@ def test_the_grammar_is_the_templates_own_call_syntax(name, grammars, tokenizer)
         two = rendered_answer(name, assistant(CALLS))
         assert accepts(grammars, tokenizer, fmt.grammar(tools_of("required")), two)
         assert not accepts(grammars, tokenizer, required, two)  # parallel_tool_calls false
+
+
+def test_the_grammar_of_mistral_args_calls(grammars, tokenizer):
+    """``required`` in the v11 syntax accepts mistral-common's own v13 answers (markers as
+    text here: SmolLM2 has no such tokens) and refuses others; a special-token marker is
+    written as that token."""
+    data = json.loads((DATA / "tool_formats" / "mistral_v11.json").read_text())
+    one, two = (c["answer"] for c in data["versions"]["v13"])
+    fmt = ChatFormat(FORMATS["mistral_v11"], True, None)
+    assert accepts(grammars, tokenizer, fmt.grammar(tools_of("required", parallel=False)), one)
+    assert accepts(grammars, tokenizer, fmt.grammar(tools_of("required")), two)
+    assert not accepts(grammars, tokenizer, fmt.grammar(tools_of("required", False)), two)
+    refused = one.replace("celsius", "kelvin")
+    assert not accepts(grammars, tokenizer, fmt.grammar(tools_of("required")), refused)
+    named = fmt.grammar(tools_of({"type": "function", "function": {"name": "get_time"}}))
+    assert not accepts(grammars, tokenizer, named, one)
+    special = {"[TOOL_CALLS]": 5, "[ARGS]": 6}
+    tokens = ChatFormat(FORMATS["mistral_v11"], True, None, special, frozenset(special))
+    grammar = tokens.grammar(tools_of("required")).value
+    assert grammar.startswith("start: call+") and 'call_0: <[5]> "get_weather" <[6]>' in grammar
 
 
 def test_a_special_token_marker_is_written_as_that_token():
