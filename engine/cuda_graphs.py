@@ -181,6 +181,14 @@ class DecodeGraphs:
             self.memory_bytes / 2**20,
         )
 
+    def release(self) -> None:
+        """Destroy the captured graphs now (before the NCCL communicator their all-reduces
+        captured: NCCL tears a communicator down only once no graph holds its work)."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._logits.clear()
+
     def fits(self, chunks: list[ChunkSpec]) -> bool:
         return len(chunks) <= self.max_batch and all(c.num_tokens == 1 for c in chunks)
 
@@ -252,6 +260,13 @@ class PiecewiseGraphs:
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
+
+    def release(self) -> None:
+        """Destroy the captured pieces now (as ``DecodeGraphs.release``)."""
+        for bucket in self._buckets.values():
+            for graph in bucket.graphs:
+                graph.reset()
+        self._buckets.clear()
 
     # -- capture ---------------------------------------------------------------------------------
 

@@ -431,13 +431,19 @@ class ModelRunner:
     def follow(self) -> None:
         """A rank other than 0: run every step rank 0 sends, until it says stop (or its group
         fails, which raises)."""
-        while (inputs := receive_step(self.tp)) is not None:
-            self._run(inputs, None, None)
+        try:
+            while (inputs := receive_step(self.tp)) is not None:
+                self._run(inputs, None, None)
+        finally:
+            self._release_group()
 
     def close(self) -> bool:
-        """Rank 0: tell the other ranks to stop (they return from ``follow``). False when
-        they could not be told (the group had failed)."""
-        if self.tp is None or self.tp.failed is not None:
+        """Rank 0: tell the other ranks to stop (they return from ``follow``) and let go of
+        the group. False when they could not be told (the group had failed)."""
+        if self.tp is None:
+            return False
+        if self.tp.failed is not None:
+            self._release_group()
             return False
         try:
             send_stop(self.tp)
@@ -446,7 +452,20 @@ class ModelRunner:
             return False
         finally:
             self.tp.failed = "the runner is closed"
+            self._release_group()
         return True
+
+    def _release_group(self) -> None:
+        """The runner steps no more: its graphs go first (NCCL waits, without bound, for every
+        graph that captured a communicator's collectives to be gone before it tears that
+        communicator down), then the group's communicators."""
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.piecewise = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.tp.release()
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
         """Wait for a launched step's sampled tokens (and its prompts' hidden states, which

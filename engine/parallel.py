@@ -32,6 +32,7 @@ but gloo's own pairs, bound to 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -150,6 +151,20 @@ class TPGroup:
         else:
             self.dev = _gloo(dist.PrefixStore("dev", store), rank, self.size, timeout)
         self.failed: str | None = None  # why the group broke (a rank died): every step refuses
+        self._released = False
+
+    def release(self) -> None:
+        """Let go of the device communicator now, waiting for no peer (idempotent; after the
+        last collective, and after every CUDA graph that captured one is destroyed: NCCL
+        waits for those first, without bound). Left to garbage collection, the teardown ran
+        in torch's destructor at an arbitrary time, graphs still alive: a 2-GPU test hung
+        there after its engine had closed."""
+        if self._released:
+            return
+        self._released = True
+        if self.device.type == "cuda":
+            with contextlib.suppress(Exception):
+                self.dev.abort()
 
     # -- the model's collectives (the device group) ---------------------------------------------
 
