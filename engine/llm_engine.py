@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from engine.length_probe import LengthProbe, model_shape, shipped_for
 from engine.messages import Delta
 from engine.model_runner import LaunchedStep, ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput, SampledToken
-from engine.parallel import RankFailure, TPGroup, tp_layout
+from engine.parallel import RankFailure, TPGroup, device_name, tp_layout
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -162,11 +163,19 @@ class LLMEngine:
             tp = TPGroup(self.ranks.rendezvous, 0, cfg.device)
             runner = ModelRunner(cfg, self.model_config, max_len, tp)
             self.ranks.joined()
+            self._rank_table = self.ranks.describe(cfg.device)
             return runner
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(stopped=False)
             raise
+
+    def rank_table(self) -> list[dict[str, object]]:
+        """Every rank of this engine, rank 0 first: its process and device (``tandem status``
+        shows them; one device: one row)."""
+        device = str(self.runner.device)
+        first = {"rank": 0, "pid": os.getpid(), "device": device_name(device)}
+        return [first, *getattr(self, "_rank_table", [])]
 
     def _rank_died(self, why: str) -> None:
         """A TP rank is gone: no step can run any more (the next one raises RankFailure)."""

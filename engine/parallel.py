@@ -222,6 +222,22 @@ def rank_device(device: str, rank: int) -> str:
     return device
 
 
+def device_name(device: str) -> str:
+    """``device`` (``cpu``, ``cuda``, ``cuda:N``: this process's view) as the machine names it,
+    for ``tandem status``: ``cpu``, or ``cuda:<index>`` of the GPU among all the node's (through
+    CUDA_VISIBLE_DEVICES, as a Ray actor sees only its own)."""
+    if not device.startswith("cuda"):
+        return device
+    index = int(
+        device.partition(":")[2]
+        or (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    )
+    visible = [
+        v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+    ]
+    return f"cuda:{visible[index]}" if index < len(visible) else f"cuda:{index}"
+
+
 def default_threads(size: int) -> int:
     """torch threads per rank on CPU when none are set: the cores shared by the ranks."""
     return max(1, (os.cpu_count() or 1) // size)

@@ -26,7 +26,7 @@ from multiprocessing.connection import wait
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel import Rendezvous, TPGroup, default_threads
+from engine.parallel import Rendezvous, TPGroup, default_threads, device_name, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,13 @@ class LocalRanks:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
+    def describe(self, device: str) -> list[dict[str, object]]:
+        """Ranks 1 .. size-1: their process and device (``tandem status``)."""
+        return [
+            {"rank": rank, "pid": p.pid, "device": device_name(rank_device(device, rank))}
+            for rank, p in enumerate(self.processes, start=1)
+        ]
+
     def _watch(self) -> None:
         sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}
         ready = wait(list(sentinels))
@@ -128,6 +135,9 @@ class RankActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def describe(self, device: str, rank: int) -> dict[str, object]:
+        return {"rank": rank, "pid": os.getpid(), "device": device_name(device)}
 
     def run(
         self, cfg: EngineConfig, rank: int, rdv: Rendezvous, max_model_len: int, threads: int
@@ -167,6 +177,8 @@ class RayRanks:
             ).remote()
             for rank in range(1, size)
         ]
+        # asked before ``run`` (which holds each actor for good), answered when read
+        self._described = [a.describe.remote(cfg.device, r) for r, a in enumerate(self.actors, 1)]
         self._runs = [
             # as many torch threads as rank 0 (the worker's share of the node's cores)
             a.run.remote(cfg, rank, self.rendezvous, max_model_len, torch.get_num_threads())
@@ -188,6 +200,13 @@ class RayRanks:
         import ray
 
         return ray.get([a.pid.remote() for a in self.actors])
+
+    def describe(self, device: str) -> list[dict[str, object]]:
+        """Ranks 1 .. size-1: their process and device (``tandem status``); ``device`` is
+        the one they were started with."""
+        import ray
+
+        return ray.get(self._described, timeout=30)
 
     def _watch(self) -> None:
         import ray

@@ -48,7 +48,7 @@ class Latency(_message.Message):
     def __init__(self, p50_s: _Optional[float] = ..., p99_s: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "node_id", "node_ip", "pid", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_use", "kv_projected_use", "ttft", "itl", "migrations_out", "migrations_in", "max_num_seqs", "error", "kv_host", "kv_disk")
+    __slots__ = ("name", "role", "state", "node_id", "node_ip", "pid", "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_use", "kv_projected_use", "ttft", "itl", "migrations_out", "migrations_in", "max_num_seqs", "error", "kv_host", "kv_disk", "ranks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class WorkerStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_HOST_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: Role
     state: WorkerState
@@ -89,7 +90,18 @@ class WorkerStatus(_message.Message):
     error: str
     kv_host: KVTier
     kv_disk: KVTier
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., node_id: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_use: _Optional[float] = ..., kv_projected_use: _Optional[float] = ..., ttft: _Optional[_Union[Latency, _Mapping]] = ..., itl: _Optional[_Union[Latency, _Mapping]] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., error: _Optional[str] = ..., kv_host: _Optional[_Union[KVTier, _Mapping]] = ..., kv_disk: _Optional[_Union[KVTier, _Mapping]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[Rank]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., node_id: _Optional[str] = ..., node_ip: _Optional[str] = ..., pid: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_use: _Optional[float] = ..., kv_projected_use: _Optional[float] = ..., ttft: _Optional[_Union[Latency, _Mapping]] = ..., itl: _Optional[_Union[Latency, _Mapping]] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., error: _Optional[str] = ..., kv_host: _Optional[_Union[KVTier, _Mapping]] = ..., kv_disk: _Optional[_Union[KVTier, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[Rank, _Mapping]]] = ...) -> None: ...
+
+class Rank(_message.Message):
+    __slots__ = ("rank", "pid", "device")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    device: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class KVTier(_message.Message):
     __slots__ = ("used_bytes", "capacity_bytes", "hits")

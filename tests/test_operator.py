@@ -153,14 +153,66 @@ def test_status_lists_every_worker(cluster, operator, capsys):
         assert (w["role"], w["state"], w["error"]) == (role, "active", "")
         assert w["node_ip"] == "127.0.0.1" and len(w["node_id"]) == 56 and w["pid"] > 0
         assert w["kv_blocks_total"] == 192 and w["max_num_seqs"] == 8
+        # one rank: the worker's own process, on this machine's CPU
+        assert w["ranks"] == [{"rank": 0, "pid": w["pid"], "device": "cpu"}]
     assert status["policy"]["rebalance"]["mode"] == "off"
     assert cli(operator, "status") == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[1].split()[:4] == ["ROLE", "WORKER", "NODE", "STATE"]
-    assert [line.split()[:4] for line in table[2:]] == [
-        ["prefill", "prefill-0", "127.0.0.1", "active"],
-        ["decode", "decode-0", "127.0.0.1", "active"],
+    assert table[1].split()[:5] == ["ROLE", "WORKER", "NODE", "STATE", "DEVICES"]
+    assert [line.split()[:5] for line in table[2:]] == [
+        ["prefill", "prefill-0", "127.0.0.1", "active", "cpu"],
+        ["decode", "decode-0", "127.0.0.1", "active", "cpu"],
     ]
+
+
+def test_the_status_table_shows_ranks_and_workers_without_figures():
+    """A worker that did not answer (starting, unresponsive) keeps its row with the reason in
+    the last column; a tensor-parallel worker's devices are its ranks'."""
+    from cluster.cli.operator_client import status_table
+
+    base = {"running": 1, "waiting": 0, "kv_use": 0.5, "migrations_out": 0, "migrations_in": 0}
+    ranks = [{"rank": r, "pid": 10 + r, "device": f"cuda:{r + 2}"} for r in range(2)]
+    cpu = [{"rank": r, "pid": 20 + r, "device": "cpu"} for r in range(3)]
+    status = {
+        "cluster_id": "c1",
+        "model": "/models/m",
+        "membership_version": 3,
+        "migrations_in_flight": 0,
+        "policy": {"rebalance": {"mode": "off"}},
+        "scaling": [],
+        "workers": [
+            {
+                "role": "colocated",
+                "name": "colocated-0",
+                "node_ip": "10.0.0.1",
+                "state": "active",
+                "error": "",
+                "ranks": ranks,
+                **base,
+            },
+            {
+                "role": "colocated",
+                "name": "colocated-1",
+                "node_ip": "10.0.0.1",
+                "state": "active",
+                "error": "",
+                "ranks": cpu,
+                **base,
+            },
+            {
+                "role": "colocated",
+                "name": "colocated-2",
+                "node_ip": "",
+                "state": "starting",
+                "error": "starting: loading its model",
+            },
+        ],
+    }
+    lines = status_table(status).splitlines()
+    assert lines[2].split()[:5] == ["colocated", "colocated-0", "10.0.0.1", "active", "cuda:2,3"]
+    assert lines[3].split()[4] == "cpu" and "cpu x3" in lines[3]
+    assert lines[4].split()[:5] == ["colocated", "colocated-2", "-", "starting", "-"]
+    assert lines[4].endswith("starting: loading its model")
 
 
 # -- scale -------------------------------------------------------------------------------------

@@ -92,6 +92,28 @@ def test_completions_equal_transformers(server, tiny_dir):
     assert [_complete(client, p).choices[0].text for p in PROMPTS] == expected
 
 
+def test_status_shows_each_workers_ranks(server, capsys):
+    """`tandem status` lists each TP worker once, with its two ranks: rank 0 the worker's own
+    process, rank 1 a rank actor's, both on the CPU."""
+    import json
+
+    from cluster.cli import main
+
+    _, client = server
+    port = str(client.base_url.port)
+    assert main(["status", "--serve-port", port, "-o", "json", "--timeout", "60"]) == 0
+    workers = json.loads(capsys.readouterr().out)["workers"]
+    assert sorted(w["name"] for w in workers) == ["colocated-0", "colocated-1"]
+    rank_pids = set(_rank_pids())
+    for w in workers:
+        assert [r["rank"] for r in w["ranks"]] == [0, 1]
+        assert w["ranks"][0]["pid"] == w["pid"] and w["ranks"][1]["pid"] in rank_pids
+        assert {r["device"] for r in w["ranks"]} == {"cpu"}
+    assert main(["status", "--serve-port", port, "--timeout", "60"]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split()[4:6] for row in rows] == [["cpu", "x2"]] * 2
+
+
 def _rank_pids() -> list[int]:
     """The rank actors' processes (Ray titles them ``ray::RankActor.run``)."""
     pids = []

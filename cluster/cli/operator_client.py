@@ -274,6 +274,18 @@ def _tier(t: dict[str, Any] | None) -> str:
     return f"{used / 2**30:.1f}G({used / max(cap, 1):.0%})"
 
 
+def _devices(ranks: list[dict[str, Any]] | None) -> str:
+    """A worker's devices, one per tensor-parallel rank: ``cuda:0,1``, ``cpu x2``, ``-``."""
+    names = [r.get("device") or "?" for r in ranks or []]
+    if not names:
+        return "-"
+    if all(n.startswith("cuda:") for n in names):
+        return "cuda:" + ",".join(n.removeprefix("cuda:") for n in names)
+    if len(set(names)) == 1:
+        return names[0] if len(names) == 1 else f"{names[0]} x{len(names)}"
+    return ",".join(names)
+
+
 def status_table(status: dict[str, Any]) -> str:
     """``tandem status``'s table: a header line, then one aligned row per worker."""
     reb = status["policy"]["rebalance"]
@@ -291,6 +303,7 @@ def status_table(status: dict[str, Any]) -> str:
         "WORKER",
         "NODE",
         "STATE",
+        "DEVICES",
         "RUN",
         "WAIT",
         "KV",
@@ -302,7 +315,7 @@ def status_table(status: dict[str, Any]) -> str:
     rows = []
     for w in status["workers"]:
         if w["error"]:
-            figures = ["-"] * 7 + [w["error"]]
+            figures = ["-"] * 6 + [w["error"]]  # the reason in the last column
         else:
             kv = f"{w['kv_use']:.0%}"
             if w["role"] == "decode":
@@ -316,7 +329,8 @@ def status_table(status: dict[str, Any]) -> str:
                 f"{w['migrations_out']}/{w['migrations_in']}" if w["role"] == "decode" else "-",
                 f"{_tier(w.get('kv_host'))}/{_tier(w.get('kv_disk'))}",
             ]
-        rows.append([w["role"], w["name"], w["node_ip"] or "-", w["state"], *figures])
+        devices = _devices(w.get("ranks"))
+        rows.append([w["role"], w["name"], w["node_ip"] or "-", w["state"], devices, *figures])
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns) - 1)]
     lines = [
         "  ".join([*(c.ljust(n) for c, n in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip()

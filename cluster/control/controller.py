@@ -250,6 +250,7 @@ class Controller:
             itl=latency.get("step_gap_s") if w.role != "prefill" else None,
             migrations_out=migrating.get("out", 0),
             migrations_in=migrating.get("in", 0),
+            ranks=s.get("ranks") or [],
             **tier_use(s.get("kv_tiers")),
         )
         return row

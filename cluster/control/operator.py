@@ -436,6 +436,7 @@ def worker_pb(w: dict[str, Any]) -> pb.WorkerStatus:
     for name in ("kv_host", "kv_disk"):
         if w.get(name):
             getattr(msg, name).CopyFrom(pb.KVTier(**w[name]))
+    msg.ranks.extend(pb.Rank(**r) for r in w.get("ranks") or [])
     return msg
 
 
