@@ -17,10 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from make_mistral_v3 import CALLS, TOOLS
-from mistral_common.protocol.instruct.messages import AssistantMessage, ToolMessage, UserMessage
-from mistral_common.protocol.instruct.request import ChatCompletionRequest
-from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+from make_mistral_v3 import cases
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
@@ -47,29 +44,6 @@ def tokenizer(version: str, folder: Path) -> MistralTokenizer:
     return MistralTokenizer.from_file(path)
 
 
-def cases(tok: MistralTokenizer) -> list[dict]:
-    text = tok.instruct_tokenizer.tokenizer
-
-    def decode(ids: list[int]) -> str:
-        return text.decode(ids, special_token_policy=SpecialTokenPolicy.KEEP)
-
-    question = [UserMessage(content="Weather in Paris and time in Tokyo?")]
-    prompt = tok.encode_chat_completion(ChatCompletionRequest(tools=TOOLS, messages=question))
-    out = []
-    for k in (1, 2):
-        results = [ToolMessage(content='{"ok": true}', tool_call_id=c.id) for c in CALLS[:k]]
-        turn = [AssistantMessage(content=None, tool_calls=CALLS[:k]), *results]
-        full = tok.encode_chat_completion(
-            ChatCompletionRequest(tools=TOOLS, messages=question + turn)
-        )
-        assert full.tokens[: len(prompt.tokens)] == prompt.tokens
-        rest = full.tokens[len(prompt.tokens) :]
-        answer = rest[: rest.index(text.eos_id)]
-        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in CALLS[:k]]
-        out.append({"answer": decode(answer), "calls": calls})
-    return out
-
-
 def main() -> None:
     out = {
         "source": "mistral-common==1.13.1 (PyPI), InstructTokenizerV11 and V13 over its bundled "
@@ -80,7 +54,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for version in ("v11", "v13"):
             tok = tokenizer(version, Path(folder))
-            out["versions"][version] = cases(tok)
+            out["versions"][version] = [
+                {k: v for k, v in case.items() if k != "prompt"} for case in cases(tok)
+            ]
     path = Path(__file__).with_name("mistral_v11.json")
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 

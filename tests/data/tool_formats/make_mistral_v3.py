@@ -36,8 +36,9 @@ CALLS = [
 ]
 
 
-def main() -> None:
-    tok = MistralTokenizer.v3()
+def cases(tok: MistralTokenizer) -> list[dict]:
+    """One and two calls, each as ``tok``'s encoder writes the assistant's turn: the prompt,
+    the answer (up to its end-of-turn) and the calls, special tokens kept."""
     text = tok.instruct_tokenizer.tokenizer
 
     def decode(ids: list[int]) -> str:
@@ -45,11 +46,7 @@ def main() -> None:
 
     question = [UserMessage(content="Weather in Paris and time in Tokyo?")]
     prompt = tok.encode_chat_completion(ChatCompletionRequest(tools=TOOLS, messages=question))
-    out = {
-        "source": "mistral-common==1.13.1 (PyPI), MistralTokenizer.v3(), special tokens kept; "
-        "written by make_mistral_v3.py (SentencePiece spaces show as U+2581)",
-        "cases": [],
-    }
+    out = []
     for k in (1, 2):
         # the answer is read out of a conversation that goes on (a prompt may not end in it)
         results = [ToolMessage(content='{"ok": true}', tool_call_id=c.id) for c in CALLS[:k]]
@@ -61,9 +58,16 @@ def main() -> None:
         rest = full.tokens[len(prompt.tokens) :]
         answer = rest[: rest.index(text.eos_id)]
         calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in CALLS[:k]]
-        out["cases"].append(
-            {"prompt": decode(prompt.tokens), "answer": decode(answer), "calls": calls}
-        )
+        out.append({"prompt": decode(prompt.tokens), "answer": decode(answer), "calls": calls})
+    return out
+
+
+def main() -> None:
+    out = {
+        "source": "mistral-common==1.13.1 (PyPI), MistralTokenizer.v3(), special tokens kept; "
+        "written by make_mistral_v3.py (SentencePiece spaces show as U+2581)",
+        "cases": cases(MistralTokenizer.v3()),
+    }
     path = Path(__file__).with_name("mistral_v3.json")
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
