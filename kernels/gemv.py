@@ -25,7 +25,9 @@ GEMV_MAX_ROWS = 1
 @triton.jit
 def _gemv_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
+    ws_ptr,
     b_ptr,
     y_ptr,
     N,
@@ -33,10 +35,15 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """``SCALED``: x and W are e4m3 with a scale per row of x (``xs``) and per row of W
+    (``ws``): the sum is scaled and rounded to the output dtype, then the bias added in it
+    (kernels/fp8_gemv.py, as ``Fp8Linear`` does after ``_scaled_mm``). Otherwise the bias is
+    added to the fp32 sum."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,9 +58,39 @@ def _gemv_kernel(
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        scale = tl.load(xs_ptr + m) * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
+        y = (y * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def launch_gemv(x, x_scale, weight, weight_scale, bias, y, scaled: bool, config: dict) -> None:
+    """Run ``_gemv_kernel`` over ``y [M, N]`` (the checks are the callers')."""
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = {**default_config(n, k), **config}
+    grid = (-(-n // cfg["block_n"]), m)
+    _gemv_kernel[grid](
+        x,
+        x_scale if scaled else x,
+        weight,
+        weight_scale if scaled else weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        SCALED=scaled,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
 
 
 def default_config(n: int, k: int) -> dict:
@@ -73,25 +110,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} mismatch")
-    cfg = {**default_config(n, k), **config}
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (-(-n // cfg["block_n"]), m)
-    _gemv_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    launch_gemv(x, None, weight, None, bias, y, False, config)
     return y
 
 
