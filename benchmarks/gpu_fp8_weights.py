@@ -10,7 +10,8 @@ context, so one engine's memory cannot shrink the next one's budget):
    its batch-1 products through ``torch._scaled_mm`` instead of kernels/fp8_gemv.py;
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
-   least 1.4x bf16), and each engine's KV pool;
+   least 1.4x bf16), and each engine's KV pool; ``--kv8`` adds fp8 weights with fp8 KV
+   (``kv_cache_dtype="fp8"``): at batch ~256 a step reads as much KV as weights;
    both on the Llama-3-8B shape (benchmarks/configs/llama3-8b, dummy weights);
 3. ``--big``: a model that does not serve from one H100 in bf16, served in fp8: Llama-3-70B's
    layer shapes (hidden 8192, 64 heads, 8 KV heads, intermediate 28672) at ``--big-layers``
@@ -24,7 +25,7 @@ context, so one engine's memory cannot shrink the next one's budget):
    part alone on the CPU (fp32 model; torch's CPU ``_scaled_mm`` is the same kernel call).
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
-        [--num-requests 1000] [--gemv-off] [--big [--big-layers 40]] [--ppl-model DIR]
+        [--num-requests 1000] [--kv8] [--gemv-off] [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
         ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-prompt 256 --ppl-max-answer 64 \\
         --out benchmarks/results/fp8_weights_ppl_cpu.json      # 5 min on 2 cores
@@ -105,6 +106,7 @@ def engine_run(args: argparse.Namespace) -> dict:
         device="cuda",
         load_format="dummy",
         quantization=None if name == "bf16" else "fp8",
+        kv_cache_dtype="fp8" if name == "fp8_kv8" else "auto",
         gpu_memory_utilization=0.9,
     )
     runner = llm.engine.runner
@@ -113,6 +115,7 @@ def engine_run(args: argparse.Namespace) -> dict:
         "run": name,
         "model": "llama3-8b" if name != "big" else f"llama3-70b shape, {args.big_layers} layers",
         "quantization": runner.cfg.quantization,
+        "kv_cache_dtype": runner.cfg.kv_cache_dtype,
         "start_s": time.perf_counter() - t0,
         "weight_bytes": total,
         "weight_bytes_read_per_step": read,
@@ -124,7 +127,7 @@ def engine_run(args: argparse.Namespace) -> dict:
     times = decode_itl(llm, context=CONTEXT, steps=ITL_STEPS)
     out["itl_s"] = statistics.median(times)
     out["graph_replay_s"] = graph_replay_s(llm)
-    if name in ("bf16", "fp8") and args.num_requests:
+    if name in ("bf16", "fp8", "fp8_kv8") and args.num_requests:
         items = read_workload(VLLM_SAMPLE)[: args.num_requests]
         prompts = [list(i.prompt_token_ids) for i in items]
         log(f"{name}: throughput, {len(prompts)} vLLM ShareGPT requests")
@@ -178,6 +181,9 @@ def summary(result: dict) -> dict:
         out["kv_blocks_ratio"] = f["num_kv_blocks"] / b["num_kv_blocks"]
         if "throughput" in b and "throughput" in f:
             out["throughput_ratio"] = f["throughput"]["output_tok_s"] / b["throughput"]["output_tok_s"]  # fmt: skip
+        kv8 = runs.get("fp8_kv8", {})
+        if "throughput" in b and "throughput" in kv8:
+            out["throughput_ratio_kv8"] = kv8["throughput"]["output_tok_s"] / b["throughput"]["output_tok_s"]  # fmt: skip
     ppl = result.get("ppl")
     if ppl:
         out["ppl_ratio"] = ppl["fp8"]["ppl"] / ppl["model_dtype"]["ppl"]
@@ -248,7 +254,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ppl-max-prompt", type=int, default=1024, help="longer prompts skipped")
     ap.add_argument("--ppl-max-answer", type=int, default=256, help="answer tokens scored")
     ap.add_argument("--gemv-off", action="store_true", help="also fp8 with batch 1 on cuBLAS")
-    ap.add_argument("--one", choices=("bf16", "fp8", "fp8_cublas", "big"), help=argparse.SUPPRESS)
+    ap.add_argument("--kv8", action="store_true", help="also fp8 weights with fp8 KV")
+    ap.add_argument(
+        "--one", choices=("bf16", "fp8", "fp8_kv8", "fp8_cublas", "big"), help=argparse.SUPPRESS
+    )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -271,7 +280,8 @@ def main(argv=None) -> None:
         hbm = hbm_copy_bandwidth()
         log(f"HBM copy {hbm / 1e12:.2f} TB/s")
         result["hbm_copy_bytes_per_s"] = hbm
-        names = ["bf16", "fp8"] + ["fp8_cublas"] * args.gemv_off + ["big"] * args.big
+        names = ["bf16", "fp8"] + ["fp8_kv8"] * args.kv8 + ["fp8_cublas"] * args.gemv_off
+        names += ["big"] * args.big
         result["runs"] = {n: in_child(args, n) for n in names}
         with_floors(result["runs"], hbm)
     if args.ppl_model:

@@ -17,6 +17,9 @@ from engine.tokenizer import apply_chat_template
 Message = Mapping[str, Any]
 
 
+PROGRESS_EVERY_S = 5.0  # use_tqdm's progress into a log: a line this often
+
+
 class LLM:
     def __init__(
         self,
@@ -115,19 +118,22 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         t0, done = time.perf_counter(), 0
+        # progress: one line rewritten on a terminal; into a file or a pipe (a log), a line
+        # every PROGRESS_EVERY_S, not one per request
+        tty, shown = sys.stderr.isatty(), t0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
                     done += 1
-                    if use_tqdm:
-                        rate = done / (time.perf_counter() - t0)
+                    now = time.perf_counter()
+                    if use_tqdm and (tty or now - shown >= PROGRESS_EVERY_S or done == len(ids)):
+                        shown = now
+                        line = f"{done}/{len(ids)} requests, {done / (now - t0):.1f} req/s"
                         print(
-                            f"\r{done}/{len(ids)} requests, {rate:.1f} req/s",
-                            end="",
-                            file=sys.stderr,
+                            f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr
                         )
-        if use_tqdm:
+        if use_tqdm and tty:
             print(file=sys.stderr)
         return [final[i] for i in ids]
 

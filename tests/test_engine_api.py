@@ -234,3 +234,19 @@ def test_a_resumed_request_goes_ahead_of_new_ones(tiny_dir, prompts):
     assert [r.request_id for r in engine.scheduler.running] == ["resumed"]
     engine.abort_request(["new", "later-new", "resumed"])
     engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_progress_into_a_log_is_a_line_now_and_then(llm, prompts, capsys, monkeypatch):
+    """``use_tqdm`` into a file or a pipe (stderr is not a terminal here): a whole line at most
+    every PROGRESS_EVERY_S and one at the end, never a carriage-return line per request."""
+    import engine.llm
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    monkeypatch.setattr(engine.llm, "PROGRESS_EVERY_S", 3600.0)
+    llm.generate(prompts, params, use_tqdm=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [lines[-1]] and lines[-1].startswith(f"{len(prompts)}/{len(prompts)} requests")
+    monkeypatch.setattr(engine.llm, "PROGRESS_EVERY_S", 0.0)
+    llm.generate(prompts, params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and len(err.splitlines()) == len(prompts)
