@@ -10,7 +10,8 @@ parallelism the rank's shard) become an ``Fp8Linear``:
 
 so a decode step reads one byte per weight instead of two. The LM head, the embedding and the
 norms stay in the model's dtype. On CUDA the input's quantization is one Triton kernel
-(kernels/fp8_quant.py) and batch 1 takes an FP8 GEMV (kernels/fp8_gemv.py): the same numbers. The activation scales are computed on the device (no host
+(kernels/fp8_quant.py) and batch 1 takes an FP8 GEMV that quantizes its input itself
+(kernels/fp8_gemv.py): the same numbers. The activation scales are computed on the device (no host
 sync), so the CUDA graphs capture the quantized forward as they capture the unquantized one.
 
 Where it runs: wherever ``torch._scaled_mm`` takes e4m3 with row-wise scales. On CUDA that is
@@ -86,13 +87,14 @@ class Fp8Linear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.is_cuda:  # the same numbers in fewer launches: kernels/fp8_quant.py, fp8_gemv.py
-            from kernels.fp8_gemv import fp8_gemv
+            from kernels.fp8_gemv import fp8_gemv_quantizing
             from kernels.fp8_quant import quantize_per_token
 
-            xq, x_scale = quantize_per_token(x)
-            if x.shape[0] <= self.gemv_max_rows:
-                y = fp8_gemv(xq, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+            if x.shape[0] <= self.gemv_max_rows:  # one kernel quantizes and multiplies
+                w, ws = self.weight, self.weight_scale
+                y = fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype)
                 return y.reshape(*shape[:-1], self.out_features)
+            xq, x_scale = quantize_per_token(x)
         else:
             xq, x_scale = quantize_rows(x)
         y = torch._scaled_mm(

@@ -41,6 +41,26 @@ def fp8_gemv(
     return y
 
 
+def fp8_gemv_quantizing(
+    x: torch.Tensor,  # [M, K] in the model's dtype, K contiguous
+    weight: torch.Tensor,  # [N, K] e4m3, K contiguous
+    weight_scale: torch.Tensor,  # [1, N] or [N] float32
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    **config,
+) -> torch.Tensor:
+    """``fp8_gemv(*quantize_per_token(x), ...)`` in one kernel: each program quantizes ``x``'s
+    row itself (the same e4m3 values and scale), so batch-1 decode runs one launch per
+    projection instead of two."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} mismatch")
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    launch_gemv(x, None, weight, weight_scale, bias, y, True, config, quant_x=True)
+    return y
+
+
 def fp8_gemv_ref(xq, x_scale, weight, weight_scale, bias, out_dtype):
     y = (xq.float() @ weight.float().T) * x_scale * weight_scale.reshape(1, -1)
     y = y.to(out_dtype)

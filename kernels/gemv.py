@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_ROWS = 1
+# e4m3's largest value and the smallest amax a row is scaled by (kernels/fp8_quant.py's)
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)
+MIN_AMAX: tl.constexpr = tl.constexpr(1e-12)
 
 
 @triton.jit
@@ -36,6 +39,7 @@ def _gemv_kernel(
     stride_wn,
     stride_ym,
     SCALED: tl.constexpr,
+    QUANT_X: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -43,30 +47,47 @@ def _gemv_kernel(
     """``SCALED``: x and W are e4m3 with a scale per row of x (``xs``) and per row of W
     (``ws``): the sum is scaled and rounded to the output dtype, then the bias added in it
     (kernels/fp8_gemv.py, as ``Fp8Linear`` does after ``_scaled_mm``). Otherwise the bias is
-    added to the fp32 sum."""
+    added to the fp32 sum. ``QUANT_X`` (with ``SCALED``): x comes unquantized and each program
+    quantizes it as kernels/fp8_quant.py does (the row's amax first, then each tile), the
+    same e4m3 values and scale, with no kernel of its own."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    if QUANT_X:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        x_scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         k_mask = kk < K
         x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if QUANT_X:
+            x = tl.clamp(x / x_scale, -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty)
+            x = x.to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
-        scale = tl.load(xs_ptr + m) * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
+        if QUANT_X:
+            scale = x_scale * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
+        else:
+            scale = tl.load(xs_ptr + m) * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)
         y = (y * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def launch_gemv(x, x_scale, weight, weight_scale, bias, y, scaled: bool, config: dict) -> None:
+def launch_gemv(
+    x, x_scale, weight, weight_scale, bias, y, scaled: bool, config: dict, quant_x: bool = False
+) -> None:
     """Run ``_gemv_kernel`` over ``y [M, N]`` (the checks are the callers')."""
     m, k = x.shape
     n = weight.shape[0]
@@ -74,7 +95,7 @@ def launch_gemv(x, x_scale, weight, weight_scale, bias, y, scaled: bool, config:
     grid = (-(-n // cfg["block_n"]), m)
     _gemv_kernel[grid](
         x,
-        x_scale if scaled else x,
+        x_scale if scaled and not quant_x else x,
         weight,
         weight_scale if scaled else weight,
         bias if bias is not None else weight,
@@ -85,6 +106,7 @@ def launch_gemv(x, x_scale, weight, weight_scale, bias, y, scaled: bool, config:
         weight.stride(0),
         y.stride(0),
         SCALED=scaled,
+        QUANT_X=quant_x,
         HAS_BIAS=bias is not None,
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],

@@ -55,3 +55,25 @@ def test_fp8_gemv_matches_reference(out_dtype, m, n, k, bias):
     ulp = torch.finfo(out_dtype).eps
     bound = 2 * (k + 1) * 2**-24 * mag + 2 * ulp * (want.float().abs() + mag) + 1e-30
     assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 64), (1, 37, 100), (2, 20, 513)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_quantizing_gemv_is_quantize_then_gemv(m, n, k, bias):
+    """Batch-1 decode's one kernel (the input quantized inside the GEMV) gives exactly what
+    the two kernels it replaces give: the same e4m3 input, scale and sums, bit for bit."""
+    from kernels.fp8_gemv import fp8_gemv_quantizing
+    from kernels.fp8_quant import quantize_per_token
+
+    g = torch.Generator().manual_seed(n * k + m)
+    x = torch.randn(m, k, generator=g).to(torch.float16) * 3
+    x[0, k // 2] = 700.0  # one outlier sets the row's scale
+    wq = torch.randn(n, k, generator=g).mul(50).clamp(-448, 448).to(FP8)
+    ws = torch.rand(1, n, generator=g) * 0.01 + 1e-3
+    b = torch.randn(n, generator=g).to(torch.float16) if bias else None
+    xq, xs = quantize_per_token(x, block_k=64)
+    two = fp8_gemv(xq, xs, wq, ws, b, torch.float16, block_n=4, block_k=64)
+    one = fp8_gemv_quantizing(x, wq, ws, b, torch.float16, block_n=4, block_k=64)
+    assert torch.equal(one, two)
+    with pytest.raises(ValueError, match="mismatch"):
+        fp8_gemv_quantizing(x, wq[:, :-1], ws, b, torch.float16)

@@ -77,6 +77,19 @@ def test_gemv_and_scaled_mm_agree_at_batch_1():
     assert ((gemv.float() - cublas.float()).norm() / cublas.float().norm()).item() < 1e-2
 
 
+def test_the_quantizing_gemv_is_quantize_then_gemv_on_the_gpu():
+    """Batch 1's one kernel against the two it replaces, at a real shape: bit for bit."""
+    from kernels.fp8_gemv import fp8_gemv, fp8_gemv_quantizing
+    from kernels.fp8_quant import quantize_per_token
+
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(4096, 6144, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16) * 4
+    w, ws = layer.weight, layer.weight_scale
+    two = fp8_gemv(*quantize_per_token(x), w, ws, layer.bias, torch.bfloat16)
+    assert torch.equal(fp8_gemv_quantizing(x, w, ws, layer.bias, torch.bfloat16), two)
+
+
 def test_fp8_linear_replays_in_a_cuda_graph():
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(512, 1024, device="cuda", dtype=torch.bfloat16))
