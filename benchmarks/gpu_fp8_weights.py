@@ -149,7 +149,14 @@ def perplexity(args: argparse.Namespace, quantization: str | None) -> dict:
     samples = sharegpt_samples(
         tokenizer, args.ppl_data, args.ppl_samples, args.ppl_max_prompt, args.ppl_max_answer
     )
-    return score(args.ppl_model, args.device, samples, args.ppl_batch, quantization=quantization)
+    return score(
+        args.ppl_model,
+        args.device,
+        samples,
+        args.ppl_batch,
+        dtype=args.ppl_dtype,
+        quantization=quantization,
+    )
 
 
 # -- the parent: children, table, JSON, plot -------------------------------------------------------
@@ -253,6 +260,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ppl-batch", type=int, default=16, help="answers scored at once")
     ap.add_argument("--ppl-max-prompt", type=int, default=1024, help="longer prompts skipped")
     ap.add_argument("--ppl-max-answer", type=int, default=256, help="answer tokens scored")
+    ap.add_argument(
+        "--ppl-dtype",
+        default=None,
+        choices=("bfloat16", "float32"),
+        help="the model's dtype, fp8 projections' output too (default: bf16 on CUDA, fp32 on CPU)",
+    )
     ap.add_argument("--gemv-off", action="store_true", help="also fp8 with batch 1 on cuBLAS")
     ap.add_argument("--kv8", action="store_true", help="also fp8 weights with fp8 KV")
     ap.add_argument(

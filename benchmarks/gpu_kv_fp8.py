@@ -205,13 +205,15 @@ def perplexity(
     device: str,
     samples: list[Sample],
     batch: int,
+    dtype: str | None = None,
     **engine: Any,
 ) -> dict:
     """Perplexity of every sample's answer tokens with the engine set by ``engine`` (the KV
-    cache's dtype here, the weights' quantization in benchmarks/gpu_fp8_weights.py)."""
+    cache's dtype here, the weights' quantization in benchmarks/gpu_fp8_weights.py), in
+    ``dtype`` (default: bfloat16 on CUDA, float32 on CPU)."""
     from engine import LLM
 
-    dtype = "bfloat16" if device == "cuda" else "float32"
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     need = max(len(s.prompt) + len(s.answer) for s in samples)
     blocks = batch * -(-need // 16)  # block_size 16: every sample of a batch its own blocks
     llm = LLM(
