@@ -7,6 +7,8 @@ call is refused on rank 0 before the other ranks hear of it (the group stays in 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_tensor_parallel import _prompts, _save
@@ -69,15 +71,20 @@ def llama8_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def one(llama8_path):
+    with LLM(llama8_path, block_size=BS, num_kv_blocks=16) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
 def tp2(llama8_path):
     with LLM(llama8_path, tensor_parallel_size=2, block_size=BS, num_kv_blocks=16) as llm:
         yield llm
 
 
-def test_tp2_reads_the_same_kv_as_one_device(llama8_path, tp2):
+def test_tp2_reads_the_same_kv_as_one_device(one, tp2):
     (prompt,) = _prompts([PROMPT_LEN], seed=11)
-    with LLM(llama8_path, block_size=BS, num_kv_blocks=16) as one:
-        _, kv1 = _prompt_kv(one, prompt)
+    _, kv1 = _prompt_kv(one, prompt)
     table, kv2, kv2_layer1 = _prompt_kv(tp2, prompt, range(1, 2))
     assert kv2.shape == (2, 2, 8, len(table) * BS, 16)  # layers, K/V, all 8 heads, slots, dim
     assert tp2.engine.runner.kv_caches[0].shape[1] == 4  # while each rank holds 4
@@ -94,19 +101,23 @@ def _forget_cached(llm):
     assert llm.engine.block_manager.reset_prefix_cache()
 
 
-def test_tp2_write_then_read_round_trip(tp2):
-    runner = tp2.engine.runner
-    _forget_cached(tp2)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_write_then_read_round_trip(request, tp):
+    """At TP 1 the same calls read and write the pool itself: one path for callers."""
+    llm = request.getfixturevalue("one" if tp == 1 else "tp2")
+    runner = llm.engine.runner
+    _forget_cached(llm)
     blocks = [9, 2, 14]  # out of order: block i's KV goes to blocks[i]
     gen = torch.Generator().manual_seed(1)
     kv = torch.randn((2, 2, 8, len(blocks) * BS, 16), generator=gen)
     runner.write_kv_blocks(blocks, kv)
     torch.testing.assert_close(runner.read_kv_blocks(blocks), kv, rtol=0, atol=0)
-    # rank 0 holds heads 0..3 of it (heads 4..7 came back from rank 1 above)
+    # rank 0 holds heads 0 .. 8 / tp - 1 of it (at TP 2 heads 4..7 came back from rank 1)
     slots = [b * BS + i for b in blocks for i in range(BS)]
+    assert runner.kv_caches[0].shape[1] == 8 // tp
     for layer in range(2):
         torch.testing.assert_close(
-            runner.kv_caches[layer][:, :, slots], kv[layer, :, :4], rtol=0, atol=0
+            runner.kv_caches[layer][:, :, slots], kv[layer, :, : 8 // tp], rtol=0, atol=0
         )
     # one block, one layer: its place in the blocks' KV, on the ranks that hold each head
     got = runner.read_kv_blocks([14], range(1, 2))
@@ -150,12 +161,34 @@ def test_bad_call_refused_before_anything_is_sent(tp2, monkeypatch, call, words)
     assert bool((runner.read_kv_blocks([5]) == 1).all())
 
 
-def test_tp2_steps_after_kv_calls_match_one_device(llama8_path, tp2):
+def test_kv_call_while_another_thread_sends_is_refused(tp2):
+    """Rank 0 talks to the other ranks from one thread at a time (the engine thread): a KV call
+    while another thread holds the group is refused before it sends anything."""
+    runner = tp2.engine.runner
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with runner._group_turn():
+            held.set()
+            release.wait(30)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(RuntimeError, match="must all come from the engine thread"):
+            runner.read_kv_blocks([0])
+    finally:
+        release.set()
+        other.join()
+    assert runner.read_kv_blocks([0]).shape == (2, 2, 8, BS, 16)  # still in step
+
+
+def test_tp2_steps_after_kv_calls_match_one_device(one, tp2):
     """KV calls between steps leave the ranks in step: generation goes on token-exact."""
     prompts = _prompts([5, 19], seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    with LLM(llama8_path, block_size=BS, num_kv_blocks=16) as one:
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     tp2.engine.runner.read_kv_blocks([0, 1])
     assert [o.outputs[0].token_ids for o in tp2.generate(prompts, params)] == expected
 
@@ -187,3 +220,27 @@ def test_tp4_replicated_heads_read_once_written_to_each(tmp_path_factory):
         assert bool((runner.read_kv_blocks(table) == 0).all())
         runner.write_kv_blocks(table, kv4)
         assert _finish(tp4, rid) == expected
+
+
+def test_tp2_fp8_pool_round_trip(llama8_path):
+    """An fp8 KV pool moves as bytes (gloo has no fp8, torch lacks some fp8 kernels on CPU):
+    written and read back bit for bit, and what the pool holds after a prompt's prefill comes
+    back as rank 0's own heads hold it."""
+    with LLM(
+        llama8_path, tensor_parallel_size=2, block_size=BS, num_kv_blocks=16, kv_cache_dtype="fp8"
+    ) as llm:
+        runner = llm.engine.runner
+        (prompt,) = _prompts([PROMPT_LEN], seed=13)
+        table, kv = _prompt_kv(llm, prompt)
+        assert kv.dtype == torch.float8_e4m3fn and kv.shape == (2, 2, 8, len(table) * BS, 16)
+        slots = [b * BS + i for b in table for i in range(BS)]
+        local = runner.kv_caches[0][:, :, slots].view(torch.uint8)
+        assert torch.equal(kv[0, :, :4].view(torch.uint8), local)
+        assert kv[..., :PROMPT_LEN, :].view(torch.uint8).any()
+        _forget_cached(llm)
+        gen = torch.Generator().manual_seed(3)
+        data = torch.randn((2, 2, 8, 2 * BS, 16), generator=gen).to(torch.float8_e4m3fn)
+        runner.write_kv_blocks([4, 11], data)
+        assert torch.equal(runner.read_kv_blocks([4, 11]).view(torch.uint8), data.view(torch.uint8))
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            runner.write_kv_blocks([4, 11], data.float())
