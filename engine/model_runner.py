@@ -654,7 +654,7 @@ class ModelRunner:
         try:
             ids = [operator.index(b) for b in blocks]
         except TypeError:
-            raise ValueError(f"block ids must be integers, got {list(blocks)[:8]}") from None
+            raise ValueError(f"block ids must be integers, got {blocks!r:.200}") from None
         if bad := [b for b in ids if not 0 <= b < n]:
             raise ValueError(f"block ids {bad[:8]} out of range: the KV pool has blocks 0..{n - 1}")
         if write and len(set(ids)) < len(ids):

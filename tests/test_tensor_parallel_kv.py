@@ -122,6 +122,9 @@ def test_write_then_read_round_trip(request, tp):
     # one block, one layer: its place in the blocks' KV, on the ranks that hold each head
     got = runner.read_kv_blocks([14], range(1, 2))
     torch.testing.assert_close(got, kv[1:, :, :, 2 * BS :], rtol=0, atol=0)
+    # no blocks: nothing to move, nothing sent
+    assert runner.read_kv_blocks([]).shape == (2, 2, 8, 0, 16)
+    runner.write_kv_blocks([], kv[:, :, :, :0])
     # a write of one layer of one block leaves the rest as it was
     patch = torch.randn((1, 2, 8, BS, 16), generator=gen)
     runner.write_kv_blocks([2], patch, range(1, 2))
