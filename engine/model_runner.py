@@ -11,14 +11,19 @@ prepares each step from the scheduler's output (``StepInputs``), sends it to the
 meeting inside it; the other ranks' runners loop in ``follow``. Rank 0 alone samples: sampling
 reads per-request state (penalties' token counts, grammars, seeds, logprobs) that only its
 scheduler has, and the sampled ids are all the other ranks ever need (a pending token's id, sent
-on the device group), so nothing of a request's state is replicated.
+on the device group), so nothing of a request's state is replicated. Between steps rank 0 can
+read or write every KV head of given blocks (``read_kv_blocks`` / ``write_kv_blocks``), the
+other ranks sending or taking their heads' part: one path at any tensor-parallel size for what
+moves whole-model KV (P/D transfer, migration, the KV tiers).
 """
 
 from __future__ import annotations
 
 import logging
+import operator
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -32,11 +37,18 @@ from engine.cuda_graphs import DecodeGraphs, GraphPool, PiecewiseGraphs
 from engine.models import model_class
 from engine.ops import TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
-from engine.parallel import RankFailure, TPGroup
+from engine.parallel import RankFailure, TPGroup, tp_layout
 from engine.quant import fp8_problem, quantize_model
 from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.step_inputs import StepInputs, receive_step, send_step, send_stop
+from engine.step_inputs import (
+    KVBlocksOp,
+    StepInputs,
+    receive,
+    send_kv_op,
+    send_step,
+    send_stop,
+)
 from engine.weights import init_dummy_weights, iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -61,6 +73,9 @@ class ModelRunner:
         builds its runner with the same settings, in step: their set-up meets in collectives)."""
         self.cfg, self.model_cfg = cfg, model_cfg
         self.tp = tp
+        # held while rank 0 sends a step or a KV read / write and runs its collectives: one
+        # thread at a time talks to the other ranks (``_group_turn``)
+        self._turn = threading.Lock()
         self.device = torch.device(tp.device if tp is not None else cfg.device)
         self.max_model_len = max_model_len
         self.dtype = _DTYPES[cfg.dtype]
@@ -316,19 +331,9 @@ class ModelRunner:
             marks[0].record()
             self.timeline.append(marks)
         inputs, sampling, capture = self._prepare(out, layer_hook)
-        if self.tp is not None:
-            self._send(inputs)
         capture_rows = self._to_device(list(capture.values())) if capture else None
-        try:
-            logits, hidden, taps = self._run(inputs, layer_hook, capture_rows)
-        except Exception as exc:
-            if self.tp is None:
-                raise
-            # the other ranks are somewhere inside this step, or gone: never again in step
-            self.tp.failed = self.tp.failed or (
-                f"a step failed on rank 0 of {self.tp.size} ({type(exc).__name__}: {exc})"
-            )
-            raise RankFailure(self.tp.failed) from exc
+        with self._group_turn():
+            logits, hidden, taps = self._run_everywhere(inputs, layer_hook, capture_rows)
         hidden_rows = None
         if capture:
             hidden_rows = (list(capture), self._prompt_taps(hidden[capture_rows], taps))
@@ -376,6 +381,25 @@ class ModelRunner:
         )
         return inputs, sampling, capture
 
+    def _run_everywhere(
+        self,
+        inputs: StepInputs,
+        layer_hook: Callable[[int], None] | None,
+        capture_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[int, torch.Tensor]]:
+        """``_run`` here, and under tensor parallelism on the other ranks too (sent first)."""
+        if self.tp is None:
+            return self._run(inputs, layer_hook, capture_rows)
+        self._send(inputs)
+        try:
+            return self._run(inputs, layer_hook, capture_rows)
+        except Exception as exc:
+            # the other ranks are somewhere inside this step, or gone: never again in step
+            self.tp.failed = self.tp.failed or (
+                f"a step failed on rank 0 of {self.tp.size} ({type(exc).__name__}: {exc})"
+            )
+            raise RankFailure(self.tp.failed) from exc
+
     def _send(self, inputs: StepInputs) -> None:
         if self.tp.failed is not None:
             raise RankFailure(self.tp.failed)
@@ -384,6 +408,25 @@ class ModelRunner:
         except RuntimeError as exc:
             self.tp.failed = f"a tensor-parallel rank is gone: {exc}"
             raise RankFailure(self.tp.failed) from exc
+
+    @contextmanager
+    def _group_turn(self) -> Iterator[None]:
+        """Rank 0: this thread alone sends to the other ranks and runs collectives until the
+        block ends. Steps and KV reads / writes all come from the engine thread, one after
+        another; a second thread here would interleave its messages with a step's (each rank
+        would read the other's payload as its own), so it raises at once instead."""
+        if self.tp is None:
+            yield
+            return
+        if not self._turn.acquire(blocking=False):
+            raise RuntimeError(
+                "two threads at once sent to the tensor-parallel ranks: steps and KV block reads "
+                "and writes must all come from the engine thread"
+            )
+        try:
+            yield
+        finally:
+            self._turn.release()
 
     def _run(
         self,
@@ -432,8 +475,14 @@ class ModelRunner:
         """A rank other than 0: run every step rank 0 sends, until it says stop (or its group
         fails, which raises)."""
         try:
-            while (inputs := receive_step(self.tp)) is not None:
-                self._run(inputs, None, None)
+            while (op := receive(self.tp)) is not None:
+                if isinstance(op, StepInputs):
+                    self._run(op, None, None)
+                elif op.write:
+                    raw = torch.empty(self._raw_shape(op), dtype=torch.uint8, device=self.device)
+                    self._write_local(op, self.tp.scatter_device(None, raw))
+                else:
+                    self.tp.gather_device(self._read_local(op))
         finally:
             self._release_group()
 
@@ -538,6 +587,144 @@ class ModelRunner:
                 layer_hook,
             )
         return hidden, taps
+
+    # -- every KV head of given blocks (P/D transfer, migration, the KV tiers) --------------------
+
+    @torch.no_grad()
+    def read_kv_blocks(self, blocks: Sequence[int], layers: range | None = None) -> torch.Tensor:
+        """Every KV head of ``blocks`` (the model's heads, in its order), layers ``layers`` (all
+        when None): ``[layers, 2, num_kv_heads, len(blocks) * block_size, head_dim]`` in the
+        pool's dtype on this runner's device, ``blocks[i]``'s slots at ``[i * block_size,
+        (i + 1) * block_size)``. That is what a one-device pool holds there (per layer
+        ``cache[:, :, slots]``, as migration gathers it), so a caller reads the same way at any
+        tensor-parallel size; the KV tiers' per-block layout is a ``view`` and ``permute`` of
+        it. Under tensor parallelism every rank gathers its heads to rank 0, which takes each
+        head from the first rank that holds it (replicated heads are read once).
+
+        Rank 0's engine thread, between steps (the thread that sends the steps, so a KV
+        read's messages never interleave with a step's; from another thread while a step is
+        being sent it raises RuntimeError). Bad ``blocks`` or ``layers`` raise ValueError
+        before any rank hears of the call; a rank that is gone raises RankFailure."""
+        op = self._kv_op(False, blocks, layers)
+        if not op.blocks:
+            return torch.empty(self._full_shape(op), dtype=self.kv_dtype, device=self.device)
+        if self.tp is None:
+            return self._read_local(op).view(self.kv_dtype)
+        parts = self._in_lockstep(op, lambda: self.tp.gather_device(self._read_local(op)))
+        owners = {}  # first head of a rank's slice -> the first rank holding that slice
+        for rank, start in enumerate(self._kv_head_starts):
+            owners.setdefault(start, rank)
+        return torch.cat([parts[owners[s]] for s in sorted(owners)], dim=2).view(self.kv_dtype)
+
+    @torch.no_grad()
+    def write_kv_blocks(
+        self, blocks: Sequence[int], kv: torch.Tensor, layers: range | None = None
+    ) -> None:
+        """The inverse of ``read_kv_blocks``: ``kv`` (every KV head, its shape and the pool's
+        dtype, on any device) into ``blocks``, layers ``layers``; under tensor parallelism rank
+        0 scatters each rank its heads' slice (every rank holding a replicated head writes it).
+        Same thread rule and errors as ``read_kv_blocks``; a block listed twice is refused."""
+        op = self._kv_op(True, blocks, layers)
+        shape = self._full_shape(op)
+        if (
+            not isinstance(kv, torch.Tensor)
+            or tuple(kv.shape) != shape
+            or kv.dtype != self.kv_dtype
+        ):
+            got = f"{kv.dtype} {list(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv)
+            raise ValueError(
+                f"kv must be a {self.kv_dtype} tensor of shape {list(shape)} (layers, K and V, "
+                f"KV heads, {len(op.blocks)} blocks x {self.cfg.block_size} slots, head_dim); "
+                f"got {got}"
+            )
+        if not op.blocks:
+            return
+        raw = kv.to(self.device).contiguous().view(torch.uint8)
+        if self.tp is None:
+            self._write_local(op, raw)
+            return
+        heads = self.model.layout.num_kv_heads
+        parts = [raw[:, :, s : s + heads] for s in self._kv_head_starts]
+        out = torch.empty(self._raw_shape(op), dtype=torch.uint8, device=self.device)
+        self._in_lockstep(op, lambda: self._write_local(op, self.tp.scatter_device(parts, out)))
+
+    def _kv_op(self, write: bool, blocks: Sequence[int], layers: range | None) -> KVBlocksOp:
+        """The checked request (ValueError naming what is wrong: nothing is sent yet)."""
+        n, num_layers = self.num_kv_blocks, self.model_cfg.num_layers
+        try:
+            ids = [operator.index(b) for b in blocks]
+        except TypeError:
+            raise ValueError(f"block ids must be integers, got {blocks!r:.200}") from None
+        if bad := [b for b in ids if not 0 <= b < n]:
+            raise ValueError(f"block ids {bad[:8]} out of range: the KV pool has blocks 0..{n - 1}")
+        if write and len(set(ids)) < len(ids):
+            raise ValueError(f"a block listed twice in one KV write: {ids[:16]}")
+        layers = range(num_layers) if layers is None else layers
+        if not (
+            isinstance(layers, range)
+            and layers.step == 1
+            and 0 <= layers.start < layers.stop <= num_layers
+        ):
+            raise ValueError(
+                f"layers must be a non-empty range(start, stop) within range(0, {num_layers}), "
+                f"got {layers!r}"
+            )
+        return KVBlocksOp(write, ids, layers)
+
+    def _in_lockstep(self, op: KVBlocksOp, collective: Callable[[], object]):
+        """Rank 0: announce ``op`` to the other ranks and run its collective with them. Any
+        fault fails the group: the ranks are out of step from the first message on."""
+        with self._group_turn():
+            if self.tp.failed is not None:
+                raise RankFailure(self.tp.failed)
+            try:
+                send_kv_op(self.tp, op)
+                return collective()
+            except RuntimeError as exc:
+                what = "write" if op.write else "read"
+                self.tp.failed = self.tp.failed or (
+                    f"a KV {what} of {len(op.blocks)} blocks failed on rank 0 of {self.tp.size} "
+                    f"({type(exc).__name__}: {exc})"
+                )
+                raise RankFailure(self.tp.failed) from exc
+
+    @property
+    def _kv_head_starts(self) -> list[int]:
+        """Each rank's first KV head in the model's (every rank holds as many)."""
+        return [
+            tp_layout(self.model_cfg, self.tp.size, r).kv_head_start for r in range(self.tp.size)
+        ]
+
+    def _full_shape(self, op: KVBlocksOp) -> tuple[int, ...]:
+        mc = self.model_cfg
+        slots = len(op.blocks) * self.cfg.block_size
+        return (len(op.layers), 2, mc.num_kv_heads, slots, mc.head_dim)
+
+    def _raw_shape(self, op: KVBlocksOp) -> tuple[int, ...]:
+        """This rank's heads of ``op`` as bytes (collectives and index copies move bytes: fp8
+        lacks some kernels, and the backends some dtypes)."""
+        c = self.kv_caches[0]
+        slots = len(op.blocks) * self.cfg.block_size
+        return (len(op.layers), 2, c.shape[1], slots, c.shape[3] * c.element_size())
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        bs = self.cfg.block_size
+        slots = np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)
+        return host_to_device(slots.ravel(), self.device)
+
+    def _read_local(self, op: KVBlocksOp) -> torch.Tensor:
+        """This rank's heads of ``op``'s blocks, bytes in ``_raw_shape``."""
+        index = self._slots(op.blocks)
+        out = torch.empty(self._raw_shape(op), dtype=torch.uint8, device=self.device)
+        for i, layer in enumerate(op.layers):
+            torch.index_select(self.kv_caches[layer].view(torch.uint8), 2, index, out=out[i])
+        return out
+
+    def _write_local(self, op: KVBlocksOp, raw: torch.Tensor) -> None:
+        """``raw`` (this rank's heads, bytes in ``_raw_shape``) into ``op``'s blocks."""
+        index = self._slots(op.blocks)
+        for i, layer in enumerate(op.layers):
+            self.kv_caches[layer].view(torch.uint8).index_copy_(2, index, raw[i])
 
     # -- hidden states at the prompt's last token (the length probe's input) ----------------------
 

@@ -185,6 +185,29 @@ class TPGroup:
         self.dev.broadcast([x], _root()).wait()
         return x
 
+    def gather_device(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (the same shape and dtype on each) at rank 0, in rank order;
+        None on the other ranks. A gather (NCCL has had one since torch 1.11): only rank 0
+        holds all parts, where an all-gather would put them on every rank."""
+        x = x.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank != 0:
+            self.dev.gather([], [x], opts).wait()
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.dev.gather([parts], [x], opts).wait()
+        return parts
+
+    def scatter_device(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``parts[r]`` into rank ``r``'s ``out`` (``parts``: rank 0 only, each the
+        shape and dtype of ``out``); returns ``out``."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        inputs = [[p.contiguous() for p in parts]] if self.rank == 0 else []
+        self.dev.scatter([out], inputs, opts).wait()
+        return out
+
     # -- step inputs (the cpu group) ------------------------------------------------------------
 
     def broadcast_cpu(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """One step's inputs as the model runner prepares them, and how rank 0 of a tensor-parallel
-worker hands them to the other ranks.
+worker hands them (and the other things the ranks do in lockstep) to the other ranks.
 
 Rank 0 owns the scheduler; the other ranks own only their model shard and KV pool, so each step
 they receive exactly what the forward pass needs, as int64 host tensors on the group's gloo
@@ -13,6 +13,15 @@ they receive exactly what the forward pass needs, as int64 host tensors on the g
 Positions follow from the chunks (each chunk's ``start`` onwards). A token still pending from the
 step before (async scheduling) is not on the host yet: rank 0 broadcasts those token ids from
 its device on the ``device`` group inside the step (ModelRunner).
+
+Between steps rank 0 may read or write every KV head of some blocks (``KVBlocksOp``: P/D
+transfer, migration and the KV tiers need the whole model's KV, each rank holds its heads)::
+
+    header [8]  op (KV_READ or KV_WRITE), blocks, first layer, layer past the last, 0 ...
+    payload     block ids
+
+then the KV itself on the ``device`` group: a gather to rank 0 (read) or a scatter from it
+(write), ModelRunner.read_kv_blocks / write_kv_blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import torch
 from engine.attention import ChunkSpec
 from engine.parallel import TPGroup
 
-OP_STOP, OP_STEP = 0, 1
+OP_STOP, OP_STEP, OP_KV_READ, OP_KV_WRITE = 0, 1, 2, 3
 _HEADER = 8
 
 
@@ -76,16 +85,41 @@ def send_step(tp: TPGroup, inputs: StepInputs) -> None:
     tp.broadcast_cpu(torch.tensor(payload, dtype=torch.int64))
 
 
+@dataclass(frozen=True)
+class KVBlocksOp:
+    """Every rank reads (``write`` False: its part goes to rank 0) or writes (its part comes
+    from rank 0) its KV heads of ``blocks``, layers ``layers``."""
+
+    write: bool
+    blocks: list[int]
+    layers: range
+
+
+def send_kv_op(tp: TPGroup, op: KVBlocksOp) -> None:
+    """Rank 0: announce ``op`` to the other ranks (its KV follows on the device group)."""
+    code = OP_KV_WRITE if op.write else OP_KV_READ
+    header = [code, len(op.blocks), op.layers.start, op.layers.stop] + [0] * (_HEADER - 4)
+    tp.broadcast_cpu(torch.tensor(header, dtype=torch.int64))
+    tp.broadcast_cpu(torch.tensor(op.blocks, dtype=torch.int64))
+
+
 def send_stop(tp: TPGroup) -> None:
     tp.broadcast_cpu(torch.tensor([OP_STOP] + [0] * (_HEADER - 1), dtype=torch.int64))
 
 
-def receive_step(tp: TPGroup) -> StepInputs | None:
-    """Another rank: the next step rank 0 sends (waits for it without bound), None on stop."""
+def receive(tp: TPGroup) -> StepInputs | KVBlocksOp | None:
+    """Another rank: what rank 0 sends next (waits for it without bound), None on stop."""
     header = tp.broadcast_cpu(torch.zeros(_HEADER, dtype=torch.int64)).tolist()
-    op, n_ids, n_specs, n_table, n_sample, n_pending, n_captured, whole = header
+    op = header[0]
     if op == OP_STOP:
         return None
+    if op in (OP_KV_READ, OP_KV_WRITE):
+        _, n_blocks, first, stop = header[:4]
+        blocks = tp.broadcast_cpu(torch.zeros(n_blocks, dtype=torch.int64)).tolist()
+        return KVBlocksOp(op == OP_KV_WRITE, blocks, range(first, stop))
+    if op != OP_STEP:
+        raise RuntimeError(f"unknown op {op} from rank 0 (header {header})")
+    _, n_ids, n_specs, n_table, n_sample, n_pending, n_captured, whole = header
     sizes = [n_ids, n_specs, n_specs, n_specs, n_table, n_sample, n_pending, n_pending]
     payload = tp.broadcast_cpu(torch.zeros(sum(sizes), dtype=torch.int64)).tolist()
     ends = list(accumulate(sizes))
