@@ -22,6 +22,19 @@ MIN_AMAX = 1e-12
 
 
 @triton.jit
+def row_scale(row_ptr, K, MIN_AMAX_: tl.constexpr, FP8_MAX_: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The e4m3 scale of the ``K`` values at ``row_ptr``: ``max(amax, MIN_AMAX) / 448`` (also
+    kernels/gemv.py's, which quantizes its input itself: one definition, the same scale)."""
+    rk = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(row_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    return tl.maximum(tl.max(amax, axis=0), MIN_AMAX_) / FP8_MAX_
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,
@@ -35,12 +48,7 @@ def _quant_rows_kernel(
 ):
     m = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX_) / FP8_MAX_
+    scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX_, FP8_MAX_, BLOCK_K)
     tl.store(s_ptr + m, scale)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk

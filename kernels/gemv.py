@@ -19,10 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8_quant
+from kernels.fp8_quant import row_scale
+
 GEMV_MAX_ROWS = 1
 # e4m3's largest value and the smallest amax a row is scaled by (kernels/fp8_quant.py's)
-FP8_MAX: tl.constexpr = tl.constexpr(448.0)
-MIN_AMAX: tl.constexpr = tl.constexpr(1e-12)
+FP8_MAX: tl.constexpr = tl.constexpr(fp8_quant.FP8_MAX)
+MIN_AMAX: tl.constexpr = tl.constexpr(fp8_quant.MIN_AMAX)
 
 
 @triton.jit
@@ -57,12 +60,7 @@ def _gemv_kernel(
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     if QUANT_X:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        x_scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+        x_scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX, FP8_MAX, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk

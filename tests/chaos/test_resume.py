@@ -86,12 +86,14 @@ def _pid(cluster, name: str) -> int:
     return next(w.pid for w in cluster.workers if w.name == name)
 
 
-def _live(cluster, role: str) -> list[str]:
-    """The ACTIVE workers of ``role`` in the controller's table now."""
+def _live(cluster, role: str, active_only: bool = False) -> list[str]:
+    """The workers of ``role`` the controller's table has alive now (as its scaler counts
+    them: a worker just continued from SIGSTOP may still be SUSPECT), or only the ACTIVE."""
     from engine.messages import WorkerState
 
     table = ray.get(cluster.controller.members.remote())
-    return [w.name for w in table.workers if w.role == role and w.state == WorkerState.ACTIVE]
+    ok = (WorkerState.ACTIVE,) if active_only else tuple(s for s in WorkerState if s.name != "DEAD")
+    return [w.name for w in table.workers if w.role == role and w.state in ok]
 
 
 def _busiest(cluster, names: list[str]) -> str:
@@ -245,7 +247,7 @@ def test_a_constrained_request_resumes_valid_and_exact(setup, prompts, how) -> N
 
     cluster, mode, pool = setup
     role = "decode" if mode == "disagg" else "colocated"
-    size = len(_live(cluster, role))  # the controller's count (this process may suspect one)
+    size = len(_live(cluster, role))  # the controller's count, as its scaler's
     words = ["alpha", "beta", "gamma"]
     schema = {"type": "array", "items": {"enum": words}, "minItems": 8, "maxItems": 8}
     params = SamplingParams(
@@ -289,9 +291,14 @@ def test_a_constrained_request_resumes_valid_and_exact(setup, prompts, how) -> N
             time.sleep(0.2)
         assert victim not in _live(cluster, role)
         ray.get(cluster.controller.scale.remote(role, size), timeout=180)
+        # every worker of the pool ACTIVE again before the next test (one stopped and
+        # continued by an earlier test may still be SUSPECT a while)
+        deadline = time.monotonic() + 60
+        while len(_live(cluster, role, active_only=True)) < size and time.monotonic() < deadline:
+            time.sleep(0.2)
+        live = _live(cluster, role, active_only=True)
+        assert len(live) == size and victim not in live, live
         cluster.refresh()
-        live = _live(cluster, role)
-        assert len(live) == size and victim not in live
     assert_idle(cluster, timeout=30.0)
 
 
