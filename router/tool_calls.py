@@ -387,9 +387,11 @@ class ToolFormat(ABC):
     def calls_rule(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
         """The Lark body of ``start``: one call (rule ``call``) or several."""
 
-    @abstractmethod
     def write_call(self, name: str, arguments: str) -> str:
-        """A past call as the model would have written it (for prompts by ``fallback``)."""
+        """A past call as the model would have written it (for prompts by ``fallback``): the
+        arguments between ``call_text``'s head and tail."""
+        head, tail = self.call_text(name)
+        return head + arguments + tail
 
     @abstractmethod
     def matches(self, template: str) -> bool:
@@ -501,10 +503,6 @@ class HermesFormat(ToolFormat):
         head, tail = super().call_text(name)
         return f"{self.start}\n{head}", f"{tail}\n{self.end}"
 
-    def write_call(self, name: str, arguments: str) -> str:
-        head, tail = self.call_text(name)
-        return head + arguments + tail
-
     def matches(self, template: str) -> bool:
         return self.start in template
 
@@ -570,10 +568,6 @@ class Llama3JsonFormat(ToolFormat):
 
     def calls_rule(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
         return f'{call} ("; " {call})*' if parallel else call
-
-    def write_call(self, name: str, arguments: str) -> str:
-        head, tail = self.call_text(name)
-        return head + arguments + tail
 
     def matches(self, template: str) -> bool:
         return self.tag in template or (
@@ -707,10 +701,6 @@ class MistralArgsFormat(ToolFormat):
 
     def call_text(self, name: str) -> tuple[str, str]:
         return f"{self.mark}{name}{self.args}", ""
-
-    def write_call(self, name: str, arguments: str) -> str:
-        head, tail = self.call_text(name)
-        return head + arguments + tail
 
     def matches(self, template: str) -> bool:
         return self.args in template
