@@ -128,6 +128,9 @@ class LLMEngine:
         # called (from a watcher thread) when a TP rank is gone; a worker ends its process
         self.on_rank_failure: Callable[[str], None] | None = None
         self.runner = self._make_runner(max_len, ranks)
+        # every rank's process and device, rank 0 first (``tandem status``): fixed from here on
+        rank0 = {"rank": 0, "pid": os.getpid(), "device": device_name(str(self.runner.device))}
+        self.rank_table = [rank0, *(self.ranks.describe() if self.ranks is not None else [])]
         self.runner.capture_layers = capture
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching
@@ -163,19 +166,11 @@ class LLMEngine:
             tp = TPGroup(self.ranks.rendezvous, 0, cfg.device)
             runner = ModelRunner(cfg, self.model_config, max_len, tp)
             self.ranks.joined()
-            self._rank_table = self.ranks.describe(cfg.device)
             return runner
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(stopped=False)
             raise
-
-    def rank_table(self) -> list[dict[str, object]]:
-        """Every rank of this engine, rank 0 first: its process and device (``tandem status``
-        shows them; one device: one row)."""
-        device = str(self.runner.device)
-        first = {"rank": 0, "pid": os.getpid(), "device": device_name(device)}
-        return [first, *getattr(self, "_rank_table", [])]
 
     def _rank_died(self, why: str) -> None:
         """A TP rank is gone: no step can run any more (the next one raises RankFailure)."""

@@ -577,7 +577,7 @@ class EngineWorker:
             "prefix_queries_tokens": bm.prefix_queries,
             "prefix_hit_tokens": bm.prefix_hits,
             "loading": len(sched.loading),
-            "ranks": self.engine.rank_table(),  # its tensor-parallel ranks' processes, devices
+            "ranks": self.engine.rank_table,  # its tensor-parallel ranks' processes, devices
         }
         if self.engine.tiers is not None:  # per tier use, counters, and the measured costs
             stats["kv_tiers"] = self.engine.tiers.snapshot()  # the router prices hits by them

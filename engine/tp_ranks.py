@@ -66,6 +66,7 @@ class LocalRanks:
     message naming the first rank that exits before ``close``."""
 
     def __init__(self, cfg: EngineConfig, max_model_len: int, size: int) -> None:
+        self._device = cfg.device
         self._dir = tempfile.mkdtemp(prefix="tandem-tp-")
         self.rendezvous = Rendezvous(os.path.join(self._dir, "store"), size)
         ctx = multiprocessing.get_context("spawn")
@@ -95,10 +96,10 @@ class LocalRanks:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def describe(self, device: str) -> list[dict[str, object]]:
+    def describe(self) -> list[dict[str, object]]:
         """Ranks 1 .. size-1: their process and device (``tandem status``)."""
         return [
-            {"rank": rank, "pid": p.pid, "device": device_name(rank_device(device, rank))}
+            {"rank": rank, "pid": p.pid, "device": device_name(rank_device(self._device, rank))}
             for rank, p in enumerate(self.processes, start=1)
         ]
 
@@ -132,9 +133,6 @@ class RankActor:
     """One rank (> 0) of a worker as a Ray actor (the controller's placement group gives it a
     bundle beside its worker's, on the same node); ``run`` returns when rank 0 says stop. A
     fault ends the actor's process, which its worker's watcher sees."""
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def describe(self, device: str, rank: int) -> dict[str, object]:
         return {"rank": rank, "pid": os.getpid(), "device": device_name(device)}
@@ -195,15 +193,8 @@ class RayRanks:
         collective of all): the rendezvous file is not read again, remove it."""
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    @property
-    def pids(self) -> list[int]:
-        import ray
-
-        return ray.get([a.pid.remote() for a in self.actors])
-
-    def describe(self, device: str) -> list[dict[str, object]]:
-        """Ranks 1 .. size-1: their process and device (``tandem status``); ``device`` is
-        the one they were started with."""
+    def describe(self) -> list[dict[str, object]]:
+        """Ranks 1 .. size-1: their process and device (``tandem status``)."""
         import ray
 
         return ray.get(self._described, timeout=30)
