@@ -394,11 +394,15 @@ class ModelRunner:
         try:
             return self._run(inputs, layer_hook, capture_rows)
         except Exception as exc:
-            # the other ranks are somewhere inside this step, or gone: never again in step
-            self.tp.failed = self.tp.failed or (
-                f"a step failed on rank 0 of {self.tp.size} ({type(exc).__name__}: {exc})"
-            )
-            raise RankFailure(self.tp.failed) from exc
+            raise self._group_failed("a step", exc) from exc
+
+    def _group_failed(self, what: str, exc: BaseException) -> RankFailure:
+        """``what`` failed on rank 0 mid-way: the other ranks are somewhere inside it, or gone,
+        so the group is never in step again (every later call refuses); the error to raise."""
+        self.tp.failed = self.tp.failed or (
+            f"{what} failed on rank 0 of {self.tp.size} ({type(exc).__name__}: {exc})"
+        )
+        return RankFailure(self.tp.failed)
 
     def _send(self, inputs: StepInputs) -> None:
         if self.tp.failed is not None:
@@ -681,12 +685,8 @@ class ModelRunner:
                 send_kv_op(self.tp, op)
                 return collective()
             except RuntimeError as exc:
-                what = "write" if op.write else "read"
-                self.tp.failed = self.tp.failed or (
-                    f"a KV {what} of {len(op.blocks)} blocks failed on rank 0 of {self.tp.size} "
-                    f"({type(exc).__name__}: {exc})"
-                )
-                raise RankFailure(self.tp.failed) from exc
+                what = f"a KV {'write' if op.write else 'read'} of {len(op.blocks)} blocks"
+                raise self._group_failed(what, exc) from exc
 
     @property
     def _kv_head_starts(self) -> list[int]:
