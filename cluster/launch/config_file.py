@@ -358,8 +358,9 @@ class ServeConfig(BaseModel):
         description="How chat answers' tool calls are written and read: `hermes` "
         "(`<tool_call>` JSON: Qwen2.5, Qwen3, Hermes), `llama3_json` (Llama 3.1+), `mistral` "
         "(`[TOOL_CALLS] [...]`, v3 tokenizers), `mistral_v11` (`[TOOL_CALLS]name[ARGS]{...}`: "
-        "Mistral Small 3.x, Devstral, Magistral), or `auto`: the format the model's chat template writes (a template "
-        "without tools, as SmolLM2's: `hermes`, with the tools in the system prompt).",
+        "Mistral Small 3.x, Devstral, Magistral), or `auto`: the format the model's chat "
+        "template writes (a template without tools, as SmolLM2's: `hermes`, with the tools in "
+        "the system prompt).",
     )
     reasoning_parser: Literal[REASONING_PARSERS] = Field(  # type: ignore[valid-type]
         "auto",
