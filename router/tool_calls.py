@@ -575,7 +575,17 @@ class Llama3JsonFormat(ToolFormat):
         )
 
 
-class MistralFormat(ToolFormat):
+class _MistralIds:
+    """Call ids as Mistral's templates take them (both Mistral formats)."""
+
+    def new_call_id(self) -> str:
+        return _mistral_call_id()
+
+    def template_id(self, call_id: str) -> str:
+        return _mistral_template_id(call_id)
+
+
+class MistralFormat(_MistralIds, ToolFormat):
     """Mistral: ``[TOOL_CALLS]`` (a control token) then a JSON list of ``{"name": ...,
     "arguments": {...}}`` objects; text before it is content."""
 
@@ -633,14 +643,8 @@ class MistralFormat(ToolFormat):
     def matches(self, template: str) -> bool:
         return self.mark in template
 
-    def new_call_id(self) -> str:
-        return _mistral_call_id()
 
-    def template_id(self, call_id: str) -> str:
-        return _mistral_template_id(call_id)
-
-
-class MistralArgsFormat(ToolFormat):
+class MistralArgsFormat(_MistralIds, ToolFormat):
     """Mistral's newer syntax (tokenizer v11 and later: Mistral Small 3.x, Devstral,
     Magistral): each call is ``[TOOL_CALLS]name[ARGS]{...}``, one after another; v11 may put
     ``[CALL_ID]id`` between the name and ``[ARGS]`` (read and dropped). Text before the first
@@ -704,12 +708,6 @@ class MistralArgsFormat(ToolFormat):
 
     def matches(self, template: str) -> bool:
         return self.args in template
-
-    def new_call_id(self) -> str:
-        return _mistral_call_id()
-
-    def template_id(self, call_id: str) -> str:
-        return _mistral_template_id(call_id)
 
 
 FORMATS: dict[str, ToolFormat] = {
