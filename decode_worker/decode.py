@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.kv_transfer import KVLimits, TransferEvent, TransferOutcome, make_receiver
 from engine.kv_transfer.streamer import token_from_dict
 from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
@@ -55,6 +57,9 @@ class Arrival:
     reserved_at: float = field(default_factory=time.monotonic)
     cancel_reason: str | None = None
     on_end: Callable[[TransferEvent, str | None], None] | None = None
+    # tensor parallel: the KV arrives here, every head, and goes to ``table`` on completion
+    staged: torch.Tensor | None = None
+    table: list[int] = field(default_factory=list)
 
 
 class DecodeRole(Role):
@@ -148,9 +153,46 @@ class DecodeRole(Role):
     ) -> None:
         """The receiver writes positions ``[0, num_tokens)`` of ``request_id`` into ``table``
         (``exact=False``: up to, the length comes with ``done``) until ``deadline``; its
-        event ends it (``on_end``: a migration's handler; None: admitted as a prefill's)."""
-        self.receiver.expect(request_id, table, num_tokens, exact=exact)
-        self.arriving[request_id] = Arrival(deadline, on_end=on_end)
+        event ends it (``on_end``: a migration's handler; None: admitted as a prefill's).
+
+        A tensor-parallel worker's rank 0 receives every KV head (the layout any sender
+        has) into a buffer of the request's own, and scatters it to the ranks' pools when the
+        transfer completes, before the request is admitted."""
+        staged = self._staging(table)
+        self.receiver.expect(request_id, table, num_tokens, exact=exact, into=staged)
+        self.arriving[request_id] = Arrival(
+            deadline, on_end=on_end, staged=staged, table=list(table)
+        )
+
+    def extend(self, request_id: str, table: list[int], num_tokens: int) -> bool:
+        """Room for ``num_tokens`` positions in ``table`` for an inexact transfer (a
+        migration's) still arriving; False when it no longer is."""
+        arrival = self.arriving.get(request_id)
+        if arrival is None:
+            return False
+        staged = self._staging(table)
+        if not self.receiver.extend(request_id, table, num_tokens, into=staged):
+            return False
+        arrival.staged, arrival.table = staged, list(table)
+        return True
+
+    def _staging(self, table: list[int]) -> torch.Tensor | None:
+        """Tensor parallel: a zeroed buffer for every head of ``table``'s slots (None: the
+        receiver writes into this one-device pool directly)."""
+        runner = self.engine.runner
+        if runner.tp is None:
+            return None
+        spec = self.receiver.spec
+        shape = (spec.num_layers, 2, spec.num_kv_heads, len(table) * spec.block_size)
+        return torch.zeros(
+            (*shape, spec.head_dim), dtype=spec.torch_dtype, device=runner.kv_caches[0].device
+        )
+
+    def _unstage(self, arrival: Arrival) -> None:
+        """Tensor parallel: the complete transfer's KV into its blocks on every rank."""
+        if arrival.staged is not None:
+            staged, arrival.staged = arrival.staged, None
+            self.engine.runner.write_kv_blocks(arrival.table, staged)
 
     def _on_transfer_event(self, event: TransferEvent) -> None:
         """From a receiver thread: hand the event to the engine thread."""
@@ -163,6 +205,8 @@ class DecodeRole(Role):
         arrival = self.arriving.pop(rid, None)
         complete = event.kind is TransferOutcome.COMPLETE
         cancelled = arrival.cancel_reason if arrival is not None else None
+        if complete and cancelled is None and arrival is not None:
+            self._unstage(arrival)
         if arrival is not None and arrival.on_end is not None:
             arrival.on_end(event, cancelled)  # a migration's copy (not in kv_transfer_seconds)
             return

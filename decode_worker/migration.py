@@ -46,6 +46,7 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -340,7 +341,10 @@ class MigrationRole(Role):
             await self._pace(state, sender)
             t1 = time.monotonic()
             end = min(upto, state.sent + self.config.chunk_tokens)
-            await asyncio.to_thread(self._gather_beside, state, sender, table, ready, end)
+            if self.engine.runner.tp is not None:  # the ranks gather on the engine thread
+                await self.worker.call(partial(self._gather, state, sender, table, end))
+            else:
+                await asyncio.to_thread(self._gather_beside, state, sender, table, ready, end)
             self._chunk_times.append(((t1 - t0) * 1e3, (time.monotonic() - t1) * 1e3))
         return snapshot_s
 
@@ -375,12 +379,19 @@ class MigrationRole(Role):
                 self._gather_times.append((nbytes, start, stop))
 
     def _gather(self, state: _Out, sender, table: list[int], end: int) -> None:
+        """Queue positions ``[sent, end)``, every layer, as one message. Under tensor
+        parallelism every rank's heads, gathered to rank 0 (on the engine thread)."""
         if end <= state.sent:
             return
-        bs = self.engine.cfg.block_size
-        caches = self.engine.runner.kv_caches
-        index = host_to_device(slot_array(table, state.sent, end, bs), caches[0].device)
         entries = [(state.request_id, state.sent, end - state.sent)]
+        runner = self.engine.runner
+        if runner.tp is not None:
+            sender.send_layers(0, entries, runner.read_kv_tokens(table, state.sent, end))
+            state.sent = end
+            return
+        bs = self.engine.cfg.block_size
+        caches = runner.kv_caches
+        index = host_to_device(slot_array(table, state.sent, end, bs), caches[0].device)
         c0 = caches[0]
         stacked = c0.new_empty((len(caches), c0.shape[0], c0.shape[1], len(index), c0.shape[3]))
         for layer, cache in enumerate(caches):  # every layer of the chunk: one message
@@ -550,7 +561,7 @@ class MigrationRole(Role):
             if table is None:
                 return 0
             capacity = len(table) * self.engine.cfg.block_size
-            if not self.decode.receiver.extend(request_id, table, capacity):
+            if not self.decode.extend(request_id, table, capacity):
                 return 0
             incoming.capacity = capacity
             return capacity

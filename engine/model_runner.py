@@ -620,6 +620,20 @@ class ModelRunner:
             owners.setdefault(start, rank)
         return torch.cat([parts[owners[s]] for s in sorted(owners)], dim=2).view(self.kv_dtype)
 
+    def read_kv_tokens(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """Every KV head of token positions ``[start, end)`` of a request whose blocks are
+        ``block_table``, every layer: ``[layers, 2, num_kv_heads, end - start, head_dim]``,
+        contiguous (the payload of a KV message carrying them). ``read_kv_blocks`` of the
+        blocks that hold them, cut to the positions; same thread rule and errors."""
+        bs = self.cfg.block_size
+        if not 0 <= start < end <= len(block_table) * bs:
+            raise ValueError(
+                f"positions [{start}, {end}) do not lie in {len(block_table)} blocks of {bs}"
+            )
+        first = start // bs
+        kv = self.read_kv_blocks(block_table[first : -(-end // bs)])
+        return kv[:, :, :, start - first * bs : end - first * bs].contiguous()
+
     @torch.no_grad()
     def write_kv_blocks(
         self, blocks: Sequence[int], kv: torch.Tensor, layers: range | None = None

@@ -68,6 +68,7 @@ LATENCY_RECENT_S = 30.0
 # The idle engine thread wakes this often while disk writes are in flight, to publish their
 # block events (engine.prefix_index)
 TIER_EVENTS_S = 0.05
+SHUTDOWN_JOIN_S = 10.0  # how long shutdown waits for the engine thread's step to end
 
 
 @dataclass
@@ -240,16 +241,12 @@ class EngineWorker:
 
     def kv_spec(self):
         """This worker's per-layer KV shape, KV cache dtype and block size, as pair channels
-        (prefill to decode, migration) compare them."""
+        (prefill to decode, migration) compare them: every KV head of the model, at any
+        tensor-parallel size (rank 0 gathers and scatters the ranks' slices), so workers of
+        different TP sizes pair."""
         from engine.kv_transfer import KVSpec
 
         mc, cfg = self.engine.model_config, self.engine.cfg
-        if cfg.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={cfg.tensor_parallel_size}: KV transfer between workers "
-                "(prefill to decode, migration) is not supported with tensor parallelism yet; "
-                "run colocated workers"
-            )
         return KVSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.kv_dtype, cfg.block_size)
 
     # -- the engine thread -----------------------------------------------------------------------
@@ -630,6 +627,11 @@ class EngineWorker:
             self._publisher.close()  # its entries stop counting at once
         if self.engine.tiers is not None:
             self.engine.tiers.close()  # blocks on their way to disk land there
+        if threading.current_thread() is not self._thread:
+            if self._thread.is_alive():
+                self._thread.join(SHUTDOWN_JOIN_S)
+            if not self._thread.is_alive():  # (a step still running keeps its ranks)
+                self.engine.close()  # tensor-parallel ranks stop with the worker, not at exit
 
 
 def _quantiles(

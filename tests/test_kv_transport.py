@@ -427,6 +427,38 @@ def test_stacked_layers_and_an_inexact_transfer_grown_midway(pair) -> None:
     assert not rx.extend("gone", [0], 4) and not rx.extend("m", [3, 8, 11], 12)
 
 
+def test_a_transfer_into_its_own_buffer_leaves_the_pool_alone(pair) -> None:
+    """A tensor-parallel decode worker's: position i lands in ``into[..., i, :]`` (every
+    head), mixed in one message with a transfer into the pool; grown midway into a larger
+    buffer that keeps what arrived; a buffer of the wrong shape is refused."""
+    rx, conn, events, _, kv = pair
+    buf = torch.zeros(3, 2, SPEC.num_kv_heads, 2 * BLOCK, SPEC.head_dim)
+    rx.expect("t", [6, 1], 8, exact=False, into=buf)
+    rx.expect("p", [9], 3)
+    tx = conn.sender(rx.endpoint)
+    for layer in range(3):  # t's first 5 positions beside all of p's
+        tx.send_layer(layer, [("t", 0, 5), ("p", 0, 3)], source(8, layer))
+    bigger = torch.zeros(3, 2, SPEC.num_kv_heads, 3 * BLOCK, SPEC.head_dim)
+    assert rx.extend("t", [6, 1, 4], 12, into=bigger)
+    assert not rx.extend("t", [6, 1, 4], 12)  # (into a buffer, or into the pool: not both)
+    tx.send_layers(0, [("t", 5, 5)], torch.stack([source(5, layer) + 50 for layer in range(3)]))
+    tx.send_done("p", 3, {"token_id": 2})
+    tx.send_done("t", 10, {"token_id": 3, "output_token_ids": [3], "num_computed": 10})
+    got = {e.transfer_id: e for e in (events.next(), events.next())}
+    assert got["t"].kind == got["p"].kind == "complete"
+    for layer in range(3):
+        want = torch.cat([source(8, layer)[:, :, :5], source(5, layer) + 50], dim=2)
+        torch.testing.assert_close(bigger[layer][:, :, :10], want, rtol=0, atol=0)
+        assert float(bigger[layer][:, :, 10:].abs().sum()) == 0
+        pool_p = kv[layer][:, :, slots_of([9], 0, 3)]
+        torch.testing.assert_close(pool_p, source(8, layer)[:, :, 5:], rtol=0, atol=0)
+    others = [s for s in range(SLOTS) if s not in slots_of([9], 0, 3)]
+    assert all(float(kv[i][:, :, others].abs().sum()) == 0 for i in range(3))
+    with pytest.raises(ValueError, match="into must be"):
+        rx.expect("bad", [0, 2], 8, into=torch.zeros(3, 2, SPEC.num_kv_heads, BLOCK, 4))
+    assert rx.pending() == []
+
+
 def test_a_stacked_message_that_lies_about_its_layers_breaks_the_channel() -> None:
     events, kv = Events(), caches()
     rx = TcpKVReceiver(SPEC, kv, BLOCK, events, token="secret")

@@ -36,6 +36,8 @@ SERVE_FLAGS = {
     *("--operator-tls-cert", "--operator-tls-key", "--no-operator", "--gateways", "--config"),
     "--tensor-parallel-size",  # added with tensor parallelism (2026-12)
     "--quantization",  # added with FP8 weights (vLLM's spelling)
+    # per-role TP sizes, with KV between layouts (SGLang's --prefill-tp / --decode-tp idea)
+    *("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"),
 }
 GATEWAY_FLAGS = {
     *("--host", "--port", "--api-key", "--api-key-file", "--admin-key-file", "--policy"),

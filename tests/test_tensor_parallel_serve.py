@@ -1,8 +1,10 @@
-"""`tandem serve --tensor-parallel-size 2` on CPU end to end: two colocated workers, each a
-Ray placement group of two rank actors (gloo), a tiny random Llama with SmolLM2's tokenizer.
-Completions equal transformers' greedy text; a rank process killed mid-stream takes its
-worker down (it ends its process: the controller marks it dead) and the streams it carried
-resume on the other worker, with the same text."""
+"""`tandem serve` with tensor-parallel decode workers on CPU end to end: one prefill worker
+(TP 1) and two decode workers at `--decode-tensor-parallel-size 2`, each a Ray placement group
+of two rank actors (gloo), a tiny random Llama with SmolLM2's tokenizer. The prompt's KV goes
+from the one-device prefill worker to a two-rank decode worker over a real TCP pair channel.
+Completions equal transformers' greedy text; a decode worker's rank process killed mid-stream
+takes its worker down (it ends its process: the controller marks it dead) and the streams it
+carried resume on the other decode worker, with the same text."""
 
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def server(tiny_dir):
     port = free_port()
     env = {**os.environ, "TANDEM_TORCH_THREADS": "1", "PYTHONPATH": str(ROOT)}
     args = ["serve", "--model", path, "--device", "cpu", "--port", str(port)]
-    args += ["--colocated", "2", "--tensor-parallel-size", "2", "--shutdown-timeout", "3"]
+    args += ["--prefill", "1", "--decode", "2", "--decode-tensor-parallel-size", "2"]
+    args += ["--shutdown-timeout", "3"]
     proc = CliProcess(args, env)
     try:
         proc.wait_for(r"^serving http://", 300)
@@ -94,7 +97,7 @@ def test_completions_equal_transformers(server, tiny_dir):
 
 def test_status_shows_each_workers_ranks(server, capsys):
     """`tandem status` lists each TP worker once, with its two ranks: rank 0 the worker's own
-    process, rank 1 a rank actor's, both on the CPU."""
+    process, rank 1 a rank actor's, both on the CPU; the prefill worker has one."""
     import json
 
     from cluster.cli import main
@@ -102,16 +105,19 @@ def test_status_shows_each_workers_ranks(server, capsys):
     _, client = server
     port = str(client.base_url.port)
     assert main(["status", "--serve-port", port, "-o", "json", "--timeout", "60"]) == 0
-    workers = json.loads(capsys.readouterr().out)["workers"]
-    assert sorted(w["name"] for w in workers) == ["colocated-0", "colocated-1"]
+    workers = {w["name"]: w for w in json.loads(capsys.readouterr().out)["workers"]}
+    assert sorted(workers) == ["decode-0", "decode-1", "prefill-0"]
     rank_pids = set(_rank_pids())
-    for w in workers:
+    for name in ("decode-0", "decode-1"):
+        w = workers[name]
         assert [r["rank"] for r in w["ranks"]] == [0, 1]
         assert w["ranks"][0]["pid"] == w["pid"] and w["ranks"][1]["pid"] in rank_pids
         assert {r["device"] for r in w["ranks"]} == {"cpu"}
+    assert [r["rank"] for r in workers["prefill-0"]["ranks"]] == [0]
     assert main(["status", "--serve-port", port, "--timeout", "60"]) == 0
-    rows = capsys.readouterr().out.splitlines()[2:]
-    assert [row.split()[4:6] for row in rows] == [["cpu", "x2"]] * 2
+    rows = {row.split()[1]: row.split() for row in capsys.readouterr().out.splitlines()[2:]}
+    assert [rows[f"decode-{i}"][4:6] for i in (0, 1)] == [["cpu", "x2"]] * 2
+    assert rows["prefill-0"][4] == "cpu"  # one device: no count
 
 
 def _rank_pids() -> list[int]:
@@ -152,4 +158,4 @@ def test_rank_killed_mid_stream_worker_dies_streams_resume(server, tiny_dir):
     for t in readers:
         t.join(120)
     assert texts == expected
-    proc.wait_for(r"colocated-\d: \w+ -> DEAD", 60)
+    proc.wait_for(r"decode-\d: \w+ -> DEAD", 60)

@@ -196,8 +196,18 @@ class ServeConfig(BaseModel):
         1,
         ge=1,
         description="Each worker's model split over this many ranks (processes, one GPU "
-        "each on CUDA), placed together on one node: `EngineConfig.tensor_parallel_size`. "
-        "Colocated workers only for now.",
+        "each on CUDA), placed together on one node: `EngineConfig.tensor_parallel_size`.",
+    )
+    prefill_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Prefill workers' tensor-parallel size (over `tensor_parallel_size`); "
+        "prefill and decode may differ: KV moves between any two layouts.",
+    )
+    decode_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Decode workers' tensor-parallel size (over `tensor_parallel_size`).",
     )
     quantization: Literal["fp8"] | None = Field(
         None,

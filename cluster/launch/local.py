@@ -193,18 +193,19 @@ class ClusterConfig:
             raise ValueError(NO_CUPY)
         if self.role_resources not in ("auto", "on", "off"):
             raise ValueError(f"role_resources must be auto, on or off, got {self.role_resources!r}")
-        tp = {**self.engine, **self.prefill_engine, **self.decode_engine}.get(
-            "tensor_parallel_size", 1
-        )
-        if tp != 1 and self.num_prefill + self.num_decode > 0:
-            raise ValueError(
-                f"tensor_parallel_size={tp} runs colocated workers only for now: KV transfer "
-                "between prefill and decode workers of several ranks comes later"
-            )
         try:
             AutoscalerConfig(**self.autoscale)  # its errors here, not in the controller actor
         except TypeError as exc:
             raise ValueError(f"autoscale: {exc}") from None
+
+    def role_engine(self, role: str) -> dict[str, Any]:
+        """The EngineConfig fields a worker of ``role`` gets over the defaults (a flex worker,
+        ``role_switching``, takes decode's over prefill's)."""
+        if role == "colocated":
+            return dict(self.engine)
+        if self.role_switching:
+            return {**self.engine, **self.prefill_engine, **self.decode_engine}
+        return {**self.engine, **(self.prefill_engine if role == "prefill" else self.decode_engine)}
 
 
 def _use_role_resources(mode: str, resources: dict[str, float]) -> bool:
@@ -256,8 +257,13 @@ class LocalCluster:
         # namespace or a prefix index never mix; a gateway attaches by the id.
         self.cluster_id = secrets.token_hex(3)
         # one process (and a logical CPU) per rank: a worker of tensor_parallel_size N has N
-        workers = (cfg.num_prefill + cfg.num_decode + cfg.num_colocated) * cfg.engine.get(
-            "tensor_parallel_size", 1
+        workers = sum(
+            count * cfg.role_engine(role).get("tensor_parallel_size", 1)
+            for role, count in (
+                ("prefill", cfg.num_prefill),
+                ("decode", cfg.num_decode),
+                ("colocated", cfg.num_colocated),
+            )
         )
         self._owns_ray = not ray.is_initialized()
         self._owns_workers = True

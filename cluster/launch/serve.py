@@ -194,15 +194,24 @@ def _tensor_parallel(args: argparse.Namespace) -> dict[str, int]:
     return {"tensor_parallel_size": size} if size > 1 else {}
 
 
+def _role_tp(args: argparse.Namespace, role: str) -> int | None:
+    """``--prefill-tensor-parallel-size`` / ``--decode-...``: None when not given."""
+    return getattr(args, f"{role}_tensor_parallel_size", None)
+
+
 def _topology(args: argparse.Namespace, device: str) -> tuple[int, int, int]:
     if args.colocated is not None or args.prefill is not None or args.decode is not None:
         return args.prefill or 0, args.decode or 0, args.colocated or 0
     tp = args.tensor_parallel_size
+    p_tp, d_tp = _role_tp(args, "prefill"), _role_tp(args, "decode")
     if device == "cuda":
         import torch
 
         gpus = torch.cuda.device_count()
-        if tp > 1:  # colocated workers of tp GPUs each (the only TP topology for now)
+        if p_tp or d_tp:  # per-role sizes: as many P/D pairs as the GPUs hold
+            pairs = gpus // ((p_tp or tp) + (d_tp or tp))
+            return max(1, pairs), max(1, pairs), 0
+        if tp > 1:  # colocated workers of tp GPUs each
             return 0, 0, max(1, gpus // tp)
         if gpus >= 2:
             return gpus // 2, gpus - gpus // 2, 0
@@ -597,13 +606,21 @@ def _cluster_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "role_resources": getattr(args, "role_resources", "auto"),
         "host": getattr(args, "kv_host", "127.0.0.1"),
-        "prefill_engine": dict(getattr(args, "prefill_engine", None) or {}),
-        "decode_engine": dict(getattr(args, "decode_engine", None) or {}),
+        "prefill_engine": _role_engine(args, "prefill"),
+        "decode_engine": _role_engine(args, "decode"),
         "gpus": dict(getattr(args, "gpus", None) or {}),
         "migration": dict(getattr(args, "migration", None) or {}),
         "autoscale": dict(getattr(args, "autoscale", None) or {}),
         "role_switching": bool(getattr(args, "role_switching", False)),
     }
+
+
+def _role_engine(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """A role's engine overrides: the config file's section, then its TP size flag."""
+    engine = dict(getattr(args, f"{role}_engine", None) or {})
+    if (size := _role_tp(args, role)) is not None:
+        engine["tensor_parallel_size"] = size
+    return engine
 
 
 def _start_rebalancer(cluster, args: argparse.Namespace) -> None:

@@ -10,6 +10,13 @@ it on that pair's channel, whose own thread sends it while layer L + 1 computes.
 queues ``done`` with the first sampled token behind the last layer. A channel whose queue is
 full refuses a layer: its transfers fail through the connector's ``on_failure`` (retryable),
 and their ``done`` is not reported.
+
+Under tensor parallelism (``read_tokens`` given) each rank holds a slice of every layer's KV
+heads, and only rank 0 runs this observer: after the step, on the engine thread, it reads the
+step's positions with every head (``ModelRunner.read_kv_tokens``: the ranks gather to rank 0)
+and queues them as one message of every layer. The payload has a one-device pool's layout
+whatever the TP size on either side, so any pair of layouts meets; the layers leave after the
+step instead of beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,9 +83,18 @@ class _Outgoing:
 class KVStreamer:
     """The engine's step observer on a prefill worker (engine.llm_engine.StepObserver)."""
 
-    def __init__(self, connector: KVConnector, kv_caches: list[torch.Tensor], block_size: int):
+    def __init__(
+        self,
+        connector: KVConnector,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        read_tokens: Callable[[list[int], int, int], torch.Tensor] | None = None,
+    ):
         self.connector, self.kv_caches, self.block_size = connector, kv_caches, block_size
+        self.read_tokens = read_tokens  # tensor parallel: every head of a request's positions
         self.transfers: dict[str, _Outgoing] = {}
+        # tensor parallel: per endpoint, (transfer id, block table, start, end) of the step
+        self._after_step: dict[str, list[tuple[str, list[int], int, int]]] = {}
         self.on_done = lambda request_id, token, phases: None  # set by the worker
 
     def add(
@@ -105,6 +122,8 @@ class KVStreamer:
         return t
 
     def begin_step(self, out: SchedulerOutput):
+        if self.read_tokens is not None:
+            return self._plan_after_step(out)
         plan: dict[str, tuple[list[np.ndarray], list[tuple[str, int, int]]]] = {}
         for chunk in out.scheduled:
             t = self.transfers.get(chunk.request.request_id)
@@ -138,7 +157,34 @@ class KVStreamer:
 
         return hook
 
+    def _plan_after_step(self, out: SchedulerOutput) -> None:
+        """Tensor parallel: what ``end_step`` reads and sends (no per-layer hook)."""
+        self._after_step = {}
+        for chunk in out.scheduled:
+            t = self.transfers.get(chunk.request.request_id)
+            end = chunk.start + chunk.num_tokens
+            if t is None or end <= t.sent_upto:
+                continue
+            if t.first_step_at is None:
+                t.first_step_at = time.monotonic()
+            reads = self._after_step.setdefault(t.endpoint, [])
+            reads.append((t.transfer_id, list(chunk.block_table), t.sent_upto, end))
+            t.sent_upto = end
+
+    def _send_after_step(self) -> None:
+        """Tensor parallel: the step's positions, every head and layer, one message per
+        decode worker."""
+        plan, self._after_step = self._after_step, {}
+        for endpoint, reads in plan.items():
+            parts = [self.read_tokens(table, start, end) for _, table, start, end in reads]
+            entries = [(tid, start, end - start) for tid, _, start, end in reads]
+            kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+            self.connector.sender(endpoint).send_layers(0, entries, kv)
+            trace(entries[0][0], "prefill.sent_after_step")
+
     def end_step(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> None:
+        if self._after_step:
+            self._send_after_step()
         for chunk in out.scheduled:
             rid = chunk.request.request_id
             t = self.transfers.get(rid)

@@ -77,6 +77,7 @@ from dataclasses import dataclass, field, fields
 from queue import SimpleQueue
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.attention import host_to_device, slot_array
@@ -372,6 +373,7 @@ class _Incoming:
     received: list[int]  # tokens received per layer
     peer: int | None = None  # connection the first layer came on
     exact: bool = True  # done must announce num_tokens (False: at most num_tokens, a migration)
+    into: torch.Tensor | None = None  # [layers, 2, H, capacity, D]: written here, not the pool
 
 
 class KVReceiver:
@@ -411,41 +413,79 @@ class KVReceiver:
     # -- the decode worker's calls ---------------------------------------------------------------
 
     def expect(
-        self, transfer_id: str, block_table: list[int], num_tokens: int, *, exact: bool = True
+        self,
+        transfer_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        *,
+        exact: bool = True,
+        into: torch.Tensor | None = None,
     ) -> None:
         """Token positions ``[0, num_tokens)`` of ``transfer_id`` go to ``block_table``.
         ``exact``: its ``done`` announces exactly ``num_tokens``; otherwise (a migration, whose
-        request grows while its KV is copied) any count up to it, every layer covering it."""
-        slots_dev, ready = self._slots(block_table, num_tokens)
+        request grows while its KV is copied) any count up to it, every layer covering it.
+        ``into``: position ``i`` goes to ``into[:, :, :, i]`` (``[layers, 2, kv heads,
+        len(block_table) * block_size, head dim]`` in the KV dtype, on the KV's device)
+        instead of the pool: a tensor-parallel worker's ranks each hold a slice of the heads,
+        and its engine thread writes them into ``block_table`` once the transfer is complete."""
+        slots_dev, ready = self._slots(block_table, num_tokens, into)
         with self._lock:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already expected")
             incoming = _Incoming(
-                slots_dev, ready, num_tokens, [0] * self.spec.num_layers, exact=exact
+                slots_dev, ready, num_tokens, [0] * self.spec.num_layers, exact=exact, into=into
             )
             self._transfers[transfer_id] = incoming
 
-    def extend(self, transfer_id: str, block_table: list[int], num_tokens: int) -> bool:
+    def extend(
+        self,
+        transfer_id: str,
+        block_table: list[int],
+        num_tokens: int,
+        into: torch.Tensor | None = None,
+    ) -> bool:
         """Room for more positions in an inexact transfer still arriving (``block_table``
-        extends the one it had); False when it is no longer expected."""
-        slots_dev, ready = self._slots(block_table, num_tokens)
+        extends the one it had; a transfer expected ``into`` a buffer needs a new, larger one,
+        into which what arrived so far is copied); False when it is no longer expected."""
+        slots_dev, ready = self._slots(block_table, num_tokens, into)
         with self._lock:
             t = self._transfers.get(transfer_id)
-            if t is None or t.exact or num_tokens < t.num_tokens:
+            if (
+                t is None
+                or t.exact
+                or num_tokens < t.num_tokens
+                or (t.into is None) != (into is None)
+            ):
                 return False
+            if into is not None:
+                if into.device.type == "cuda":  # the old buffer's queued writes land first
+                    torch.cuda.synchronize(into.device)
+                into[:, :, :, : t.into.shape[3]].copy_(t.into)
+                t.into = into
             t.slots, t.ready, t.num_tokens = slots_dev, ready, num_tokens
             return True
 
     def _slots(
-        self, block_table: list[int], num_tokens: int
+        self, block_table: list[int], num_tokens: int, into: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The transfer's destination slots on the KV's device, and (on CUDA) the event after
         which they are there. The upload runs on the receiver's own stream: the caller's
         stream may be the engine's, queued a step or two ahead, and the scatter (on another
         stream) waits for this event, never for those steps."""
-        if len(block_table) * self.block_size < num_tokens:
+        capacity = len(block_table) * self.block_size
+        if capacity < num_tokens:
             raise ValueError(f"{len(block_table)} blocks cannot hold {num_tokens} tokens")
-        slots = slot_array(block_table, 0, num_tokens, self.block_size)
+        if into is None:
+            slots = slot_array(block_table, 0, num_tokens, self.block_size)
+        else:
+            spec = self.spec
+            want = (spec.num_layers, 2, spec.num_kv_heads, capacity, spec.head_dim)
+            if tuple(into.shape) != want or into.dtype != spec.torch_dtype:
+                raise ValueError(
+                    f"into must be a {spec.torch_dtype} tensor of shape {list(want)}, got "
+                    f"{into.dtype} {list(into.shape)}"
+                )
+            slots = np.arange(num_tokens, dtype=np.int64)
         device = self.kv_caches[0].device
         if self._upload is None:
             return host_to_device(slots, device), None
@@ -482,31 +522,39 @@ class KVReceiver:
         transfers no longer expected (cancelled, unknown) are dropped. Destination slots are
         slices of each transfer's slot tensor, made once at ``expect``: no host allocation and
         no host-to-device copy per message."""
-        dst, keep, ready = [], [], []
+        # per destination (the pool, or a transfer's own buffer): slots and payload columns
+        dst: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[tuple[int, int]]]] = {}
+        ready = []
         col = 0
         with self._lock:
             for tid, start, n in entries:
                 t = self._transfers.get(tid)
                 if t is not None and t.peer in (None, peer) and start + n <= t.num_tokens:
                     t.peer = peer
-                    dst.append(t.slots[start : start + n])
-                    keep.append((col, n))
+                    cache = self.kv_caches[layer] if t.into is None else t.into[layer]
+                    _, slots, cols = dst.setdefault(id(cache), (cache, [], []))
+                    slots.append(t.slots[start : start + n])
+                    cols.append((col, n))
                     if t.ready is not None:
                         ready.append(t.ready)
                     t.received[layer] = max(t.received[layer], start + n)
                 col += n
             if dst:
-                cache, kv = byte_view(self.kv_caches[layer]), byte_view(kv)
-                if sum(n for _, n in keep) < kv.shape[2]:  # some entries dropped: keep the rest
-                    kv = torch.cat([kv[:, :, c : c + n] for c, n in keep], dim=2)
+                kv = byte_view(kv)
                 if ready:  # the slots' upload, on the receiver's stream, comes first
-                    stream = torch.cuda.current_stream(cache.device)
+                    stream = torch.cuda.current_stream(next(iter(dst.values()))[0].device)
                     for event in ready:
                         stream.wait_event(event)
-                    for d in dst:  # freed at the transfer's end: not reused before this runs
-                        d.record_stream(stream)
-                index = dst[0] if len(dst) == 1 else torch.cat(dst)
-                cache.index_copy_(2, index, kv.to(cache.device))
+                for cache, slots, cols in dst.values():
+                    cache = byte_view(cache)
+                    part = kv
+                    if sum(n for _, n in cols) < kv.shape[2]:  # only these entries' columns
+                        part = torch.cat([kv[:, :, c : c + n] for c, n in cols], dim=2)
+                    if ready:
+                        for d in slots:  # freed at the transfer's end: not reused before this
+                            d.record_stream(stream)
+                    index = slots[0] if len(slots) == 1 else torch.cat(slots)
+                    cache.index_copy_(2, index, part.to(cache.device))
         self.bytes_received += kv.numel() * kv.element_size()
 
     def handle_done(self, peer: int, header: dict) -> None:
