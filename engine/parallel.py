@@ -239,9 +239,10 @@ def _root() -> dist.BroadcastOptions:
 
 def rank_device(device: str, rank: int) -> str:
     """The device of ``rank``: on CUDA without an index, GPU ``rank`` when this process sees
-    several (one process spawned them all), else the one it sees (a Ray actor per rank)."""
-    if device == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 1:
-        return f"cuda:{rank}"
+    several (one process spawned them all), else the one it sees (a Ray actor per rank: its
+    ``cuda:0``; ``torch.cuda.set_device`` wants an index)."""
+    if device == "cuda" and torch.cuda.is_available():
+        return f"cuda:{rank}" if torch.cuda.device_count() > 1 else "cuda:0"
     return device
 
 

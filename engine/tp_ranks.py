@@ -58,6 +58,11 @@ def _rank_process(
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)  # no atexit, no flushing of torch's state: the group is gone anyway
+    # Stopped by rank 0, the group released: end here rather than in the interpreter's
+    # teardown, where a 2-GPU run sat in torch's destructors until rank 0's STOP_TIMEOUT_S
+    # terminated it (benchmarks/NOTES.md). Nothing of this process outlives it.
+    logging.shutdown()
+    os._exit(0)
 
 
 class LocalRanks:
