@@ -8,7 +8,11 @@ best. Achieved bandwidth = bytes the kernel must move (each sequence's K and V o
 over the time of one call, timed as CUDA-graph replays (no launch gaps) that rotate over enough
 block-table sets to keep the working set well past L2 (so small cases do not time the cache).
 
-    python benchmarks/gpu_decode_attention.py [--out DIR] [--quick]
+    python benchmarks/gpu_decode_attention.py [--out DIR] [--quick] [--kv-dtype fp8]
+
+``--kv-dtype fp8``: the cache in e4m3 (q stays bf16; the bytes counted are the fp8 cache's),
+the tile sweep run with the products in bf16 and in fp16 (``f16_dot``); written to
+gpu_decode_attention_fp8.json.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from kernels.paged_decode_attention import (  # noqa: E402
 BLOCK_SIZE = 16
 HEAD_DIM = 128
 DTYPE = torch.bfloat16
+KV_DTYPE = DTYPE  # the cache's (--kv-dtype)
 CASES = [  # name, batch, context, heads, kv heads
+    ("b256_ctx512", 256, 512, 32, 8),  # the engine's decode step at batch 256
     ("b64_ctx1k", 64, 1024, 32, 8),
     ("b64_ctx4k", 64, 4096, 32, 8),
     ("b1_ctx512", 1, 512, 32, 8),
@@ -61,13 +67,13 @@ class Case:
         self.name, self.batch, self.context = name, batch, context
         self.heads, self.kv_heads = heads, kv_heads
         width = context // BLOCK_SIZE
-        elem = torch.finfo(DTYPE).bits // 8
-        self.kv_bytes = batch * context * kv_heads * HEAD_DIM * 2 * elem
+        elem, kv_elem = torch.finfo(DTYPE).bits // 8, torch.finfo(KV_DTYPE).bits // 8
+        self.kv_bytes = batch * context * kv_heads * HEAD_DIM * 2 * kv_elem
         self.bytes = self.kv_bytes + 2 * batch * heads * HEAD_DIM * elem  # + q and out
         self.num_sets = max(1, min(256, math.ceil(L2_SWEEP_BYTES / self.kv_bytes)))
         pool_blocks = max(2 * batch * width, min(self.num_sets * batch * width, 1 << 16))
         cache = torch.randn(2, kv_heads, pool_blocks * BLOCK_SIZE, HEAD_DIM, device="cuda")
-        self.k, self.v = cache.to(DTYPE).unbind(0)
+        self.k, self.v = cache.to(KV_DTYPE).unbind(0)
         del cache
         self.tables = [
             torch.randperm(pool_blocks, device="cuda")[: batch * width].view(batch, width).int()
@@ -104,10 +110,15 @@ class Case:
             reps=100,
         )  # fmt: skip
 
-    def check(self) -> float:
-        """Relative error of the default launch against the reference (set 0)."""
-        got = paged_decode_attention(self.q, self.k, self.v, self.tables[0], self.lens,
-                                     BLOCK_SIZE, self.scale)  # fmt: skip
+    def check(self, **config) -> float:
+        """Relative error of a launch (default: the public entry point's) against the
+        reference (set 0)."""
+        if config:
+            got = _launch(self.q, self.k, self.v, self.tables[0], self.lens, BLOCK_SIZE,
+                          self.scale, **config)  # fmt: skip
+        else:
+            got = paged_decode_attention(self.q, self.k, self.v, self.tables[0], self.lens,
+                                         BLOCK_SIZE, self.scale)  # fmt: skip
         ref = paged_decode_attention_ref(self.q, self.k, self.v, self.tables[0], self.lens,
                                          BLOCK_SIZE, self.scale)  # fmt: skip
         return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -119,23 +130,29 @@ def entry(case: Case, seconds: float, bw: float, **config) -> dict:
 
 
 def run_case(case: Case, bw: float, tiles, splits) -> dict:
-    default_tile = launch_config(HEAD_DIM, DTYPE)
+    default_tile = launch_config(HEAD_DIM, DTYPE, KV_DTYPE)
     default_splits = pick_num_splits(case.batch, case.kv_heads, case.context // BLOCK_SIZE,
                                      BLOCK_SIZE, default_tile["block_n"], "cuda")  # fmt: skip
     default = {**default_tile, "num_splits": default_splits}
     rel = case.check()
+    rel16 = case.check(f16_dot=True) if KV_DTYPE != DTYPE else None
     log(f"{case.name}: {case.bytes / 1e6:.1f} MB per call, {case.num_sets} table sets, "
-        f"rel. error vs reference {rel:.1e}")  # fmt: skip
+        f"rel. error vs reference {rel:.1e}"
+        + (f" (f16_dot {rel16:.1e})" if rel16 is not None else ""))  # fmt: skip
     case.graph_seconds(**default)  # warm-up: the first graph timed after the reference is slow
     sweep = [entry(case, case.graph_seconds(**default), bw, **default)]
-    for block_n, num_warps, num_stages in tiles:
+    dots = [False, True] if KV_DTYPE != DTYPE else [None]
+    for (block_n, num_warps, num_stages), f16 in itertools.product(tiles, dots):
         tile = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+        if f16 is not None:
+            tile["f16_dot"] = f16
         s = pick_num_splits(case.batch, case.kv_heads, case.context // BLOCK_SIZE, BLOCK_SIZE,
                             block_n, "cuda")  # fmt: skip
         sweep.append(entry(case, case.graph_seconds(**tile, num_splits=s), bw, **tile,
                            num_splits=s))  # fmt: skip
-    best_tile = {k: min(sweep, key=lambda e: e["seconds"])[k]
-                 for k in ("block_n", "num_warps", "num_stages")}  # fmt: skip
+    fastest = min(sweep, key=lambda e: e["seconds"])
+    best_tile = {k: fastest[k] for k in ("block_n", "num_warps", "num_stages", "f16_dot")
+                 if k in fastest}  # fmt: skip
     for s in splits:
         sweep.append(entry(case, case.graph_seconds(**best_tile, num_splits=s), bw, **best_tile,
                            num_splits=s))  # fmt: skip
@@ -147,7 +164,8 @@ def run_case(case: Case, bw: float, tiles, splits) -> dict:
     return {
         "batch": case.batch, "context": case.context, "heads": case.heads,
         "kv_heads": case.kv_heads, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
-        "dtype": str(DTYPE), "bytes": case.bytes, "rel_error": rel,
+        "dtype": str(DTYPE), "kv_dtype": str(KV_DTYPE), "bytes": case.bytes, "rel_error": rel,
+        "rel_error_f16_dot": rel16,
         "default": sweep[0], "best": best, "eager_default_seconds": eager, "sweep": sweep,
     }  # fmt: skip
 
@@ -162,7 +180,7 @@ def table(gpu: str, bw: float, results: dict) -> str:
     for name, r in results.items():
         d, b = r["default"], r["best"]
         cfg = [f"{e['block_n']},{e['num_warps']},{e['num_stages']},{e['num_splits']}"
-               for e in (d, b)]  # fmt: skip
+               + ("f16" if e.get("f16_dot") else "") for e in (d, b)]  # fmt: skip
         lines.append(fmt.format(
             name, f"{r['bytes'] / 1e6:.1f}", cfg[0], f"{d['seconds'] * 1e6:.1f}",
             f"{d['over_hbm_copy']:.2f}", cfg[1], f"{b['seconds'] * 1e6:.1f}",
@@ -176,7 +194,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--quick", action="store_true", help="default config and split sweep only")
     ap.add_argument("--cases", nargs="*", default=[c[0] for c in CASES])
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     args = ap.parse_args()
+    global KV_DTYPE
+    KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
     gpu = torch.cuda.get_device_name()
     log(f"{gpu}: measuring HBM copy bandwidth")
     bw = hbm_copy_bandwidth()
@@ -192,7 +213,8 @@ def main() -> None:
     print(table(gpu, bw, results))
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"gpu": gpu, "hbm_copy_bytes_per_s": bw, "cases": results}
-    (args.out / "gpu_decode_attention.json").write_text(json.dumps(payload, indent=2))
+    name = "gpu_decode_attention" + ("_fp8" if KV_DTYPE != DTYPE else "")
+    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

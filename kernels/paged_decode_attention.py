@@ -88,6 +88,7 @@ def _split_kernel(
     DIRECT: tl.constexpr,  # one split: normalise and write out, no workspace
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,  # the cache holds e4m3: upcast each tile to q's dtype
+    F16_DOT: tl.constexpr,  # FP8 with a 16-bit q: upcast to fp16 instead (q and P rounded to it)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,6 +104,8 @@ def _split_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
+    if F16_DOT:
+        q = q.to(tl.float16)
 
     # Tokens past the table's capacity have no block: clamp instead of reading past the row.
     ctx = tl.minimum(tl.load(lens_ptr + b), table_width * BLOCK_SIZE)
@@ -127,7 +130,7 @@ def _split_kernel(
         v = tl.load(
             v_head + slot[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0
         )
-        if FP8:
+        if FP8:  # (e4m3 -> fp16 is one conversion instruction a pair; -> bf16 goes through it)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
@@ -220,12 +223,18 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device) -
     return max(1, min(want, max_blocks, _MAX_SPLITS))
 
 
-def launch_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Default tile and launch parameters of ``_launch`` (benchmarks/gpu_decode_attention.py
-    sweeps them)."""
+def launch_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> dict:
+    """Default tile and launch parameters of ``_launch`` for q's ``dtype`` and the cache's
+    (``kv_dtype``, default q's; benchmarks/gpu_decode_attention.py sweeps them)."""
     if dtype == torch.float32 or head_dim >= 256:
         return {"block_n": 32, "num_warps": 4, "num_stages": 2}
+    if kv_dtype == FP8:
+        return dict(FP8_CONFIG)
     return {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+# An fp8 cache under a 16-bit q (benchmarks/gpu_decode_attention.py --kv-dtype fp8).
+FP8_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "f16_dot": False}
 
 
 def paged_decode_attention(
@@ -251,7 +260,7 @@ def paged_decode_attention(
     the longest context the table can hold. The caches may be fp8 (``torch.float8_e4m3fn``)
     with q in any of the three: each element then reads as ``cache * k_scale`` (``v_scale``);
     the scales are ignored for caches of q's dtype."""
-    config = launch_config(q.shape[-1], q.dtype)
+    config = launch_config(q.shape[-1], q.dtype, k_cache.dtype)
     args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out, num_splits)
     return _launch(*args, k_scale=k_scale, v_scale=v_scale, **config)
 
@@ -265,11 +274,13 @@ def pick_num_splits(batch, kv_heads, max_blocks, block_size, block_n, device) ->
 def _launch(
     q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None,
     num_splits=None, *, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, f16_dot: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """The launcher with its tile and launch parameters open, for tests and benchmarks."""
+    """The launcher with its tile and launch parameters open, for tests and benchmarks.
+    ``f16_dot`` (an fp8 cache, q bf16 or fp16): the products in fp16, q and P rounded to it."""
     _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out)
     fp8 = k_cache.dtype == FP8
+    f16_dot = bool(f16_dot and fp8 and q.dtype != torch.float32)
     qk_scale = scale * _LOG2E
     if fp8:
         check_kv_scales(k_scale, v_scale)
@@ -298,7 +309,7 @@ def _launch(
         block_tables.stride(0), out.stride(0), out.stride(1), width,
         G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, F16_DOT=f16_dot,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if not direct:

@@ -90,13 +90,19 @@ def fp8_cache(raw, k_scale, v_scale):
         (7, 333, 16, 1, 64, 32, 3),  # MQA
     ],
 )
-def test_decode_over_fp8_cache(batch, max_ctx, heads, kv_heads, head_dim, block_size, splits):
+@pytest.mark.parametrize("f16_dot", [False, True], ids=["bf16-dot", "f16-dot"])
+def test_decode_over_fp8_cache(
+    batch, max_ctx, heads, kv_heads, head_dim, block_size, splits, f16_dot
+):
+    """bf16 q over an fp8 cache, the products in bf16 or (``f16_dot``) in fp16: both within
+    bf16's tolerance of the dequantized reference."""
     k_scale, v_scale = 0.02, 0.01
     cache, tables, lens = fp8_paged(batch, max_ctx, kv_heads, head_dim, block_size, k_scale,
                                     v_scale, seed=batch)  # fmt: skip
     q = torch.randn(batch, heads, head_dim, device="cuda").to(torch.bfloat16)
     got = _launch(q, cache[0], cache[1], tables, lens, block_size, head_dim**-0.5, None, splits,
-                  k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                  k_scale=k_scale, v_scale=v_scale, f16_dot=f16_dot)  # fmt: skip
+    assert got.dtype == torch.bfloat16
     ref = paged_decode_attention_ref(
         q, cache[0], cache[1], tables, lens, block_size, head_dim**-0.5, k_scale, v_scale
     )
