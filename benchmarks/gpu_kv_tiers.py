@@ -156,6 +156,7 @@ def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]
         out=str(out),
         max_concurrent=max(args.users * 2, 256),
         engine=engine,
+        predictor=args.predictor,
     )
     server = Server(ns, "one")
     results = []
@@ -409,6 +410,7 @@ def main() -> None:
     s.add_argument("--max-output", type=int, default=512)
     s.add_argument("--max-context", type=int, default=7500)
     s.add_argument("--engine", action="append", default=[])
+    s.add_argument("--predictor", default=None, help="the gateway's (default: its own default)")
     s.add_argument("--device", default="cuda", help="cpu: a dry run of the driver (small model)")
     r = sub.add_parser("report")
     r.add_argument("dirs", nargs="+")

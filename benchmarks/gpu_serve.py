@@ -177,6 +177,8 @@ class Server:
         cmd += ["--served-model-name", "bench", "--max-concurrent", str(args.max_concurrent)]
         for pair in args.engine:
             cmd += ["--engine", pair]
+        if getattr(args, "predictor", None):  # (the learned one's artifact may be left home)
+            cmd += ["--predictor", args.predictor]
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
         if args.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpus
