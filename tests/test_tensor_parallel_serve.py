@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -134,11 +135,23 @@ def _rank_pids() -> list[int]:
     return pids
 
 
-def test_rank_killed_mid_stream_worker_dies_streams_resume(server, tiny_dir):
+def _status(client, capsys) -> dict[str, dict]:
+    """`tandem status -o json`'s workers by name."""
+    import json
+
+    from cluster.cli import main
+
+    port = str(client.base_url.port)
+    assert main(["status", "--serve-port", port, "-o", "json", "--timeout", "60"]) == 0
+    return {w["name"]: w for w in json.loads(capsys.readouterr().out)["workers"]}
+
+
+def test_rank_killed_mid_stream_worker_dies_streams_resume(server, tiny_dir, capsys):
+    """The rank actor of a decode worker that carries a stream is killed: the worker dies,
+    its streams resume whole on the other decode worker (a new prefill, its KV into the other
+    TP-2 worker), and afterwards no live worker holds a block or a request."""
     proc, client = server
     _, expected = tiny_dir
-    pids = _rank_pids()
-    assert len(pids) == 2, pids  # one per worker
     texts = [""] * len(PROMPTS)
     started = threading.Barrier(len(PROMPTS) + 1)
 
@@ -154,8 +167,19 @@ def test_rank_killed_mid_stream_worker_dies_streams_resume(server, tiny_dir):
     for t in readers:
         t.start()
     started.wait(60)  # both streams are producing tokens
-    os.kill(pids[0], signal.SIGKILL)
+    workers = _status(client, capsys)
+    busy = [w for n, w in sorted(workers.items()) if n.startswith("decode") and w["running"]]
+    assert busy, workers  # (the streams run for MAX_TOKENS steps: they are still there)
+    victim = busy[0]
+    os.kill(victim["ranks"][1]["pid"], signal.SIGKILL)
     for t in readers:
         t.join(120)
     assert texts == expected
-    proc.wait_for(r"decode-\d: \w+ -> DEAD", 60)
+    proc.wait_for(rf"{victim['name']}: \w+ -> DEAD", 60)
+    deadline = time.monotonic() + 60
+    while True:  # (a finished request's blocks are freed by its worker's next engine pass)
+        live = [w for w in _status(client, capsys).values() if w["state"] != "DEAD"]
+        if all(w["running"] == 0 and w["waiting"] == 0 and w["kv_use"] == 0 for w in live):
+            break
+        assert time.monotonic() < deadline, live
+        time.sleep(0.2)
