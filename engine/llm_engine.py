@@ -38,6 +38,7 @@ from engine.parallel import RankFailure, TPGroup, device_name, tp_layout
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.step_inputs import GatheredLayerHook
 from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from engine.tp_ranks import LocalRanks, RayRanks
 
@@ -49,8 +50,9 @@ PromptType = str | Sequence[int]
 class StepObserver(Protocol):
     """Sees every step around its forward pass (the prefill worker's KV streamer)."""
 
-    def begin_step(self, out: SchedulerOutput) -> Callable[[int], None] | None:
-        """Called before the forward pass; may return a per-layer hook for it."""
+    def begin_step(self, out: SchedulerOutput) -> Callable[[int], None] | GatheredLayerHook | None:
+        """Called before the forward pass; may return a per-layer hook for it (a
+        ``GatheredLayerHook`` gets every KV head of its slots, at any tensor-parallel size)."""
 
     def end_step(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> None:
         """Called after sampling, before the scheduler applies the sampled tokens."""

@@ -42,6 +42,7 @@ from engine.quant import fp8_problem, quantize_model
 from engine.sampler import SampledBatch, Sampler, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import (
+    GatheredLayerHook,
     KVBlocksOp,
     StepInputs,
     receive,
@@ -378,6 +379,9 @@ class ModelRunner:
             pending_sources=self._pending_sources(pending),
             num_captured=len(capture),
             whole_graph=layer_hook is None and not capture,
+            gather_slots=(
+                layer_hook.slots.tolist() if isinstance(layer_hook, GatheredLayerHook) else []
+            ),
         )
         return inputs, sampling, capture
 
@@ -448,13 +452,37 @@ class ModelRunner:
             if len(sample_rows) < len(specs) and sample_rows:
                 logits = logits[self._to_device(sample_rows)]
             return logits, None, {}
+        hook = self._layer_hook(inputs, layer_hook)
         hidden, taps = self._forward(
-            specs, inputs.input_ids, inputs.positions, layer_hook, capture_rows, fill
+            specs, inputs.input_ids, inputs.positions, hook, capture_rows, fill
         )
         logits = None
         if sample_rows:
             logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         return logits, hidden, taps
+
+    def _layer_hook(
+        self, inputs: StepInputs, layer_hook: Callable[[int], None] | GatheredLayerHook | None
+    ) -> Callable[[int], None] | None:
+        """What the forward pass calls after each layer: ``layer_hook``, or for gathered
+        slots (a ``GatheredLayerHook`` on rank 0, ``inputs.gather_slots`` on every rank) the
+        gather of every KV head of them, handed to the hook's ``on_layer`` on rank 0. Each rank
+        gathers at the same point of its forward pass, between the same collectives."""
+        if not inputs.gather_slots:
+            return layer_hook
+        slots = self._to_device(inputs.gather_slots)
+        on_layer = layer_hook.on_layer if isinstance(layer_hook, GatheredLayerHook) else None
+
+        def gather(layer: int) -> None:
+            part = self.kv_caches[layer].view(torch.uint8).index_select(2, slots)
+            if self.tp is not None:
+                parts = self.tp.gather_device(part)
+                if parts is None:  # not rank 0
+                    return
+                part = self._all_heads(parts, dim=1)
+            on_layer(layer, part.view(self.kv_dtype))
+
+        return gather
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, marks: tuple | None = None) -> None:
@@ -615,10 +643,15 @@ class ModelRunner:
         if self.tp is None:
             return self._read_local(op).view(self.kv_dtype)
         parts = self._in_lockstep(op, lambda: self.tp.gather_device(self._read_local(op)))
+        return self._all_heads(parts, dim=2).view(self.kv_dtype)
+
+    def _all_heads(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """Every rank's heads (``parts``, in rank order, heads along ``dim``) as the model's:
+        each head from the first rank that holds it (replicated heads are taken once)."""
         owners = {}  # first head of a rank's slice -> the first rank holding that slice
         for rank, start in enumerate(self._kv_head_starts):
             owners.setdefault(start, rank)
-        return torch.cat([parts[owners[s]] for s in sorted(owners)], dim=2).view(self.kv_dtype)
+        return torch.cat([parts[owners[s]] for s in sorted(owners)], dim=dim)
 
     def read_kv_tokens(self, block_table: Sequence[int], start: int, end: int) -> torch.Tensor:
         """Every KV head of token positions ``[start, end)`` of a request whose blocks are

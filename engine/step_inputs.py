@@ -5,10 +5,14 @@ Rank 0 owns the scheduler; the other ranks own only their model shard and KV poo
 they receive exactly what the forward pass needs, as int64 host tensors on the group's gloo
 ``cpu`` group (no pickle, no socket of ours)::
 
-    header [8]  op, tokens, chunks, table entries, sampled rows, pending rows, captured rows,
-                whole-graph flag                                    (op STOP: the rank exits)
+    header [9]  op, tokens, chunks, table entries, sampled rows, pending rows, captured rows,
+                whole-graph flag, gathered slots                    (op STOP: the rank exits)
     payload     input ids | chunk starts | chunk lengths | block-table lengths | block tables |
-                sampled rows | pending rows | pending sources
+                sampled rows | pending rows | pending sources | gathered slots
+
+Gathered slots (a prefill worker streaming KV): after each layer every rank sends its heads of
+those KV slots to rank 0 on the ``device`` group, and rank 0 hands every head to the layer hook
+(``GatheredLayerHook``), so a tensor-parallel worker streams layer by layer as one device does.
 
 Positions follow from the chunks (each chunk's ``start`` onwards). A token still pending from the
 step before (async scheduling) is not on the host yet: rank 0 broadcasts those token ids from
@@ -17,7 +21,7 @@ its device on the ``device`` group inside the step (ModelRunner).
 Between steps rank 0 may read or write every KV head of some blocks (``KVBlocksOp``: P/D
 transfer, migration and the KV tiers need the whole model's KV, each rank holds its heads)::
 
-    header [8]  op (KV_READ or KV_WRITE), blocks, first layer, layer past the last, 0 ...
+    header [9]  op (KV_READ or KV_WRITE), blocks, first layer, layer past the last, 0 ...
     payload     block ids
 
 then the KV itself on the ``device`` group: a gather to rank 0 (read) or a scatter from it
@@ -26,16 +30,18 @@ then the KV itself on the ``device`` group: a gather to rank 0 (read) or a scatt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from engine.attention import ChunkSpec
 from engine.parallel import TPGroup
 
 OP_STOP, OP_STEP, OP_KV_READ, OP_KV_WRITE = 0, 1, 2, 3
-_HEADER = 8
+_HEADER = 9
 
 
 @dataclass
@@ -52,6 +58,8 @@ class StepInputs:
     # the same pieces without keeping them
     num_captured: int = 0
     whole_graph: bool = True  # no layer hook and no capture: a decode graph may run the step
+    # KV slots whose every head rank 0's layer hook gets after each layer (GatheredLayerHook)
+    gather_slots: list[int] = field(default_factory=list)
 
     @property
     def positions(self) -> list[int]:
@@ -70,6 +78,7 @@ def send_step(tp: TPGroup, inputs: StepInputs) -> None:
         len(inputs.pending_rows),
         inputs.num_captured,
         int(inputs.whole_graph),
+        len(inputs.gather_slots),
     ]
     tp.broadcast_cpu(torch.tensor(header, dtype=torch.int64))
     payload = [
@@ -81,8 +90,21 @@ def send_step(tp: TPGroup, inputs: StepInputs) -> None:
         *inputs.sample_rows,
         *inputs.pending_rows,
         *inputs.pending_sources,
+        *inputs.gather_slots,
     ]
     tp.broadcast_cpu(torch.tensor(payload, dtype=torch.int64))
+
+
+@dataclass
+class GatheredLayerHook:
+    """A layer hook that wants every KV head of some slots after each layer (a prefill
+    worker's streamer at any tensor-parallel size): ``on_layer(i, kv)`` once layer ``i`` has
+    written its KV, ``kv`` ``[2, num_kv_heads, len(slots), head_dim]`` in the pool's dtype, its
+    own tensor (queued on the current stream). One device gathers from its pool; under tensor
+    parallelism every rank gathers its heads to rank 0 (``StepInputs.gather_slots``)."""
+
+    slots: np.ndarray  # int64 KV slots, in the order of kv's columns
+    on_layer: Callable[[int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -119,11 +141,11 @@ def receive(tp: TPGroup) -> StepInputs | KVBlocksOp | None:
         return KVBlocksOp(op == OP_KV_WRITE, blocks, range(first, stop))
     if op != OP_STEP:
         raise RuntimeError(f"unknown op {op} from rank 0 (header {header})")
-    _, n_ids, n_specs, n_table, n_sample, n_pending, n_captured, whole = header
-    sizes = [n_ids, n_specs, n_specs, n_specs, n_table, n_sample, n_pending, n_pending]
+    _, n_ids, n_specs, n_table, n_sample, n_pending, n_captured, whole, n_gather = header
+    sizes = [n_ids, n_specs, n_specs, n_specs, n_table, n_sample, n_pending, n_pending, n_gather]
     payload = tp.broadcast_cpu(torch.zeros(sum(sizes), dtype=torch.int64)).tolist()
     ends = list(accumulate(sizes))
-    ids, starts, lens, table_lens, tables, sample, pending, sources = (
+    ids, starts, lens, table_lens, tables, sample, pending, sources, gather = (
         payload[end - size : end] for size, end in zip(sizes, ends, strict=True)
     )
     bounds = [0, *accumulate(table_lens)]
@@ -131,4 +153,4 @@ def receive(tp: TPGroup) -> StepInputs | KVBlocksOp | None:
         ChunkSpec(start, n, tables[bounds[i] : bounds[i + 1]])
         for i, (start, n) in enumerate(zip(starts, lens, strict=True))
     ]
-    return StepInputs(specs, ids, sample, pending, sources, n_captured, bool(whole))
+    return StepInputs(specs, ids, sample, pending, sources, n_captured, bool(whole), gather)

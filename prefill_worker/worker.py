@@ -64,14 +64,7 @@ class PrefillRole(Role):
             max_channels=max_channels,
             limits=limits,
         )
-        runner = self.engine.runner
-        self.streamer = KVStreamer(
-            self.connector,
-            runner.kv_caches,
-            self.engine.cfg.block_size,
-            # tensor parallel: every head, read after the step (the ranks gather to rank 0)
-            read_tokens=runner.read_kv_tokens if runner.tp is not None else None,
-        )
+        self.streamer = KVStreamer(self.connector, self.engine.cfg.block_size)
         self.streamer.on_done = self._on_done
 
     def attach_streamer(self, on: bool = True) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from test_tensor_parallel import _prompts, _save
 
 from engine import LLM, SamplingParams
+from engine.step_inputs import GatheredLayerHook
 
 BS = 8
 PROMPT_LEN = 27  # three full blocks and three tokens in a fourth
@@ -94,6 +96,52 @@ def test_tp2_reads_the_same_kv_as_one_device(one, tp2):
     slots = [b * BS + i for b in table for i in range(BS)]
     local = tp2.engine.runner.kv_caches[1][:, :, slots]
     torch.testing.assert_close(kv2[1, :, :4], local, rtol=0, atol=0)
+
+
+class _LayerCollector:
+    """A step observer whose hook gathers every KV head of each step's new positions, per
+    layer, as the prefill streamer's does."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, torch.Tensor]] = []
+
+    def begin_step(self, out):
+        from engine.attention import slot_array
+
+        slots = [
+            slot_array(c.block_table, c.start, c.start + c.num_tokens, BS) for c in out.scheduled
+        ]
+        on_layer = lambda i, kv: self.calls.append((i, kv.clone()))  # noqa: E731
+        return GatheredLayerHook(np.concatenate(slots), on_layer)
+
+    def end_step(self, out, sampled) -> None:
+        pass
+
+
+def test_tp2_gathers_every_head_after_each_layer_as_one_device(one, tp2):
+    """The prefill streamer's hook at TP 2: after each layer, in order, rank 0 gets all 8
+    heads of the step's new positions, as one device's pool holds them."""
+    (prompt,) = _prompts([PROMPT_LEN], seed=12)
+    got = {}
+    for name, llm in (("one", one), ("tp2", tp2)):
+        collector = _LayerCollector()
+        llm.engine.step_observer = collector
+        try:
+            rid, _ = _prefill(llm, prompt)
+        finally:
+            llm.engine.step_observer = None
+            llm.engine.abort_request(rid)
+            llm.engine.drain()
+        steps = len(collector.calls) // 2
+        assert [i for i, _ in collector.calls] == [0, 1] * steps  # each step: layer 0, then 1
+        got[name] = [
+            torch.cat([kv for i, kv in collector.calls if i == layer], dim=2) for layer in (0, 1)
+        ]
+    for layer in (0, 1):
+        assert got["tp2"][layer].shape == (2, 8, PROMPT_LEN, 16)
+        tol = 0 if layer == 0 else 1e-5  # (layer 0's KV is the embedding's projections: exact)
+        torch.testing.assert_close(got["tp2"][layer], got["one"][layer], rtol=tol, atol=tol)
+    assert got["one"][1].abs().amax() > 0.1
 
 
 def _forget_cached(llm):

@@ -3,20 +3,20 @@ to the decode worker of every request in the step, as soon as that layer is writ
 
 Each step, before the forward pass, ``begin_step`` plans which token positions of which request
 go to which decode worker (the chunk's new tokens, plus on a request's first chunk its
-prefix-cache hits: skipped here, still needed there) and returns a per-layer hook; the hook
-gathers those positions into one contiguous buffer per decode worker right after layer L wrote
-its KV (on the compute stream, so a later step can never overwrite the blocks first) and queues
-it on that pair's channel, whose own thread sends it while layer L + 1 computes. ``end_step``
-queues ``done`` with the first sampled token behind the last layer. A channel whose queue is
-full refuses a layer: its transfers fail through the connector's ``on_failure`` (retryable),
-and their ``done`` is not reported.
+prefix-cache hits: skipped here, still needed there) and returns a per-layer hook
+(``GatheredLayerHook``: the KV slots of those positions); right after layer L wrote its KV the
+model runner gathers every head of those slots into one contiguous buffer (on the compute
+stream, so a later step can never overwrite the blocks first) and the hook queues each decode
+worker's columns on that pair's channel, whose own thread sends them while layer L + 1
+computes. ``end_step`` queues ``done`` with the first sampled token behind the last layer. A
+channel whose queue is full refuses a layer: its transfers fail through the connector's
+``on_failure`` (retryable), and their ``done`` is not reported.
 
-Under tensor parallelism (``read_tokens`` given) each rank holds a slice of every layer's KV
-heads, and only rank 0 runs this observer: after the step, on the engine thread, it reads the
-step's positions with every head (``ModelRunner.read_kv_tokens``: the ranks gather to rank 0)
-and queues them as one message of every layer. The payload has a one-device pool's layout
-whatever the TP size on either side, so any pair of layouts meets; the layers leave after the
-step instead of beside it.
+Under tensor parallelism each rank holds a slice of every layer's KV heads, and only rank 0
+runs this observer: the slots go to every rank with the step's inputs, and after each layer the
+ranks gather their heads of them to rank 0 (``ModelRunner._layer_hook``), so the payload has a
+one-device pool's layout whatever the TP size on either side (any pair of layouts meets) and
+the layers still leave one by one, beside the next layer's compute.
 """
 
 from __future__ import annotations
@@ -24,17 +24,16 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.attention import host_to_device, slot_array
+from engine.attention import slot_array
 from engine.kv_transfer.backends import KVConnector
-from engine.kv_transfer.transport import byte_view
 from engine.outputs import SampledToken
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import GatheredLayerHook
 from engine.tracing import trace
 
 
@@ -83,18 +82,9 @@ class _Outgoing:
 class KVStreamer:
     """The engine's step observer on a prefill worker (engine.llm_engine.StepObserver)."""
 
-    def __init__(
-        self,
-        connector: KVConnector,
-        kv_caches: list[torch.Tensor],
-        block_size: int,
-        read_tokens: Callable[[list[int], int, int], torch.Tensor] | None = None,
-    ):
-        self.connector, self.kv_caches, self.block_size = connector, kv_caches, block_size
-        self.read_tokens = read_tokens  # tensor parallel: every head of a request's positions
+    def __init__(self, connector: KVConnector, block_size: int):
+        self.connector, self.block_size = connector, block_size
         self.transfers: dict[str, _Outgoing] = {}
-        # tensor parallel: per endpoint, (transfer id, block table, start, end) of the step
-        self._after_step: dict[str, list[tuple[str, list[int], int, int]]] = {}
         self.on_done = lambda request_id, token, phases: None  # set by the worker
 
     def add(
@@ -121,9 +111,7 @@ class KVStreamer:
             self.connector.sender(t.endpoint).send_abort(t.transfer_id, reason)
         return t
 
-    def begin_step(self, out: SchedulerOutput):
-        if self.read_tokens is not None:
-            return self._plan_after_step(out)
+    def begin_step(self, out: SchedulerOutput) -> GatheredLayerHook | None:
         plan: dict[str, tuple[list[np.ndarray], list[tuple[str, int, int]]]] = {}
         for chunk in out.scheduled:
             t = self.transfers.get(chunk.request.request_id)
@@ -138,53 +126,22 @@ class KVStreamer:
             t.sent_upto = end
         if not plan:
             return None
-        device = self.kv_caches[0].device
-        sends = [
-            (
-                self.connector.sender(ep),
-                host_to_device(np.concatenate(slots), device),
-                entries,
-            )
-            for ep, (slots, entries) in plan.items()
-        ]
+        sends, col = [], 0  # (sender, entries, its columns of the gathered layer)
+        for ep, (slots, entries) in plan.items():
+            n = sum(len(x) for x in slots)
+            sends.append((self.connector.sender(ep), entries, col, col + n))
+            col += n
 
-        def hook(layer: int) -> None:
-            cache = self.kv_caches[layer]
-            for sender, index, entries in sends:
-                kv = byte_view(cache).index_select(2, index).view(cache.dtype)
-                sender.send_layer(layer, entries, kv)
-            trace(sends[0][2][0][0], f"prefill.hook{layer}")
+        def on_layer(layer: int, kv: torch.Tensor) -> None:
+            for sender, entries, start, stop in sends:
+                part = kv if len(sends) == 1 else kv[:, :, start:stop].contiguous()
+                sender.send_layer(layer, entries, part)
+            trace(sends[0][1][0][0], f"prefill.hook{layer}")
 
-        return hook
-
-    def _plan_after_step(self, out: SchedulerOutput) -> None:
-        """Tensor parallel: what ``end_step`` reads and sends (no per-layer hook)."""
-        self._after_step = {}
-        for chunk in out.scheduled:
-            t = self.transfers.get(chunk.request.request_id)
-            end = chunk.start + chunk.num_tokens
-            if t is None or end <= t.sent_upto:
-                continue
-            if t.first_step_at is None:
-                t.first_step_at = time.monotonic()
-            reads = self._after_step.setdefault(t.endpoint, [])
-            reads.append((t.transfer_id, list(chunk.block_table), t.sent_upto, end))
-            t.sent_upto = end
-
-    def _send_after_step(self) -> None:
-        """Tensor parallel: the step's positions, every head and layer, one message per
-        decode worker."""
-        plan, self._after_step = self._after_step, {}
-        for endpoint, reads in plan.items():
-            parts = [self.read_tokens(table, start, end) for _, table, start, end in reads]
-            entries = [(tid, start, end - start) for tid, _, start, end in reads]
-            kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-            self.connector.sender(endpoint).send_layers(0, entries, kv)
-            trace(entries[0][0], "prefill.sent_after_step")
+        all_slots = np.concatenate([x for slots, _ in plan.values() for x in slots])
+        return GatheredLayerHook(all_slots, on_layer)
 
     def end_step(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> None:
-        if self._after_step:
-            self._send_after_step()
         for chunk in out.scheduled:
             rid = chunk.request.request_id
             t = self.transfers.get(rid)
