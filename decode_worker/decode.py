@@ -62,6 +62,9 @@ class Arrival:
     table: list[int] = field(default_factory=list)
 
 
+STAGING_FULL = "tensor-parallel staging full: KV still arriving for other requests"
+
+
 class DecodeRole(Role):
     """``reserve`` / ``fail_transfer`` / ``endpoint``, the KV receiver and its arrivals."""
 
@@ -78,6 +81,8 @@ class DecodeRole(Role):
         super().__init__(worker)
         self.transfer_timeout_s = transfer_timeout_s
         self.arriving: dict[str, Arrival] = {}  # transfer id -> its KV still coming in
+        self.max_staged_bytes = limits.max_staged_bytes
+        self.staged_bytes = 0  # tensor parallel: bytes in the arrivals' buffers now
         self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
             import ray
@@ -113,6 +118,9 @@ class DecodeRole(Role):
 
         def reserve() -> ReserveResult:
             trace(request_id, "decode.reserve")
+            carried = len(kwargs.get("output_token_ids") or ())
+            if not self.staging_room(len(prompt) + carried + 1):
+                return Full(STAGING_FULL)
             try:
                 table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
             except ValueError as exc:
@@ -122,7 +130,6 @@ class DecodeRole(Role):
             tracked = self.worker.register(request_id, client)
             if predicted_tokens:  # (its 90th percentile): what projections count, not max_tokens
                 tracked.predicted = int(predicted_tokens)
-            carried = len(kwargs.get("output_token_ids") or ())
             deadline = time.monotonic() + self.transfer_timeout_s
             self.expect(request_id, table, len(prompt) + carried, deadline)
             return Reserved(self.receiver.endpoint)
@@ -160,9 +167,8 @@ class DecodeRole(Role):
         transfer completes, before the request is admitted."""
         staged = self._staging(table)
         self.receiver.expect(request_id, table, num_tokens, exact=exact, into=staged)
-        self.arriving[request_id] = Arrival(
-            deadline, on_end=on_end, staged=staged, table=list(table)
-        )
+        arrival = self.arriving[request_id] = Arrival(deadline, on_end=on_end, table=list(table))
+        self._hold(arrival, staged)
 
     def extend(self, request_id: str, table: list[int], num_tokens: int) -> bool:
         """Room for ``num_tokens`` positions in ``table`` for an inexact transfer (a
@@ -173,8 +179,21 @@ class DecodeRole(Role):
         staged = self._staging(table)
         if not self.receiver.extend(request_id, table, num_tokens, into=staged):
             return False
-        arrival.staged, arrival.table = staged, list(table)
+        self._hold(arrival, staged)
+        arrival.table = list(table)
         return True
+
+    def staging_room(self, num_tokens: int) -> bool:
+        """Whether a transfer of ``num_tokens`` positions may be expected now: always on one
+        device; under tensor parallelism while the staging buffers stay within
+        ``KVLimits.max_staged_bytes`` (or none is held)."""
+        if self.engine.runner.tp is None or not self.staged_bytes:
+            return True
+        spec = self.receiver.spec
+        slots = -(-num_tokens // spec.block_size) * spec.block_size
+        return self.staged_bytes + spec.payload_bytes(slots) * spec.num_layers <= (
+            self.max_staged_bytes
+        )
 
     def _staging(self, table: list[int]) -> torch.Tensor | None:
         """Tensor parallel: a zeroed buffer for every head of ``table``'s slots (None: the
@@ -188,10 +207,18 @@ class DecodeRole(Role):
             (*shape, spec.head_dim), dtype=spec.torch_dtype, device=runner.kv_caches[0].device
         )
 
+    def _hold(self, arrival: Arrival, staged: torch.Tensor | None) -> None:
+        """``staged`` becomes the arrival's buffer (None: it holds none from now on)."""
+        for t, sign in ((arrival.staged, -1), (staged, 1)):
+            if t is not None:
+                self.staged_bytes += sign * t.numel() * t.element_size()
+        arrival.staged = staged
+
     def _unstage(self, arrival: Arrival) -> None:
         """Tensor parallel: the complete transfer's KV into its blocks on every rank."""
         if arrival.staged is not None:
-            staged, arrival.staged = arrival.staged, None
+            staged = arrival.staged
+            self._hold(arrival, None)
             self.engine.runner.write_kv_blocks(arrival.table, staged)
 
     def _on_transfer_event(self, event: TransferEvent) -> None:
@@ -205,8 +232,10 @@ class DecodeRole(Role):
         arrival = self.arriving.pop(rid, None)
         complete = event.kind is TransferOutcome.COMPLETE
         cancelled = arrival.cancel_reason if arrival is not None else None
-        if complete and cancelled is None and arrival is not None:
-            self._unstage(arrival)
+        if arrival is not None:
+            if complete and cancelled is None:
+                self._unstage(arrival)
+            self._hold(arrival, None)  # (a failed or cancelled transfer's buffer goes)
         if arrival is not None and arrival.on_end is not None:
             arrival.on_end(event, cancelled)  # a migration's copy (not in kv_transfer_seconds)
             return

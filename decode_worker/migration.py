@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from decode_worker.decode import DecodeRole
+from decode_worker.decode import STAGING_FULL, DecodeRole
 from decode_worker.migration_config import MigrationConfig
 from engine.attention import host_to_device, slot_array
 from engine.histogram import Buckets
@@ -525,6 +525,10 @@ class MigrationRole(Role):
         def reserve() -> ReserveResult:
             if len(self._in) >= self.config.max_in:
                 return Full(SLOT_TAKEN)
+            if not self.decode.staging_room(
+                max(len(prompt) + len(output_token_ids), reserve_tokens)
+            ):
+                return Full(STAGING_FULL)
             try:
                 table = self.engine.reserve_remote(
                     request_id,

@@ -124,6 +124,38 @@ def test_migration_from_d_tp2_to_d_tp1_and_back(llama8, workers):
     check_idle(p, a, b)
 
 
+def test_tp_staging_is_bounded(llama8, workers):
+    """A TP decode worker's rank 0 holds arriving KV (every head) outside the pool: past
+    ``KVLimits.max_staged_bytes`` a reservation is answered Full, and a transfer that ends
+    (here: failed by its caller) gives its buffer back."""
+    from decode_worker.decode import STAGING_FULL
+    from engine.messages import Full
+
+    _, _, prompts, _ = llama8
+    _, a, _ = workers
+    role = a.decode_role
+    params = SamplingParams(max_tokens=4)
+    saved, role.max_staged_bytes = role.max_staged_bytes, 1  # room for one transfer at a time
+    try:
+        assert isinstance(asyncio.run(a.reserve("s1", prompts[2], params, "s1")), Reserved)
+        held = role.staged_bytes
+        spec = role.receiver.spec  # 23 tokens + 1: 6 blocks of 4, every head and layer
+        assert held == spec.payload_bytes(24) * spec.num_layers > 0
+        full = asyncio.run(a.reserve("s2", prompts[1], params, "s2"))
+        assert isinstance(full, Full) and full.reason == STAGING_FULL
+        asyncio.run(a.fail_transfer("s1", "gone"))
+        # (its release event comes back to the engine thread: any later call runs after it)
+        asyncio.run(a.check_idle())
+        assert role.staged_bytes == 0
+        assert isinstance(asyncio.run(a.reserve("s2", prompts[1], params, "s2")), Reserved)
+        asyncio.run(a.fail_transfer("s2", "gone"))
+        asyncio.run(a.check_idle())
+    finally:
+        role.max_staged_bytes = saved
+    assert role.staged_bytes == 0
+    check_idle(a)
+
+
 def test_smollm2_p_tp3_streams_to_d_tp1(smollm2_dir):
     """SmolLM2-135M with its real weights (9 query heads, 3 KV heads: one per prefill rank,
     all three on the decode worker; tied embeddings, a vocabulary of 49152 split in three):

@@ -122,6 +122,10 @@ class KVLimits:
     thread); more are closed at once."""
     max_pairs: int = 64
     """Receiver: authenticated pair channels, one thread each; more are refused."""
+    max_staged_bytes: int = 4 << 30
+    """Receiver of a tensor-parallel decode worker: KV held at once in the per-request buffers
+    its rank 0 receives into (every head, outside the pool) until each is scattered to the
+    ranks; a reservation that would pass it is answered Full (one alone always fits)."""
     nccl_init_timeout_s: float = 30.0
     """NCCL: deadline for forming a pair's communicator, on each side."""
     nccl_watchdog_s: float = 30.0
