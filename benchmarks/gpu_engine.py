@@ -177,7 +177,8 @@ def throughput(llm, prompts: list[list[int]], output_lens: list[int]) -> dict:
     from engine import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - t0

@@ -59,6 +59,29 @@ TOPOLOGIES = {
     "two": (["--colocated", "2"], "0,1"),
     "pd": (["--prefill", "1", "--decode", "1"], "0,1"),
 }
+# Tensor-parallel topologies by name (issue 29): ``pd-p<P>d<D>`` one prefill worker at TP P and
+# one decode worker at TP D (P + D GPUs), ``two-tp<T>`` two colocated workers at TP T (2T GPUs),
+# ``one-tp<T>`` one colocated worker at TP T.
+_TP_TOPOLOGY = re.compile(r"^(?:pd-p(\d)d(\d)|(one|two)-tp(\d))$")
+
+
+def topology(name: str) -> tuple[list[str], str]:
+    """The ``tandem serve`` flags of a topology and the GPUs it takes (CUDA_VISIBLE_DEVICES)."""
+    if name in TOPOLOGIES:
+        return TOPOLOGIES[name]
+    m = _TP_TOPOLOGY.match(name)
+    if m is None:
+        raise SystemExit(f"unknown topology {name!r}: {sorted(TOPOLOGIES)}, pd-p2d1, two-tp2, ...")
+    if m.group(1):
+        p, d = int(m.group(1)), int(m.group(2))
+        flags = ["--prefill", "1", "--decode", "1"]
+        flags += ["--prefill-tensor-parallel-size", str(p), "--decode-tensor-parallel-size", str(d)]
+        return flags, ",".join(map(str, range(p + d)))
+    workers, tp = (1 if m.group(3) == "one" else 2), int(m.group(4))
+    flags = ["--colocated", str(workers), "--tensor-parallel-size", str(tp)]
+    return flags, ",".join(map(str, range(workers * tp)))
+
+
 # ``topo@variant`` phases: the same topology with other gateway flags (the gateway's own cost).
 VARIANTS = {
     "": [],
@@ -164,7 +187,7 @@ class Server:
 
     def __init__(self, args: argparse.Namespace, spec: str) -> None:
         topo, _, variant = spec.partition("@")
-        flags, gpus = TOPOLOGIES[topo]
+        flags, gpus = topology(topo)
         if args.gpus:  # other cards of the machine (two topologies measured side by side)
             if len(args.gpus.split(",")) != len(gpus.split(",")):
                 raise SystemExit(f"--gpus {args.gpus}: {topo} takes {len(gpus.split(','))}")
