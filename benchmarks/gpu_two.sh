@@ -16,7 +16,8 @@
 # vLLM-sampled ShareGPT and 2k-8k prompts; goodput-sharegpt / goodput-long: one workload, 2
 # colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served
 # (issue 23: one worker through the gateway against the offline engine; served-gateways: the
-# same and through two gateway processes sharing the port, with CPU per process; 1 GPU).
+# same and through two gateway processes sharing the port, with CPU per process; 1 GPU),
+# tests-tp, tp-scaling and pd70 (issue 29: tensor parallelism on 2-8 GPUs).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
 # (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn. Two runs can
 # share a 4-GPU machine, each on its own CUDA_VISIBLE_DEVICES pair, with GPU_TWO_SHARED=1 (no
@@ -132,6 +133,28 @@ for s in "$@"; do
         section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \
             --profile --out "$out/served-gateways" ;;
+    tests-tp)  # issue 29: every tensor-parallel GPU test (2 GPUs; 3-4 for the P/D pairs)
+        section tests-tp 560 python -m pytest -q -p no:cacheprovider -o faulthandler_timeout=240 \
+            tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_tensor_parallel_kv_gpu.py \
+            tests/gpu/test_tensor_parallel_disagg_gpu.py ;;
+    tp-scaling)  # issue 29: the 8B shape at TP ${TP_SIZES:-1 2 4}, ITL against floor, throughput
+        read -r -a sizes <<<"${TP_SIZES:-1 2 4}"
+        section tp-scaling 590 python benchmarks/gpu_tp.py --tp "${sizes[@]}" \
+            --out "$out/tp-scaling/gpu_tp.json" ;;
+    pd70)  # issue 29: Llama-3-70B's shape, 1P(TP T) + 1D(TP T) against 2 colocated at TP T, on
+        # the same 2T GPUs (T = ${TP:-4}; QUANT=fp8 for 2 x TP 2 on four 80 GB cards), ShareGPT
+        # and Dynamo's 3k-in / 150-out
+        t="${TP:-4}"
+        big="${BIG_MODEL_DIR:-/tmp/llama3-70b}"
+        mkdir -p "$big" && cp "$model"/tokenizer*.json "$big/" 2>/dev/null
+        python -c "import json, sys; sys.path.insert(0, '.'); from benchmarks.gpu_fp8_weights \
+import big_config; json.dump(big_config(80), open('$big/config.json', 'w'))"
+        quant=(); [ -n "${QUANT:-}" ] && quant=(--engine "quantization=$QUANT")
+        section pd70 590 python benchmarks/gpu_serve.py run --model "$big" \
+            --phases "pd-p${t}d${t},two-tp${t}" --out "$out/pd70" "${dummy[@]}" "${quant[@]}" \
+            --requests-file "$sample" --warmup 32 --num-prompts 500 --rate-prompts 120 \
+            --long-prompts 120 --long-rate-prompts 40 --long-input 3000 3000 \
+            --long-output 150 150 --rate-seconds 20 --fracs "${fracs[@]}" --bench-timeout 240 ;;
     *) echo "unknown section $s" ;;
     esac
 done
