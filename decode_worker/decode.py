@@ -305,11 +305,14 @@ class DecodeRole(Role):
         return None if deadline == math.inf else deadline
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out = {
             "kv_bytes_received": self.receiver.bytes_received,
             "kv_transfer_seconds": self.kv_transfer_seconds,
             "transfers_pending": len(self.receiver.pending()),
         }
+        if self.engine.runner.tp is not None:  # KV held outside the pool until it is scattered
+            out["kv_staged_bytes"] = self.staged_bytes
+        return out
 
     def close(self) -> None:
         self.receiver.close()

@@ -363,6 +363,12 @@ class BackendCollector:
         kv_seconds = CounterMetricFamily(
             "tandem:kv_transfer_seconds", "Time spent moving KV.", labels=w
         )
+        staged = GaugeMetricFamily(
+            "tandem:kv_staged_bytes",
+            "KV a tensor-parallel decode worker's rank 0 holds for transfers still arriving "
+            "(every head, outside the pool; bounded by KVLimits.max_staged_bytes).",
+            labels=w,
+        )
         for i, s in enumerate(self._workers):
             name = [self._model, str(s.get("name", f"worker-{i}"))]
             _add(running, name, s.get("running"))
@@ -375,7 +381,8 @@ class BackendCollector:
             _add(kv_bytes, [*name, "sent"], s.get("kv_bytes_sent"))
             _add(kv_bytes, [*name, "received"], s.get("kv_bytes_received"))
             _add(kv_seconds, name, s.get("kv_transfer_seconds"))
-        yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds)
+            _add(staged, name, s.get("kv_staged_bytes"))
+        yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds, staged)
         yield from self._migration_metrics()
         yield from self._tier_metrics()
         yield from self._grammar_metrics()

@@ -186,6 +186,7 @@ class FakeBackend:
                 total_blocks=200,
                 in_use_blocks=50,
                 kv_bytes_received=4096,
+                kv_staged_bytes=1024,  # (a tensor-parallel decode worker's)
             ),
         ]
 
@@ -1078,6 +1079,8 @@ async def test_metrics(app) -> None:
     received = f'tandem:kv_transfer_bytes_total{{direction="received",{m},worker="decode-1"}}'
     assert metric_value(t, received) == 4096
     assert metric_value(t, f'tandem:kv_transfer_seconds_total{{{m},worker="prefill-0"}}') == 0.5
+    assert metric_value(t, f'tandem:kv_staged_bytes{{{m},worker="decode-1"}}') == 1024
+    assert 'kv_staged_bytes{worker="prefill-0"}' not in t
     assert 'prefix_cache_queries_total{worker="decode-1"}' not in t  # absent keys are skipped
 
 

@@ -141,6 +141,7 @@ def test_tp_staging_is_bounded(llama8, workers):
         held = role.staged_bytes
         spec = role.receiver.spec  # 23 tokens + 1: 6 blocks of 4, every head and layer
         assert held == spec.payload_bytes(24) * spec.num_layers > 0
+        assert asyncio.run(a.stats())["kv_staged_bytes"] == held  # (/metrics shows it)
         full = asyncio.run(a.reserve("s2", prompts[1], params, "s2"))
         assert isinstance(full, Full) and full.reason == STAGING_FULL
         asyncio.run(a.fail_transfer("s1", "gone"))
