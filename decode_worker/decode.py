@@ -57,9 +57,9 @@ class Arrival:
     reserved_at: float = field(default_factory=time.monotonic)
     cancel_reason: str | None = None
     on_end: Callable[[TransferEvent, str | None], None] | None = None
-    # tensor parallel: the KV arrives here, every head, and goes to ``table`` on completion
+    # tensor parallel: the KV arrives here, every head, and goes to the request's blocks (its
+    # block table, as long as this buffer is: a migration's grows with both) on completion
     staged: torch.Tensor | None = None
-    table: list[int] = field(default_factory=list)
 
 
 STAGING_FULL = "tensor-parallel staging full: KV still arriving for other requests"
@@ -167,7 +167,7 @@ class DecodeRole(Role):
         transfer completes, before the request is admitted."""
         staged = self._staging(table)
         self.receiver.expect(request_id, table, num_tokens, exact=exact, into=staged)
-        arrival = self.arriving[request_id] = Arrival(deadline, on_end=on_end, table=list(table))
+        arrival = self.arriving[request_id] = Arrival(deadline, on_end=on_end)
         self._hold(arrival, staged)
 
     def extend(self, request_id: str, table: list[int], num_tokens: int) -> bool:
@@ -180,7 +180,6 @@ class DecodeRole(Role):
         if not self.receiver.extend(request_id, table, num_tokens, into=staged):
             return False
         self._hold(arrival, staged)
-        arrival.table = list(table)
         return True
 
     def staging_room(self, num_tokens: int) -> bool:
@@ -214,12 +213,13 @@ class DecodeRole(Role):
                 self.staged_bytes += sign * t.numel() * t.element_size()
         arrival.staged = staged
 
-    def _unstage(self, arrival: Arrival) -> None:
+    def _unstage(self, request_id: str, arrival: Arrival) -> None:
         """Tensor parallel: the complete transfer's KV into its blocks on every rank."""
         if arrival.staged is not None:
             staged = arrival.staged
             self._hold(arrival, None)
-            self.engine.runner.write_kv_blocks(arrival.table, staged)
+            table = self.engine.block_manager.block_table(request_id)
+            self.engine.runner.write_kv_blocks(table, staged)
 
     def _on_transfer_event(self, event: TransferEvent) -> None:
         """From a receiver thread: hand the event to the engine thread."""
@@ -234,7 +234,7 @@ class DecodeRole(Role):
         cancelled = arrival.cancel_reason if arrival is not None else None
         if arrival is not None:
             if complete and cancelled is None:
-                self._unstage(arrival)
+                self._unstage(rid, arrival)
             self._hold(arrival, None)  # (a failed or cancelled transfer's buffer goes)
         if arrival is not None and arrival.on_end is not None:
             arrival.on_end(event, cancelled)  # a migration's copy (not in kv_transfer_seconds)
