@@ -34,16 +34,27 @@ GPU_TINY = dict(
 )
 
 
-def save_tiny(tmp_path_factory, name: str, **overrides) -> str:
-    """A random tiny Llama (transformers-built, seed 0) saved to a fresh folder; its path."""
+# The tensor-parallel GPU tests' shape: 8 query heads and tiny_config's 2 KV heads (one per rank
+# at TP 2), a vocabulary of 511 that TP 2 pads.
+TP_GPU_TINY = dict(vocab_size=511, hidden_size=128, intermediate_size=256, num_attention_heads=8)
+
+
+def save_tiny_model(tmp_path_factory, name: str, **overrides):
+    """A random tiny Llama (transformers-built, seed 0) saved to a fresh folder: the model (in
+    eval mode, on the CPU) and its path."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(name)
-    cfg = transformers.LlamaConfig(**tiny_config(**overrides))
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_config(**overrides)))
+    model.save_pretrained(path)
+    return model.eval(), str(path)
+
+
+def save_tiny(tmp_path_factory, name: str, **overrides) -> str:
+    """``save_tiny_model``'s path alone."""
+    return save_tiny_model(tmp_path_factory, name, **overrides)[1]
 
 
 def hf_greedy_ids(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False):

@@ -115,6 +115,23 @@ async def wait_tokens(client: Client, n: int) -> None:
         await asyncio.sleep(0.002)
 
 
+async def there_and_back(p, named: dict, rid: str, prompt, params, at=(6, 20)):
+    """``rid`` prefilled by ``p`` onto ``named["a"]``, moved to the other worker once it has
+    ``at[0]`` tokens and back at ``at[1]``, read as the router reads it: its ``Client`` and
+    each move's result."""
+    await start(p, named["a"], rid, prompt, params)
+    client = Client(named, rid)
+    reader = asyncio.ensure_future(client.run("a"))
+    results, where = [], "a"
+    for n in at:
+        await wait_tokens(client, n)
+        dest = "b" if where == "a" else "a"
+        results.append(await named[where].migrate_out(rid, handle(named[dest]), dest))
+        where = dest if results[-1].ok else where
+    await reader
+    return client, results
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -128,23 +145,7 @@ def test_migrated_request_gives_the_same_tokens(tiny, workers, params) -> None:
     prompt = prompt_of(30)
     expected = LLM(tiny, **ENGINE).generate([prompt], params)[0].outputs[0].token_ids
     named = {"a": a, "b": b}
-    hops = {"a": (b, "b"), "b": (a, "a")}
-
-    async def main():
-        rid = f"m-{params.seed}"
-        await start(p, a, rid, prompt, params)
-        client = Client(named, rid)
-        reader = asyncio.ensure_future(client.run("a"))
-        results, where = [], "a"
-        for at in (6, 20):  # there and back again
-            await wait_tokens(client, at)
-            dest, dest_name = hops[where]
-            results.append(await named[where].migrate_out(rid, handle(dest), dest_name))
-            where = dest_name if results[-1].ok else where
-        await reader
-        return client, results
-
-    client, results = asyncio.run(main())
+    client, results = asyncio.run(there_and_back(p, named, f"m-{params.seed}", prompt, params))
     assert [r.outcome for r in results] == ["migrated", "migrated"], results
     assert client.moves == ["b", "a"]
     assert client.tokens == expected

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from hf_oracle import hf_greedy_ids, tiny_config
+from hf_oracle import hf_greedy_ids, save_tiny_model
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
@@ -30,12 +30,7 @@ MAX_TOKENS = 8
 
 
 def _save(tmp_path_factory, name: str, **overrides):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**tiny_config(vocab_size=VOCAB, **overrides))
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp(name)
-    model.save_pretrained(path)
-    return model, str(path)
+    return save_tiny_model(tmp_path_factory, name, vocab_size=VOCAB, **overrides)
 
 
 def _prompts(lengths, seed=0):

@@ -15,13 +15,13 @@ import asyncio
 
 import pytest
 from hf_oracle import hf_greedy_ids
-from test_disagg_inprocess import read
-from test_migration_inprocess import Client, handle, wait_tokens
+from test_disagg_inprocess import disagg as run_disagg
+from test_migration_inprocess import there_and_back
 from test_tensor_parallel import _prompts, _save
 
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
-from engine.messages import PrefillDone, Reserved
+from engine.messages import Reserved
 from prefill_worker.worker import PrefillWorker
 
 transformers = pytest.importorskip("transformers")
@@ -36,11 +36,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 async def disagg(p, d, rid: str, prompt: list[int], params=GREEDY) -> list[int]:
     """One request through ``p`` then ``d``, read from ``d``'s stream: its tokens."""
-    res = await d.reserve(rid, prompt, params, rid)
-    assert isinstance(res, Reserved), res
-    pre = asyncio.ensure_future(p.prefill(rid, prompt, params, res.endpoint))
-    deltas = await read(d, rid)
-    assert isinstance(await pre, PrefillDone)
+    deltas = await run_disagg(p, d, rid, prompt, params)
+    assert isinstance(deltas, list), deltas  # (else the reservation's answer)
     assert deltas[-1].error is None, deltas[-1]
     return [t for x in deltas for t in x.token_ids]
 
@@ -102,22 +99,7 @@ def test_migration_from_d_tp2_to_d_tp1_and_back(llama8, workers):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = hf_greedy_ids(model, prompts[2], 40)
     named = {"a": a, "b": b}
-
-    async def main():
-        rid = "mig"
-        res = await a.reserve(rid, prompts[2], params, rid)
-        assert isinstance(res, Reserved)
-        assert isinstance(await p.prefill(rid, prompts[2], params, res.endpoint), PrefillDone)
-        client = Client(named, rid)
-        reader = asyncio.ensure_future(client.run("a"))
-        results = []
-        for at, src, dest in ((6, "a", "b"), (20, "b", "a")):
-            await wait_tokens(client, at)
-            results.append(await named[src].migrate_out(rid, handle(named[dest]), dest))
-        await reader
-        return client, results
-
-    client, results = asyncio.run(main())
+    client, results = asyncio.run(there_and_back(p, named, "mig", prompts[2], params))
     assert [r.outcome for r in results] == ["migrated", "migrated"], results
     assert client.moves == ["b", "a"]
     assert client.tokens == expected

@@ -16,6 +16,7 @@ import random
 
 import pytest
 import torch
+from hf_oracle import TP_GPU_TINY, save_tiny_model
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("cupy")
@@ -32,19 +33,13 @@ ENGINE = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg, hf_greedy):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **tiny_cfg(vocab_size=511, hidden_size=128, intermediate_size=256, num_attention_heads=8)
-    )
-    model = transformers.LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tp-pd-gpu")
-    model.save_pretrained(path)
+def tiny(tmp_path_factory, hf_greedy):
+    model, path = save_tiny_model(tmp_path_factory, "tp-pd-gpu", **TP_GPU_TINY)
     rng = random.Random(4)
     prompts = [[rng.randrange(511) for _ in range(n)] for n in (3, 40, 150)]
     prompts.append(prompts[-1][:128] + [9, 8, 7])  # whole blocks cached on the prefill side
     model = model.to(device="cuda", dtype=torch.float32)
-    return str(path), prompts, [hf_greedy(model, p, 16) for p in prompts]
+    return path, prompts, [hf_greedy(model, p, 16) for p in prompts]
 
 
 @pytest.mark.parametrize("ptp, dtp", [(2, 1), (1, 2), (2, 2)], ids=["p2-d1", "p1-d2", "p2-d2"])

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from hf_oracle import TP_GPU_TINY, save_tiny_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -23,14 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **tiny_cfg(vocab_size=511, hidden_size=128, intermediate_size=256, num_attention_heads=8)
-    )
-    model = transformers.LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tp-gpu")
-    model.save_pretrained(path)
+def tiny(tmp_path_factory):
+    model, path = save_tiny_model(tmp_path_factory, "tp-gpu", **TP_GPU_TINY)
     rng = random.Random(1)
     prompts = [[rng.randrange(511) for _ in range(n)] for n in (1, 7, 33, 100, 257)]
     return model, path, prompts

@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from hf_oracle import TP_GPU_TINY, save_tiny_model
 from test_tensor_parallel_kv import _finish, _prefill
 
 pytestmark = pytest.mark.skipif(
@@ -26,15 +27,8 @@ BS = 8  # _prefill's block size
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_cfg):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **tiny_cfg(vocab_size=511, hidden_size=128, intermediate_size=256, num_attention_heads=8)
-    )
-    model = transformers.LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tp-kv-gpu")
-    model.save_pretrained(path)
-    return model, str(path)
+def tiny(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory, "tp-kv-gpu", **TP_GPU_TINY)
 
 
 def _llm(path, **kw):
