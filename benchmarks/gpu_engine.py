@@ -20,7 +20,9 @@ import gc
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +40,24 @@ SECTIONS = ("itl", "kv", "throughput", "hf")
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_part(script: str, args: list[str]) -> dict:
+    """``script`` run again in a child process of its own (a fresh CUDA context: one engine's
+    memory cannot shrink the next one's budget) with ``args`` and ``--part FILE``: the JSON it
+    wrote to FILE."""
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "part.json"
+        subprocess.run([sys.executable, script, *args, "--part", str(part)], check=True)
+        return json.loads(part.read_text())
+
+
+def print_markdown(rows: list[tuple]) -> None:
+    """``rows``, the header first, as a Markdown table."""
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(str(c) for c in row) + " |")
+        if i == 0:
+            print("|" + "---|" * len(row))
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:

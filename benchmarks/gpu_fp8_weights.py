@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -163,12 +162,10 @@ def perplexity(args: argparse.Namespace, quantization: str | None) -> dict:
 
 
 def in_child(args: argparse.Namespace, one: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "part.json"
-        cmd = [sys.executable, __file__, "--one", one, "--part", str(part)]
-        cmd += ["--num-requests", str(args.num_requests), "--big-layers", str(args.big_layers)]
-        subprocess.run(cmd, check=True)
-        return json.loads(part.read_text())
+    from benchmarks.gpu_engine import run_part
+
+    extra = ["--num-requests", str(args.num_requests), "--big-layers", str(args.big_layers)]
+    return run_part(__file__, ["--one", one, *extra])
 
 
 def with_floors(runs: dict[str, dict], hbm: float) -> None:
@@ -198,6 +195,8 @@ def summary(result: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
+    from benchmarks.gpu_engine import print_markdown
+
     hbm = result.get("hbm_copy_bytes_per_s")
     print(f"\n{result['device']}" + (f", HBM copy {hbm / 1e12:.2f} TB/s" if hbm else ""))
     rows = [("run", "weights GiB", "floor ms", "ITL ms", "ITL / floor", "graph / floor",
@@ -212,10 +211,7 @@ def print_table(result: dict) -> None:
     for name, p in (result.get("ppl") or {}).items():
         rows.append((f"perplexity {name} ({p['dtype']}, {p['tokens']} tokens)", "-", "-", "-",
                      f"{p['ppl']:.4f}", "-", "-", "-"))  # fmt: skip
-    for i, row in enumerate(rows):
-        print("| " + " | ".join(str(c) for c in row) + " |")
-        if i == 0:
-            print("|" + "---|" * len(row))
+    print_markdown(rows)
     for key, value in result["fp8_over_bf16"].items():
         print(f"{key}: {value:.4f}")
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,14 +37,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_engine import log, print_markdown, run_part  # noqa: E402
+
 CONFIG_8B = ROOT / "benchmarks" / "configs" / "llama3-8b"
 VLLM_SAMPLE = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
 CONTEXT, ITL_STEPS = 512, 64
 ALL_REDUCE_REPS = 200
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def tiny_config() -> dict:
@@ -117,14 +114,10 @@ def engine_run(args: argparse.Namespace) -> dict:
 
 
 def in_child(args: argparse.Namespace, tp: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "part.json"
-        cmd = [sys.executable, __file__, "--one", str(tp), "--part", str(part)]
-        cmd += ["--num-requests", str(args.num_requests), "--device", args.device]
-        if args.quantization:
-            cmd += ["--quantization", args.quantization]
-        subprocess.run(cmd, check=True)
-        return json.loads(part.read_text())
+    extra = ["--num-requests", str(args.num_requests), "--device", args.device]
+    if args.quantization:
+        extra += ["--quantization", args.quantization]
+    return run_part(__file__, ["--one", str(tp), *extra])
 
 
 # -- the all-reduce's latency on these GPUs --------------------------------------------------------
@@ -202,10 +195,7 @@ def print_table(result: dict) -> None:
                      *(f"{f * 1e3:.2f}" if f is not None else "-" for f in floors),
                      f"{r['itl_s'] * 1e3:.2f}", f"{over:.3f}x" if over else "-",
                      r["num_kv_blocks"], f"{tput:.0f}" if tput else "-"))  # fmt: skip
-    for i, row in enumerate(rows):
-        print("| " + " | ".join(str(c) for c in row) + " |")
-        if i == 0:
-            print("|" + "---|" * len(row))
+    print_markdown(rows)
 
 
 def plot(result: dict, path: Path) -> None:
