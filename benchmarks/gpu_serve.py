@@ -82,6 +82,34 @@ def topology(name: str) -> tuple[list[str], str]:
     return flags, ",".join(map(str, range(workers * tp)))
 
 
+def topology_label(topo: str) -> str:
+    """A topology's name in the tables: ``2 colocated``, ``1P1D``, ``1P(TP 2) + 1D(TP 1)``..."""
+    m = _TP_TOPOLOGY.match(topo)
+    if topo in ("two", "pd") or m is None:
+        return {"two": "2 colocated", "pd": "1P1D", "one": "1 colocated"}.get(topo, topo)
+    if m.group(1):
+        return f"1P(TP {m.group(1)}) + 1D(TP {m.group(2)})"
+    return f"{1 if m.group(3) == 'one' else 2} colocated at TP {m.group(4)}"
+
+
+def topology_gpus(topo: str) -> int:
+    return len(topology(topo)[1].split(","))
+
+
+def kv_tail(url: str) -> tuple[float, float]:
+    """The decode workers' summed ``tandem:kv_transfer_tail_seconds`` and
+    ``tandem:kv_transfers_in`` from /metrics (0, 0 where there are none: colocated)."""
+    import httpx
+
+    sums = {"tandem:kv_transfer_tail_seconds_total": 0.0, "tandem:kv_transfers_in_total": 0.0}
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in sums:
+                sums[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(sums.values())  # type: ignore[return-value]
+
+
 # ``topo@variant`` phases: the same topology with other gateway flags (the gateway's own cost).
 VARIANTS = {
     "": [],
@@ -193,6 +221,7 @@ class Server:
                 raise SystemExit(f"--gpus {args.gpus}: {topo} takes {len(gpus.split(','))}")
             gpus = args.gpus
         flags = flags + VARIANTS[variant]
+        self.disaggregated = "--prefill" in flags
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", args.model]
@@ -336,6 +365,7 @@ def drive(
     cmd += ["--rates", *(bench.format_rate(r) for r in rates)]
     cmd += workload_args(args, workload, num)
     log(f"{name}: {num} {workload} requests at {[bench.format_rate(r) for r in rates]}")
+    tail0 = kv_tail(server.url)
     client = subprocess.Popen(cmd, cwd=ROOT)
     profile = Profile(args, name, server.proc.pid, client.pid) if args.profile else None
     try:
@@ -347,10 +377,23 @@ def drive(
         if profile:
             profile.stop()
     data = json.loads(path.read_text())
+    results = data["runs"][label]["results"]
+    if tail0[1] or server.disaggregated:  # P/D: the stream's exposed tail, mean per transfer
+        done = sum(r["completed"] for r in results if "completed" in r) or num
+        deadline = time.monotonic() + 10  # the router polls the workers' counters
+        while True:
+            tail = kv_tail(server.url)
+            if tail[1] - tail0[1] >= done or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        n = tail[1] - tail0[1]
+        for r in results:  # (one rate per run here; a multi-rate run shares the mean)
+            r["kv_tail_ms_mean"] = 1e3 * (tail[0] - tail0[0]) / n if n else None
+            r["kv_transfers"] = n
     with gzip.open(f"{path}.gz", "wt") as f:
         json.dump(data, f)
     path.unlink()
-    return data["runs"][label]["results"]
+    return results
 
 
 def steady_capacity(result: dict[str, Any]) -> float | None:
@@ -505,6 +548,13 @@ def frontier(points: list[tuple[float, float]], target: float = ATTAINMENT) -> d
     return {"measured": top, "interpolated": top, "bound": "above", "first_miss": None}
 
 
+def topologies(runs: dict[str, list[dict]], workload: str) -> list[str]:
+    """The topologies with a rate sweep of ``workload`` in ``runs`` (colocated ones first)."""
+    suffix = f"-{workload}-rates"
+    found = {k[: -len(suffix)] for k in runs if k.endswith(suffix)}
+    return sorted(found, key=lambda t: (not t.startswith(("two", "one")), t))
+
+
 def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, Any]]:
     """Per workload and SLO pair: each topology's capacity, its attainment at every offered
     rate, and its goodput (``frontier``), as markdown lines and as JSON."""
@@ -512,7 +562,8 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
     for workload in ("sharegpt", "long"):
         for slo_name, slos in SLOS.items():
             rows = {}
-            for topo, label in (("two", "2 colocated"), ("pd", "1P1D")):
+            for topo in topologies(runs, workload):
+                label = topology_label(topo)
                 rates = runs.get(f"{topo}-{workload}-rates", [])
                 inf = runs.get(f"{topo}-{workload}-inf", [])
                 if not rates:
@@ -524,22 +575,35 @@ def goodput_tables(runs: dict[str, list[dict]]) -> tuple[list[str], dict[str, An
                 )
                 pts = sorted((r["offered_rate"], attainment(r, slos)) for r in rates)
                 rows[label] = {"capacity": sat, "points": pts, "goodput": frontier(pts)}
+                rows[label]["gpus"] = topology_gpus(topo)
+                tails = [(r["kv_tail_ms_mean"], r["mean_ttft_ms"]) for r in rates + inf
+                         if r.get("kv_tail_ms_mean") is not None]  # fmt: skip
+                if tails:  # the layer-wise stream's exposed tail against TTFT, per run
+                    rows[label]["kv_tail_share"] = [t / ttft for t, ttft in tails if ttft]
+                    rows[label]["kv_tail_ms"] = [t for t, _ in tails]
             if not rows:
                 continue
             key = f"{workload}/{slo_name}"
             out[key] = rows
             slo = f"TTFT {slos['ttft']:g} ms, TPOT {slos['tpot']:g} ms"
             lines += ["", f"{workload}, SLO {slo_name} ({slo}): attainment per offered rate"]
-            lines += ["| topology | capacity req/s | rate: attainment | goodput req/s "
-                      "(measured / interpolated) | per GPU | / capacity |", "|---|---|---|---|---|---|"]  # fmt: skip
+            lines += ["| topology | GPUs | capacity req/s | rate: attainment | goodput req/s "
+                      "(measured / interpolated) | per GPU | / capacity | KV tail ms (share of "
+                      "mean TTFT) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
             for label, row in rows.items():
                 g = row["goodput"]
                 cells = ", ".join(f"{r:g}: {a:.2f}" for r, a in row["points"])
                 bound = {"below": " (missed at every rate)", "above": " (met at every rate)"}
+                tail = "-"
+                if row.get("kv_tail_ms"):
+                    lo, hi = min(row["kv_tail_ms"]), max(row["kv_tail_ms"])
+                    share = row["kv_tail_share"] or [float("nan")]
+                    tail = f"{lo:.1f}-{hi:.1f} ({min(share):.1%}-{max(share):.1%})"
                 lines.append(
-                    f"| {label} | {row['capacity']:.2f} | {cells} | {g['measured']:.2f} / "
-                    f"{g['interpolated']:.2f}{bound.get(g['bound'], '')} | "
-                    f"{g['interpolated'] / 2:.2f} | {g['interpolated'] / row['capacity']:.2f} |"
+                    f"| {label} | {row['gpus']} | {row['capacity']:.2f} | {cells} | "
+                    f"{g['measured']:.2f} / {g['interpolated']:.2f}{bound.get(g['bound'], '')} | "
+                    f"{g['interpolated'] / row['gpus']:.2f} | "
+                    f"{g['interpolated'] / row['capacity']:.2f} | {tail} |"
                 )
     return lines, out
 
@@ -622,13 +686,11 @@ def report(args: argparse.Namespace) -> None:
     if args.plot:
         for workload in ("sharegpt", "long"):
             data = {"runs": {}}
-            for topo in ("two", "pd"):
+            for topo in topologies(runs, workload):
                 results = runs.get(f"{topo}-{workload}-rates", []) + runs.get(
                     f"{topo}-{workload}-inf", []
                 )
-                if results:
-                    label = {"two": "2 colocated", "pd": "1P1D"}[topo]
-                    data["runs"][label] = {"results": results}
+                data["runs"][topology_label(topo)] = {"results": results}
             if data["runs"]:
                 png = Path(args.plot)
                 bench.plot_report(data, png.with_name(f"{png.stem}_{workload}{png.suffix}"))

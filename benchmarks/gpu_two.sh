@@ -71,6 +71,9 @@ for s in "$@"; do
         section tests 300 python -m pytest -q -p no:cacheprovider \
             tests/gpu/test_kv_receiver_streams.py tests/gpu/test_disagg_nccl.py \
             tests/gpu/test_migration_nccl.py tests/gpu/test_nccl_bounds.py ;;
+    tests-pd)  # the one-device P/D and migration tests over NCCL (2 GPUs)
+        section tests-pd 300 python -m pytest -q -p no:cacheprovider -o faulthandler_timeout=240 \
+            tests/gpu/test_disagg_nccl.py tests/gpu/test_migration_nccl.py ;;
     tests-changed)  # the tests of what changed since a full tests run
         section tests-changed 150 python -m pytest -q -p no:cacheprovider \
             tests/gpu/test_kv_receiver_streams.py tests/gpu/test_migration_nccl.py ;;
@@ -142,18 +145,20 @@ for s in "$@"; do
         section tp-scaling 590 python benchmarks/gpu_tp.py --tp "${sizes[@]}" \
             --out "$out/tp-scaling/gpu_tp.json" ;;
     pd70)  # issue 29: Llama-3-70B's shape, 1P(TP T) + 1D(TP T) against 2 colocated at TP T, on
-        # the same 2T GPUs (T = ${TP:-4}; QUANT=fp8 for 2 x TP 2 on four 80 GB cards), ShareGPT
-        # and Dynamo's 3k-in / 150-out
+        # the same 2T GPUs (T = ${TP:-4}; QUANT=fp8 for 2 x TP 2 on four 80 GB cards, or TP=1
+        # on two H200s), ShareGPT and Dynamo's 3k-in / 150-out. PD70_PHASES: one topology per
+        # call where a call's time is short; FRACS: fewer rates; LONG: the long burst's size.
         t="${TP:-4}"
+        read -r -a fracs <<<"${FRACS:-${fracs[*]}}"
         big="${BIG_MODEL_DIR:-/tmp/llama3-70b}"
         mkdir -p "$big" && cp "$model"/tokenizer*.json "$big/" 2>/dev/null
         python -c "import json, sys; sys.path.insert(0, '.'); from benchmarks.gpu_fp8_weights \
 import big_config; json.dump(big_config(80), open('$big/config.json', 'w'))"
         quant=(); [ -n "${QUANT:-}" ] && quant=(--engine "quantization=$QUANT")
         section pd70 590 python benchmarks/gpu_serve.py run --model "$big" \
-            --phases "pd-p${t}d${t},two-tp${t}" --out "$out/pd70" "${dummy[@]}" "${quant[@]}" \
-            --requests-file "$sample" --warmup 32 --num-prompts 500 --rate-prompts 120 \
-            --long-prompts 120 --long-rate-prompts 40 --long-input 3000 3000 \
+            --phases "${PD70_PHASES:-pd-p${t}d${t},two-tp${t}}" --out "$out/pd70" "${dummy[@]}" \
+            "${quant[@]}" --requests-file "$sample" --warmup 32 --num-prompts 500 \
+            --rate-prompts 120 --long-prompts "${LONG:-120}" --long-rate-prompts 40 --long-input 3000 3000 \
             --long-output 150 150 --rate-seconds 20 --fracs "${fracs[@]}" --bench-timeout 240 ;;
     *) echo "unknown section $s" ;;
     esac

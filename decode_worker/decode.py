@@ -84,6 +84,10 @@ class DecodeRole(Role):
         self.max_staged_bytes = limits.max_staged_bytes
         self.staged_bytes = 0  # tensor parallel: bytes in the arrivals' buffers now
         self.kv_transfer_seconds = 0.0  # reservation -> every layer in, summed over transfers
+        # the prefill's first token sampled -> every layer in here: what the layer-wise stream
+        # leaves exposed in TTFT, summed over the completed prefill transfers (counted)
+        self.kv_tail_seconds = 0.0
+        self.kv_transfers_in = 0
         if host == "node":  # multi-node: listen where prefill workers on other nodes reach us
             import ray
 
@@ -223,9 +227,13 @@ class DecodeRole(Role):
 
     def _on_transfer_event(self, event: TransferEvent) -> None:
         """From a receiver thread: hand the event to the engine thread."""
-        self.worker.post(lambda: self._on_transfer_end(event))
+        tail = None
+        sampled_at = (event.token or {}).get("sampled_at")
+        if event.kind is TransferOutcome.COMPLETE and isinstance(sampled_at, (int, float)):
+            tail = max(0.0, time.time() - sampled_at)
+        self.worker.post(lambda: self._on_transfer_end(event, tail))
 
-    def _on_transfer_end(self, event: TransferEvent) -> None:
+    def _on_transfer_end(self, event: TransferEvent, tail: float | None = None) -> None:
         rid = event.transfer_id
         if event.kind is TransferOutcome.COMPLETE and self._wait_for_grammar(event):
             return
@@ -241,6 +249,9 @@ class DecodeRole(Role):
             return
         if complete and arrival is not None:
             self.kv_transfer_seconds += time.monotonic() - arrival.reserved_at
+            if tail is not None:
+                self.kv_tail_seconds += tail
+                self.kv_transfers_in += 1
         if complete and cancelled is None:
             trace(rid, "decode.admit")
             try:
@@ -308,6 +319,8 @@ class DecodeRole(Role):
         out = {
             "kv_bytes_received": self.receiver.bytes_received,
             "kv_transfer_seconds": self.kv_transfer_seconds,
+            "kv_transfer_tail_seconds": self.kv_tail_seconds,
+            "kv_transfers_in": self.kv_transfers_in,
             "transfers_pending": len(self.receiver.pending()),
         }
         if self.engine.runner.tp is not None:  # KV held outside the pool until it is scattered

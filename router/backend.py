@@ -116,7 +116,8 @@ class Backend(Protocol):
         """One dict per worker for /metrics; keys (absent ones are skipped): name, role,
         running, waiting, total_blocks, free_blocks, cached_blocks, in_use_blocks,
         prefix_queries_tokens, prefix_hit_tokens, kv_bytes_sent, kv_bytes_received,
-        kv_transfer_seconds, projected_blocks, migrations (a decode worker's live-migration
+        kv_transfer_seconds, kv_transfer_tail_seconds, kv_transfers_in, kv_staged_bytes,
+        projected_blocks, migrations (a decode worker's live-migration
         counters: out, in, bytes, blocks, stages, pause_buckets, pause_sum)."""
 
     def router_stats(self) -> RouterStats:

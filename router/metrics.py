@@ -363,6 +363,15 @@ class BackendCollector:
         kv_seconds = CounterMetricFamily(
             "tandem:kv_transfer_seconds", "Time spent moving KV.", labels=w
         )
+        tail = CounterMetricFamily(
+            "tandem:kv_transfer_tail_seconds",
+            "A decode worker's prefill transfers: from the prefill's first token to every KV "
+            "layer in, the stream's share of TTFT (summed; tandem:kv_transfers_in counts them).",
+            labels=w,
+        )
+        transfers = CounterMetricFamily(
+            "tandem:kv_transfers_in", "Prefill KV transfers a decode worker completed.", labels=w
+        )
         staged = GaugeMetricFamily(
             "tandem:kv_staged_bytes",
             "KV a tensor-parallel decode worker's rank 0 holds for transfers still arriving "
@@ -382,7 +391,10 @@ class BackendCollector:
             _add(kv_bytes, [*name, "received"], s.get("kv_bytes_received"))
             _add(kv_seconds, name, s.get("kv_transfer_seconds"))
             _add(staged, name, s.get("kv_staged_bytes"))
+            _add(tail, name, s.get("kv_transfer_tail_seconds"))
+            _add(transfers, name, s.get("kv_transfers_in"))
         yield from (running, waiting, usage, queries, hits, kv_bytes, kv_seconds, staged)
+        yield from (tail, transfers)
         yield from self._migration_metrics()
         yield from self._tier_metrics()
         yield from self._grammar_metrics()

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_serve import topology  # noqa: E402
+from benchmarks.gpu_serve import goodput_tables, topology, topology_label  # noqa: E402
 from benchmarks.gpu_tp import with_floors  # noqa: E402
 
 
@@ -53,3 +53,51 @@ def test_tensor_parallel_topologies(name, flags, gpus):
 def test_unknown_topology_is_refused():
     with pytest.raises(SystemExit, match="unknown topology 'pd-p2'"):
         topology("pd-p2")
+
+
+@pytest.mark.parametrize(
+    "name, label",
+    [("pd", "1P1D"), ("two", "2 colocated"), ("pd-p2d1", "1P(TP 2) + 1D(TP 1)"),
+     ("two-tp4", "2 colocated at TP 4")],
+)  # fmt: skip
+def test_topology_labels(name, label):
+    assert topology_label(name) == label
+
+
+def _rate_run(rate: float, ttft: float, tail_ms: float | None) -> dict:
+    """A finished run at ``rate``: 10 requests, all with first token after ``ttft`` s."""
+    recs = [
+        dict(prompt_len=8, output_len=4, success=True, status=200, start=i / rate,
+             end=i / rate + ttft + 0.03, ttft=ttft, latency=ttft + 0.03, itl=[0.01] * 3,
+             output_tokens=4)
+        for i in range(10)
+    ]  # fmt: skip
+    run = {"offered_rate": rate, "request_throughput": rate, "requests": recs}
+    run["mean_ttft_ms"] = 1e3 * ttft
+    if tail_ms is not None:
+        run["kv_tail_ms_mean"] = tail_ms
+    return run
+
+
+def test_goodput_tables_take_every_topology_with_its_gpus_and_kv_tail():
+    """TP topologies get their own rows (found from the run labels), goodput per GPU over the
+    topology's own GPU count, and P/D rows the stream's exposed tail against TTFT."""
+    runs = {
+        # 1P(TP 2) + 1D(TP 2): 4 GPUs; meets the chat SLO (500 ms) at 2 and 4 req/s, not at 8
+        "pd-p2d2-sharegpt-rates": [_rate_run(2, 0.2, 20.0), _rate_run(4, 0.4, 40.0),
+                                   _rate_run(8, 0.9, 50.0)],
+        "pd-p2d2-sharegpt-inf": [_rate_run(10, 1.0, 50.0)],
+        "two-tp2-sharegpt-rates": [_rate_run(2, 0.2, None), _rate_run(4, 0.9, None)],
+        "two-tp2-sharegpt-inf": [_rate_run(6, 1.0, None)],
+    }  # fmt: skip
+    lines, out = goodput_tables(runs)
+    rows = out["sharegpt/chat"]
+    assert list(rows) == ["2 colocated at TP 2", "1P(TP 2) + 1D(TP 2)"]
+    pd = rows["1P(TP 2) + 1D(TP 2)"]
+    assert pd["gpus"] == 4 and pd["goodput"]["measured"] == 4
+    assert pd["kv_tail_ms"] == [20.0, 40.0, 50.0, 50.0]
+    assert pd["kv_tail_share"] == pytest.approx([0.1, 0.1, 50 / 900, 0.05])
+    assert "kv_tail_ms" not in rows["2 colocated at TP 2"]
+    row = next(x for x in lines if x.startswith("| 1P(TP 2)"))
+    assert "| 4 |" in row and "20.0-50.0 (5.0%-10.0%)" in row
+    assert f"| {pd['goodput']['interpolated'] / 4:.2f} |" in row

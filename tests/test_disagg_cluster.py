@@ -204,6 +204,7 @@ def test_concurrent_requests_spread_over_the_pairs(cluster, prompts) -> None:
         return {n: run(stats(cluster, n))[key[n.split("-")[0]]] for n in names}
 
     before = moved()
+    tails = {n: run(stats(cluster, n)) for n in names[2:]}
 
     async def both():
         return await asyncio.gather(*(collect(cluster, p) for p in prompts[:2]))
@@ -211,6 +212,11 @@ def test_concurrent_requests_spread_over_the_pairs(cluster, prompts) -> None:
     run(both())
     after = moved()
     assert all(after[n] > before[n] for n in names), (before, after)
+    for n in names[2:]:  # each decode worker took one transfer, and timed its exposed tail
+        s = run(stats(cluster, n))
+        assert s["kv_transfers_in"] == tails[n]["kv_transfers_in"] + 1
+        tail = s["kv_transfer_tail_seconds"] - tails[n]["kv_transfer_tail_seconds"]
+        assert 0 <= tail <= s["kv_transfer_seconds"] - tails[n]["kv_transfer_seconds"]
     assert_idle(cluster)
 
 

@@ -187,6 +187,8 @@ class FakeBackend:
                 in_use_blocks=50,
                 kv_bytes_received=4096,
                 kv_staged_bytes=1024,  # (a tensor-parallel decode worker's)
+                kv_transfer_tail_seconds=0.25,
+                kv_transfers_in=5,
             ),
         ]
 
@@ -1080,6 +1082,10 @@ async def test_metrics(app) -> None:
     assert metric_value(t, received) == 4096
     assert metric_value(t, f'tandem:kv_transfer_seconds_total{{{m},worker="prefill-0"}}') == 0.5
     assert metric_value(t, f'tandem:kv_staged_bytes{{{m},worker="decode-1"}}') == 1024
+    assert (
+        metric_value(t, f'tandem:kv_transfer_tail_seconds_total{{{m},worker="decode-1"}}') == 0.25
+    )
+    assert metric_value(t, f'tandem:kv_transfers_in_total{{{m},worker="decode-1"}}') == 5
     assert 'kv_staged_bytes{worker="prefill-0"}' not in t
     assert 'prefix_cache_queries_total{worker="decode-1"}' not in t  # absent keys are skipped
 

@@ -151,6 +151,9 @@ class KVStreamer:
             token = token_to_dict(sampled[rid])
             # The prompt tokens this worker served from its prefix cache (for the client's usage).
             token["num_cached_tokens"] = max(chunk.request.num_cached_tokens, 0)
+            # when the first token existed here: the decode side's share of TTFT that is the
+            # transfer's tail (wall clock: one node's, or NTP's agreement across nodes)
+            token["sampled_at"] = time.time()
             if not self.connector.sender(t.endpoint).send_done(t.transfer_id, t.num_tokens, token):
                 continue  # refused earlier (a full channel queue): it is failing, not done
             trace(rid, "prefill.sampled")
