@@ -722,6 +722,12 @@ def main() -> None:
 def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--model", required=True, help="HF folder (config + tokenizer)")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    r.add_argument(
+        "--predictor",
+        default=None,
+        help="tandem serve --predictor (default: serve's; 'none' where the learned one's "
+        "artifact was left out of a GPU machine's carry)",
+    )
     r.add_argument("--phases", default="offline,one,two,pd")
     r.add_argument(
         "--workloads",

@@ -45,6 +45,8 @@ fi
 [ -f "$tok/tokenizer_config.json" ] && cp "$tok/tokenizer_config.json" "$model/"
 sample=benchmarks/data/vllm_sharegpt_llama3_1000.json
 dummy=(--engine load_format=dummy --engine max_model_len=8192)
+# the learned length predictor's artifact (router/data) may be left out of the carry
+[ -n "${PREDICTOR:-}" ] && dummy+=(--predictor "$PREDICTOR")
 fracs=(0.6 0.7 0.8 0.9 1.0 1.1 1.2 1.3)
 
 section() {
