@@ -157,11 +157,15 @@ for s in "$@"; do
         python -c "import json, sys; sys.path.insert(0, '.'); from benchmarks.gpu_fp8_weights \
 import big_config; json.dump(big_config(80), open('$big/config.json', 'w'))"
         quant=(); [ -n "${QUANT:-}" ] && quant=(--engine "quantization=$QUANT")
+        # REF_RATE / LONG_REF_RATE: offer the topologies the same rates (fracs of these)
+        [ -n "${REF_RATE:-}" ] && quant+=(--ref-rate "$REF_RATE")
+        [ -n "${LONG_REF_RATE:-}" ] && quant+=(--long-ref-rate "$LONG_REF_RATE")
         section pd70 590 python benchmarks/gpu_serve.py run --model "$big" \
             --phases "${PD70_PHASES:-pd-p${t}d${t},two-tp${t}}" --out "$out/pd70" "${dummy[@]}" \
             "${quant[@]}" --requests-file "$sample" --warmup 32 --num-prompts 500 \
             --rate-prompts 120 --long-prompts "${LONG:-120}" --long-rate-prompts 40 --long-input 3000 3000 \
-            --long-output 150 150 --rate-seconds 20 --fracs "${fracs[@]}" --bench-timeout 240 ;;
+            --long-output 150 150 --rate-seconds 20 --fracs "${fracs[@]}" --extend "${EXTEND:-4}" \
+            --bench-timeout 240 ;;
     *) echo "unknown section $s" ;;
     esac
 done
