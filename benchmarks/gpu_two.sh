@@ -141,7 +141,8 @@ for s in "$@"; do
     tests-tp)  # issue 29: every tensor-parallel GPU test (2 GPUs; 3-4 for the P/D pairs)
         section tests-tp 560 python -m pytest -q -p no:cacheprovider -o faulthandler_timeout=240 \
             tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_tensor_parallel_kv_gpu.py \
-            tests/gpu/test_tensor_parallel_disagg_gpu.py ;;
+            tests/gpu/test_tensor_parallel_disagg_gpu.py \
+            tests/gpu/test_tensor_parallel_migration_gpu.py ;;
     tp-scaling)  # issue 29: the 8B shape at TP ${TP_SIZES:-1 2 4}, ITL against floor, throughput
         read -r -a sizes <<<"${TP_SIZES:-1 2 4}"
         section tp-scaling 590 python benchmarks/gpu_tp.py --tp "${sizes[@]}" \

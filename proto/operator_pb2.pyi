@@ -288,20 +288,29 @@ class StatusResponse(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., membership_version: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., migrations_in_flight: _Optional[int] = ..., migration_outcomes: _Optional[_Mapping[str, int]] = ..., scaling: _Optional[_Iterable[_Union[ScaleInProgress, _Mapping]]] = ..., last_event_seq: _Optional[int] = ..., model: _Optional[str] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
-    __slots__ = ("request_id", "role", "replicas", "wait", "force", "drain_deadline_s")
+    __slots__ = ("request_id", "role", "replicas", "wait", "force", "drain_deadline_s", "engine")
+    class EngineEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     role: Role
     replicas: int
     wait: bool
     force: bool
     drain_deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., replicas: _Optional[int] = ..., wait: _Optional[bool] = ..., force: _Optional[bool] = ..., drain_deadline_s: _Optional[float] = ...) -> None: ...
+    engine: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., replicas: _Optional[int] = ..., wait: _Optional[bool] = ..., force: _Optional[bool] = ..., drain_deadline_s: _Optional[float] = ..., engine: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ScaleResponse(_message.Message):
     __slots__ = ("role", "previous_replicas", "replicas", "added", "removed", "failed", "aborted_requests", "migrated_requests", "done", "message", "seconds")

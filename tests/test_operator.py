@@ -277,6 +277,24 @@ def test_scale_in_below_one_worker_is_refused(operator, capsys):
     assert "prefill: 1 -> 1" in capsys.readouterr().out
 
 
+def test_scale_engine_settings_are_checked_before_anything_starts(cluster, operator, capsys):
+    """A worker's own engine settings (`tandem scale --engine`) are size and capacity: a key
+    the cluster holds, a bad TP size, or a scale that adds no worker is INVALID_ARGUMENT (exit
+    2), and nothing starts."""
+    scale = ["scale", "--role", "decode", "--replicas"]
+    for replicas, pair, says in (
+        ("2", "block_size=32", "cannot set block_size"),
+        ("2", "kv_cache_dtype=fp8", "cannot set kv_cache_dtype"),
+        ("2", "tensor_parallel_size=0", "tensor_parallel_size must be an integer >= 1"),
+        ("1", "max_num_seqs=8", "this one adds none"),
+        ("2", "tensor_parallel_size", "--engine wants KEY=VALUE"),
+    ):
+        assert cli(operator, *scale, replicas, "--engine", pair) == 2, pair
+        assert says in capsys.readouterr().err, pair
+    cluster.refresh()
+    assert len(cluster.decode) == 1
+
+
 def test_scale_refuses_a_pool_the_topology_cannot_route(cluster, operator, capsys):
     """This cluster runs prefill + decode: a colocated pool is a change of topology (exit 5,
     saying what to run instead) unless forced; a pool started at 0 may go back to 0."""

@@ -183,3 +183,76 @@ def test_rank_killed_mid_stream_worker_dies_streams_resume(server, tiny_dir, cap
             break
         assert time.monotonic() < deadline, live
         time.sleep(0.2)
+
+
+def test_scale_adds_a_one_device_decode_worker_and_a_stream_moves_across_tp(
+    server, tiny_dir, capsys
+):
+    """`tandem scale --engine tensor_parallel_size=1` adds a one-device decode worker beside
+    the TP-2 one(s); a running stream moves from one TP size to the other and back with
+    `tandem migrate` (gathered from a TP-2 worker's ranks, scattered to them), its text equal
+    to transformers'; afterwards no live worker holds a block."""
+    import json
+
+    from hf_oracle import hf_greedy_ids
+
+    from cluster.cli import main
+
+    _, client = server
+    path, _ = tiny_dir
+    port = str(client.base_url.port)
+    op = ["--serve-port", port, "--timeout", "120"]
+    max_tokens = 480  # (the tiny model's 512 positions): outlasts two moves
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    expected = tok.decode(
+        hf_greedy_ids(model, tok(PROMPTS[1])["input_ids"], max_tokens), skip_special_tokens=True
+    )
+
+    live = [w for w in _status(client, capsys).values() if w["state"] != "DEAD"]
+    decode = [w["name"] for w in live if w["role"] == "decode"]
+    bad = ["scale", *op, "--role", "decode", "--replicas", str(len(decode) + 1)]
+    assert main([*bad, "--engine", "block_size=32"]) != 0  # not a worker's own setting
+    assert "block_size" in capsys.readouterr().err
+    add = ["scale", *op, "--role", "decode", "--replicas", str(len(decode) + 1), "--wait"]
+    assert main([*add, "--engine", "tensor_parallel_size=1"]) == 0, capsys.readouterr()
+    assert f"decode: {len(decode)} -> {len(decode) + 1}" in capsys.readouterr().out
+    workers = _status(client, capsys)
+    (new,) = [n for n, w in workers.items() if w["role"] == "decode" and n not in decode]
+    assert [r["rank"] for r in workers[new]["ranks"]] == [0]
+    assert all(len(workers[n]["ranks"]) == 2 for n in decode)
+
+    text, started = [""], threading.Event()
+
+    def read() -> None:
+        stream = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=PROMPTS[1],
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            text[0] += chunk.choices[0].text
+            started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60)
+    (home,) = [n for n, w in _status(client, capsys).items() if w["running"] and n != "prefill-0"]
+    other = new if home != new else decode[0]
+    moves = []
+    for src, dst in ((home, other), (other, home)):
+        rc = main(["migrate", *op, "--from", src, "--to", dst, "-o", "json"])
+        moves.append((rc, json.loads(capsys.readouterr().out)))
+    reader.join(120)
+    assert [rc for rc, _ in moves] == [0, 0], moves
+    assert text[0] == expected
+    deadline = time.monotonic() + 60
+    while True:
+        live = [w for w in _status(client, capsys).values() if w["state"] != "DEAD"]
+        if all(w["running"] == 0 and w["waiting"] == 0 and w["kv_use"] == 0 for w in live):
+            break
+        assert time.monotonic() < deadline, live
+        time.sleep(0.2)

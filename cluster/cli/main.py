@@ -344,6 +344,17 @@ def _add_scale(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seconds to empty each removed worker (default: 60)",
     )
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the added workers' own engine setting (repeatable; values as JSON), e.g. "
+        "tensor_parallel_size=2 for a decode pool of TP 1 and TP 2 workers: size and capacity "
+        "only (tensor_parallel_size, max_num_seqs, max_num_batched_tokens, num_kv_blocks, "
+        "kv_cache_memory_gb, gpu_memory_utilization, cuda_graph_max_batch, "
+        "enable_prefix_caching)",
+    )
     _output_arg(p)
     p.set_defaults(handler=_operator_handler("scale"))
 

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from cluster.control.spec import engine_pairs
 from proto import operator_pb2 as pb
 from proto import operator_pb2_grpc as pb_grpc
 
@@ -360,6 +361,10 @@ def autoscale_lines(status: dict[str, Any]) -> list[str]:
 
 
 def scale(op: Operator, args: argparse.Namespace) -> int:
+    try:
+        engine = engine_pairs(getattr(args, "engine", None) or [])
+    except ValueError as exc:
+        raise OperatorError(str(exc), EXIT_USAGE) from None
     request = pb.ScaleRequest(
         request_id=new_request_id(),
         role=ROLES[args.role],
@@ -367,6 +372,7 @@ def scale(op: Operator, args: argparse.Namespace) -> int:
         wait=args.wait,
         force=args.force,
         drain_deadline_s=args.drain_deadline,
+        engine=engine,
     )
     resp = op.call("Scale", request, None if args.wait else ...)
     _print(args, resp, resp.message + ("" if resp.done else " (`tandem events` follows it)"))

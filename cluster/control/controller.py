@@ -122,10 +122,14 @@ class Controller:
         force: bool = False,
         drain_deadline_s: float = DRAIN_DEADLINE_S,
         reason: str = "operator",
+        engine: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Make ``role`` have ``replicas`` live workers (``Scaler.scale``); refused
-        (``Refused``) below one worker or the running load unless ``force``."""
-        return await self.scaler.scale(role, replicas, wait, force, drain_deadline_s, reason)
+        """Make ``role`` have ``replicas`` live workers (``Scaler.scale``; ``engine``: the
+        added workers' own engine settings); refused (``Refused``) below one worker or the
+        running load unless ``force``."""
+        return await self.scaler.scale(
+            role, replicas, wait, force, drain_deadline_s, reason, engine=engine
+        )
 
     async def drain(self, worker: str, deadline_s: float = DRAIN_DEADLINE_S) -> dict[str, Any]:
         """Stop placing requests on ``worker`` and empty it (``Scaler.drain``)."""

@@ -40,6 +40,7 @@ import grpc
 from google.protobuf import json_format
 
 from cluster.control.operations import DRAIN_DEADLINE_S, Refused, not_moved
+from cluster.control.spec import json_values
 from engine.messages import MigrationResult, WorkerState, brief
 from proto import operator_pb2 as pb
 from proto import operator_pb2_grpc as pb_grpc
@@ -277,6 +278,7 @@ class _Servicer(pb_grpc.ClusterOperatorServicer):
                 force=request.force,
                 drain_deadline_s=request.drain_deadline_s or DRAIN_DEADLINE_S,
                 reason=f"operator at {context.peer()}",
+                engine=json_values(request.engine) or None,
             )
             return pb.ScaleResponse(
                 role=ROLE[result["role"]],

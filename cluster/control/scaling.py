@@ -30,7 +30,7 @@ from cluster.control.events import EventLog
 from cluster.control.membership import MembershipTable, kill_actor, worker_index
 from cluster.control.migrations import Migrator
 from cluster.control.operations import DRAIN_DEADLINE_S, Refused, not_moved
-from cluster.control.spawn import Spawner
+from cluster.control.spawn import Spawner, check_engine_overrides
 from cluster.control.spec import ROLES, WorkerSpec
 from engine.messages import WorkerInfo, WorkerState, brief, control
 
@@ -157,14 +157,24 @@ class Scaler:
         force: bool = False,
         drain_deadline_s: float = DRAIN_DEADLINE_S,
         reason: str = "operator",
+        engine: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Make ``role`` have ``replicas`` live workers. Out: new workers start and join the
-        membership once ready. In: the least loaded are drained, then stopped and removed;
-        refused (``Refused``) below one worker or below the running load unless ``force``,
-        which also stops a worker its drain could not empty. ``wait`` False: the plan now,
-        the work goes on (its end is an event). Returns added / removed / failed workers."""
+        membership once ready; ``engine``: their own engine settings over the role's
+        (``spawn.WORKER_ENGINE_KEYS``: a decode pool of TP 1 and TP 2 workers, say). In: the
+        least loaded are drained, then stopped and removed; refused (``Refused``) below one
+        worker or below the running load unless ``force``, which also stops a worker its drain
+        could not empty. ``wait`` False: the plan now, the work goes on (its end is an
+        event). Returns added / removed / failed workers."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if engine:
+            check_engine_overrides(engine)
+            if replicas <= len(self.membership.pool(role)):
+                raise ValueError(
+                    "engine settings are for the workers a scale adds; this one adds none "
+                    f"({role} has {len(self.membership.pool(role))} live, {replicas} wanted)"
+                )
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
         if drain_deadline_s <= 0:
@@ -186,7 +196,7 @@ class Scaler:
             if replicas > len(pool) and not pool and not force:
                 self._check_routable(role, replicas)
             if replicas > len(pool):
-                added = [self.spawner.spawn(role) for _ in range(replicas - len(pool))]
+                added = [self.spawner.spawn(role, engine) for _ in range(replicas - len(pool))]
                 self.membership.publish()
                 plan |= {"added": added, "removed": []}
                 work = self._scale_out(added)

@@ -32,6 +32,35 @@ from engine.messages import (
 logger = logging.getLogger(__name__)
 
 
+# The engine settings one worker may have of its own (``tandem scale --engine``): its size
+# (tensor-parallel ranks) and its capacity. The rest stay the cluster's: the model, dtypes and
+# block size are what the KV channels between workers and the global prefix index agree on.
+WORKER_ENGINE_KEYS = frozenset({
+    "tensor_parallel_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_kv_blocks",
+    "kv_cache_memory_gb",
+    "gpu_memory_utilization",
+    "cuda_graph_max_batch",
+    "enable_prefix_caching",
+})  # fmt: skip
+
+
+def check_engine_overrides(overrides: dict[str, Any]) -> None:
+    """ValueError for a key a worker may not set for itself, or a tensor-parallel size that
+    is not a positive integer (the engine checks the rest when the worker starts)."""
+    bad = sorted(set(overrides) - WORKER_ENGINE_KEYS)
+    if bad:
+        raise ValueError(
+            f"a worker cannot set {', '.join(bad)} for itself (the cluster's engine settings "
+            f"hold them); per worker: {', '.join(sorted(WORKER_ENGINE_KEYS))}"
+        )
+    tp = overrides.get("tensor_parallel_size", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+
+
 class Spawner:
     """Starts worker actors from the cluster's ``WorkerSpec`` into the membership table."""
 
@@ -40,9 +69,11 @@ class Spawner:
         self.membership = membership
         self._counters = {"prefill": 0, "decode": 0, "colocated": 0, "flex": 0}
 
-    def spawn(self, role: str) -> str:
+    def spawn(self, role: str, engine_overrides: dict[str, Any] | None = None) -> str:
         """Start one worker actor of ``role`` (its name: ``<kind>-<n>``, also its Ray actor
-        name under the cluster id); STARTING in the table (the caller publishes)."""
+        name under the cluster id); STARTING in the table (the caller publishes).
+        ``engine_overrides``: this worker's own engine settings over its role's
+        (``check_engine_overrides`` first)."""
         import ray
 
         from decode_worker.colocated import ColocatedWorker
@@ -82,6 +113,7 @@ class Spawner:
             kwargs = decode_kwargs
         else:
             cls, engine, kwargs = ColocatedWorker, base, {}
+        engine = {**engine, **(engine_overrides or {})}
         if spec.index_url and (role != "decode" or flex):  # decode workers compute no prompts
             kwargs["index"] = {
                 "url": spec.index_url,

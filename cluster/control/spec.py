@@ -5,10 +5,36 @@ options and engine settings)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("prefill", "decode", "colocated")
+
+
+def engine_pairs(pairs: Sequence[str], flag: str = "--engine") -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` as a mapping (values still strings); ValueError for one
+    without ``=``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} wants KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def json_values(values: Mapping[str, str]) -> dict[str, Any]:
+    """Engine settings given as strings (``--engine KEY=VALUE``, the operator API's maps):
+    each value as JSON where it parses (``2``, ``true``, ``0.5``), else the string itself."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def tp_group_name(actor_name: str) -> str:

@@ -52,6 +52,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cluster.control.spec import engine_pairs, json_values
 from cluster.launch.gateways import (
     CHILD_GRACE_S,
     ChildChannel,
@@ -177,16 +178,7 @@ def _last_line(exc: BaseException) -> str:
 
 
 def _engine_overrides(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"--engine wants KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    return json_values(engine_pairs(pairs))
 
 
 def _tensor_parallel(args: argparse.Namespace) -> dict[str, int]:
