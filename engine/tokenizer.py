@@ -46,9 +46,125 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | BatchedEncoder, text: str) -> list[int]:
     """Token ids of ``text``, with special tokens (e.g. BOS) added as HF does by default."""
+    if isinstance(tokenizer, BatchedEncoder):
+        return tokenizer.encode(text)
     return _as_id_list(tokenizer(text)["input_ids"])
+
+
+# Texts on which a tokenizer's Rust backend must give the ids its Hugging Face wrapper gives
+# before the wrapper is bypassed (BatchedEncoder.of); the special tokens' own strings are added.
+_PROBES = (
+    "Hello world",
+    " leading space, then  two",
+    "multi\nline\ttabs\r\n end",
+    "unicode: héllo naïve 日本語 🙂 ÄÖÜ",
+    "numbers 12345 67.89 -0.5e10",
+    "code: def f(x):\n    return x ** 2  # done",
+)
+
+
+class BatchedEncoder:
+    """A Hugging Face fast tokenizer whose encodes, from any number of threads, run together:
+    the texts that arrive while one ``encode_batch`` runs go in the next. The Rust tokenizer
+    then spreads a burst's prompts over the cores with the GIL released, where one encode per
+    request holds the GIL and one core (``tandem serve``'s gateway, issue 23). Everything else
+    (``decode``, ``len``, the chat template) is the wrapped tokenizer's.
+
+    ``of`` makes one only where the ids are the wrapper's own: a fast tokenizer whose backend
+    gives the same ids on probe texts (and on a chat rendered with its template), with and
+    without special tokens. A chat template goes through the wrapper's renderer, then this
+    encoder without special tokens, as the wrapper's own ``tokenize=True`` does."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        import threading
+
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self._cond = threading.Condition()
+        self._pending: list[list[Any]] = []  # [text, add_special_tokens, ids | exception | None]
+        self._closed = False
+        self.batches = 0  # encode_batch calls, and the texts they took (for tests, metrics)
+        self.texts = 0
+        self._thread = threading.Thread(target=self._run, name="tandem-encode", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase | None) -> BatchedEncoder | None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if tokenizer is None or backend is None:
+            return None
+        probes = [*_PROBES, " ".join(getattr(tokenizer, "all_special_tokens", []) or [])]
+        for text in probes:
+            for special in (True, False):
+                want = _as_id_list(tokenizer(text, add_special_tokens=special)["input_ids"])
+                if backend.encode(text, add_special_tokens=special).ids != want:
+                    return None
+        if getattr(tokenizer, "chat_template", None):
+            chat = [{"role": "user", "content": _PROBES[3]}]
+            try:
+                want = apply_chat_template(tokenizer, chat)
+                text = tokenizer.apply_chat_template(
+                    chat, add_generation_prompt=True, tokenize=False
+                )
+            except Exception:  # noqa: BLE001 - a template that needs more than a user turn
+                return None
+            if backend.encode(text, add_special_tokens=False).ids != want:
+                return None
+        return cls(tokenizer)
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped tokenizer's everything else
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids (blocking; any thread)."""
+        item: list[Any] = [text, add_special_tokens, None]
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the encoder is closed")
+            self._pending.append(item)
+            self._cond.notify_all()
+            while item[2] is None:
+                self._cond.wait()
+        if isinstance(item[2], BaseException):
+            raise item[2]
+        return item[2]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._pending:
+                    return
+                batch, self._pending = self._pending, []
+            for special in (True, False):
+                items = [it for it in batch if it[1] is special]
+                if not items:
+                    continue
+                try:
+                    out = self._backend.encode_batch(
+                        [it[0] for it in items], add_special_tokens=special
+                    )
+                    results: list[Any] = [e.ids for e in out]
+                except Exception as exc:  # noqa: BLE001 - each caller gets it
+                    results = [exc] * len(items)
+                self.batches += 1
+                self.texts += len(items)
+                with self._cond:
+                    for it, res in zip(items, results, strict=True):
+                        it[2] = res
+                    self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
 
 
 def apply_chat_template(
@@ -69,6 +185,12 @@ def apply_chat_template(
             "Pass a Jinja template explicitly (chat_template=...) or send a plain-text prompt."
         )
     kwargs.pop("tokenize", None)
+    if isinstance(tokenizer, BatchedEncoder):  # the wrapper renders, the batch encodes
+        kwargs.pop("return_dict", None)
+        text = tokenizer.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
     kwargs.setdefault("return_dict", False)
     result = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs

@@ -55,6 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.grammar import DEFAULT_BACKEND, Grammars, make_backend
 from engine.sampling_params import SamplingParams, StructuredSpec
+from engine.tokenizer import BatchedEncoder
 from engine.tracing import trace
 from router import admin, protocol
 from router.auth import bearer_matches
@@ -69,6 +70,8 @@ from router.protocol import APIError
 logger = logging.getLogger("tandem.gateway")
 
 HEALTH_TIMEOUT_S = 5.0
+# threads that parse and render prompts (their encodes batch in one BatchedEncoder)
+PROMPT_THREADS = 8
 _BACKGROUND: set[asyncio.Task] = set()  # cleanups that outlive a cancelled request task
 
 
@@ -444,8 +447,16 @@ class _Gateway:
         self.draining = False
         self.texts = protocol.TokenTexts(backend.tokenizer)
         self.created = int(time.time())
-        # HF fast tokenizers are not safe to call from several threads at once: one thread.
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+        # Prompts are parsed and rendered on PROMPT_THREADS threads and encoded together by a
+        # BatchedEncoder (engine/tokenizer.py: one encode_batch for the texts that arrive
+        # while one runs, the GIL released) where its ids are the tokenizer's own; else on
+        # one thread, as HF fast tokenizers are not safe to call from several at once.
+        # Grammars compile on a thread of their own.
+        self.encoder = BatchedEncoder.of(backend.tokenizer)
+        self._prompt_tokenizer = self.encoder or backend.tokenizer
+        threads = PROMPT_THREADS if self.encoder is not None else 1
+        self._tokenizer_pool = ThreadPoolExecutor(threads, thread_name_prefix="tandem-tokenizer")
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
         self._grammars: Grammars | None = None  # structured outputs compiled here, made on use
         self.chat_format: ChatFormat | None = None  # (set by create_app from the tokenizer)
 
@@ -521,7 +532,7 @@ class _Gateway:
         param = asked[1] if asked is not None else "tools"
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._tokenizer_pool, self._compile, params.structured)
+            await loop.run_in_executor(self._grammar_pool, self._compile, params.structured)
         except ValueError as exc:
             raise protocol.bad_request(f"{param}: {exc}", param=param) from None
         self.metrics.structured(params.structured.kind)
@@ -676,7 +687,7 @@ class _Gateway:
 
     async def _tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, fn, *args, self.backend.tokenizer)
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args, self._prompt_tokenizer)
 
     async def _collect(
         self, request: Request, call: _Call, answer: Answer, timer: RequestTimer

@@ -32,7 +32,7 @@ import re
 import threading
 import time
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -481,7 +481,8 @@ class OnlineHead:
 class NgramMLP(LengthPredictor):
     """The learned predictor: ``MLPWeights`` (trained offline, benchmarks/train_predictor.py)
     and an ``OnlineHead`` over them. predict costs one feature pass (~0.2 ms; long prompts are
-    cut to their first and last words); so does observe, on the caller's thread.
+    cut to their first and last words); observe reuses it (the hidden units of the last
+    ``MEMO`` inputs predicted, by identity) or makes it again, on the caller's thread.
 
     The online contract (the router's): call ``observe(x, actual)`` for every request that
     finished (``x`` as it was predicted; ``actual`` its output tokens), then, when
@@ -490,6 +491,7 @@ class NgramMLP(LengthPredictor):
 
     name = "learned"
     KIND = "ngram_mlp"
+    MEMO = 4096  # inputs whose hidden units wait for their observe (requests running)
 
     def __init__(
         self,
@@ -502,18 +504,38 @@ class NgramMLP(LengthPredictor):
         self.meta = meta or {}
         prior = weights.head({float(q): float(v) for q, v in residual_quantiles.items()})
         self.online = OnlineHead(prior, **online)
+        self._memo: OrderedDict[int, tuple[PredictInput, np.ndarray]] = OrderedDict()
+        self._memo_lock = threading.Lock()
+
+    def _hidden(self, x: PredictInput, keep: bool) -> np.ndarray:
+        """``x``'s hidden units: predicted once, they wait in the memo (by identity: ``x``
+        itself is kept beside them) until its observe takes them."""
+        with self._memo_lock:
+            entry = self._memo.pop(id(x), None)
+        if entry is not None and entry[0] is x:
+            hidden = entry[1]
+        else:
+            hidden = self.weights.hidden(request_features(x))
+        if keep:
+            with self._memo_lock:
+                self._memo[id(x)] = (x, hidden)
+                while len(self._memo) > self.MEMO:
+                    self._memo.popitem(last=False)
+        return hidden
 
     def fresh(self, **online: Any) -> NgramMLP:
         """The same trained weights with a new online state (settings ``online``)."""
         return NgramMLP(self.weights, self.online.prior.residual_quantiles, self.meta, **online)
 
     def predict(self, x: PredictInput) -> Prediction | None:
-        return self.online.head.predict(self.weights.hidden(request_features(x)), x.max_tokens)
+        return self.online.head.predict(self._hidden(x, keep=True), x.max_tokens)
 
     def observe(self, x: PredictInput, actual: int) -> None:
         if actual < 0:
+            with self._memo_lock:
+                self._memo.pop(id(x), None)
             return
-        hidden = self.weights.hidden(request_features(x))
+        hidden = self._hidden(x, keep=False)
         self.online.observe(hidden, actual, self.online.head.predict(hidden, x.max_tokens).median)
 
     def refit_due(self) -> bool:

@@ -180,6 +180,39 @@ def test_observe_counts_and_refit_only_when_due(model):
     assert stats["rolling_kendall_tau"] > 0.5, stats  # the synthetic rule is the trained one
 
 
+def test_observe_reuses_what_predict_computed(model, monkeypatch):
+    """A request predicted at admission and observed at its end costs one feature pass: the
+    hidden units wait in a bounded memo by identity. The online state is the one a fresh
+    computation gives; an input predicted long ago (evicted) or never is computed again."""
+    from router import predictor as mod
+
+    rows, lengths = synthetic(40, 8)
+    memo, plain = model.fresh(refit_every=16), model.fresh(refit_every=16)
+    memo.MEMO = 8
+    passes = [0]
+    real = mod.request_features
+
+    def counted(x):
+        passes[0] += 1
+        return real(x)
+
+    monkeypatch.setattr(mod, "request_features", counted)
+    for x in rows[:20]:  # the first 12 are evicted (MEMO 8) before their observe
+        memo.predict(x)
+    assert passes[0] == 20
+    for x, n in zip(rows[:20], lengths[:20], strict=True):
+        memo.observe(x, n)
+    assert passes[0] == 20 + 12 and not memo._memo
+    for x, n in zip(rows[:20], lengths[:20], strict=True):
+        plain.observe(x, n)
+    assert memo.maybe_refit() and plain.maybe_refit()
+    assert np.array_equal(memo.online._hidden, plain.online._hidden)
+    assert memo.predict(rows[30]).quantiles == plain.predict(rows[30]).quantiles
+    memo.predict(rows[31])
+    memo.observe(rows[31], -1)  # an unknown length: nothing learned, its memo entry gone
+    assert id(rows[31]) not in memo._memo and memo.stats()["observations"] == 20
+
+
 def test_predict_stays_usable_while_refits_run(model):
     """A thread predicts without pause while the main thread observes and starts refits in
     threads of their own: every prediction is a whole one (ordered quantiles), refits never

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.tokenizer import (
+    BatchedEncoder,
     _as_id_list,
     apply_chat_template,
     encode_prompt,
@@ -86,6 +87,106 @@ def test_encode_prompt_matches_hf(tok, text: str) -> None:
     assert ids == list(tok(text).input_ids)
     assert all(type(i) is int for i in ids)
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+# --- BatchedEncoder (the gateway's: prompts from many threads, one encode_batch) --------------
+
+
+@pytest.fixture(scope="module")
+def batched(tok):
+    encoder = BatchedEncoder.of(tok)
+    assert encoder is not None  # SmolLM2's backend gives its wrapper's ids on every probe
+    yield encoder
+    encoder.close()
+
+
+@pytest.mark.parametrize(
+    "text", ["Hello world", "  spaces\tand\nnewlines ", "emoji 😀 日本語 café", "<|im_start|>user"]
+)
+def test_batched_encoder_gives_hf_ids(tok, batched, text: str) -> None:
+    assert encode_prompt(batched, text) == list(tok(text).input_ids)
+    assert batched.encode(text, add_special_tokens=False) == list(
+        tok(text, add_special_tokens=False).input_ids
+    )
+    assert len(batched) == len(tok) and batched.eos_token_id == tok.eos_token_id
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_batched_chat_template_gives_hf_ids(tok, batched, messages, generation_prompt) -> None:
+    want = _hf_chat_ids(tok, messages, add_generation_prompt=generation_prompt)
+    assert apply_chat_template(batched, messages, generation_prompt) == want
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    assert apply_chat_template(batched, messages, chat_template=template) == apply_chat_template(
+        tok, messages, chat_template=template
+    )
+
+
+def test_encodes_arriving_during_a_batch_go_in_the_next_one(tok) -> None:
+    """While one encode_batch runs, encodes from five threads queue; they go in one call
+    together, and each caller gets its own text's ids."""
+    import threading
+    import time
+
+    encoder = BatchedEncoder.of(tok)
+    real = encoder._backend
+    inside, release, calls = threading.Event(), threading.Event(), []
+
+    class Held:  # the first encode_batch waits until five more encodes are queued
+        def encode_batch(self, texts, add_special_tokens=True):
+            calls.append(len(texts))
+            if len(calls) == 1:
+                inside.set()
+                assert release.wait(30)
+            return real.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    encoder._backend = Held()
+    texts = [f"text number {i} with some words" for i in range(6)]
+    got: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        got[i] = encoder.encode(texts[i])
+
+    threads = [threading.Thread(target=one, args=(0,))]
+    threads[0].start()
+    assert inside.wait(30)
+    threads += [threading.Thread(target=one, args=(i,)) for i in range(1, 6)]
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(encoder._pending) < 5:  # (each thread queues its text, then waits)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    release.set()
+    for t in threads:
+        t.join(30)
+    encoder.close()
+    assert calls == [1, 5]
+    assert got == {i: list(tok(texts[i]).input_ids) for i in range(6)}
+    assert (encoder.batches, encoder.texts) == (2, 6)
+
+
+def test_a_backend_that_disagrees_is_not_bypassed(tok) -> None:
+    """A tokenizer whose Rust backend gives other ids than the wrapper (a Python-side
+    normalisation, say) gets no BatchedEncoder: the gateway keeps the wrapper."""
+
+    class Backend:
+        def encode(self, text, add_special_tokens=True):
+            class Out:
+                ids = [0, *tok(text, add_special_tokens=add_special_tokens).input_ids]
+
+            return Out()
+
+    class Wrapper:
+        backend_tokenizer = Backend()
+        all_special_tokens = tok.all_special_tokens
+        chat_template = None
+
+        def __call__(self, text, add_special_tokens=True):
+            return tok(text, add_special_tokens=add_special_tokens)
+
+    assert BatchedEncoder.of(Wrapper()) is None
+    assert BatchedEncoder.of(None) is None
 
 
 # --- apply_chat_template ----------------------------------------------------------------------
