@@ -9,7 +9,14 @@ import threading
 import time
 
 logger = logging.getLogger("tandem.trace")
-_TRACE = bool(os.environ.get("TANDEM_TRACE"))
+
+
+def _flag(value: str | None) -> bool:
+    """An on/off environment setting: unset, empty, 0, false, no and off are off."""
+    return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+_TRACE = _flag(os.environ.get("TANDEM_TRACE"))
 
 
 def trace(request_id: str, event: str) -> None:

@@ -62,3 +62,13 @@ def test_an_idle_loop_is_not_a_stall(caught):
         assert caught.seen.wait(10)  # and a beat arms it again
     finally:
         watch.stop()
+
+
+@pytest.mark.parametrize(
+    "value, on",
+    [(None, False), ("", False), ("0", False), ("false", False), ("No", False), ("off", False),
+     ("1", True), ("true", True), ("yes", True)],
+)  # fmt: skip
+def test_trace_flag_reads_zero_and_false_as_off(value, on):
+    """TANDEM_TRACE=0 turns tracing off (it used to turn it on: any non-empty string did)."""
+    assert tracing._flag(value) is on
