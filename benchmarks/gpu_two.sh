@@ -165,7 +165,8 @@ import big_config; json.dump(big_config(80), open('$big/config.json', 'w'))"
             --phases "${PD70_PHASES:-pd-p${t}d${t},two-tp${t}}" --out "$out/pd70" "${dummy[@]}" \
             "${quant[@]}" --requests-file "$sample" --warmup 32 --num-prompts 500 \
             --rate-prompts 120 --long-prompts "${LONG:-120}" --long-rate-prompts 40 --long-input 3000 3000 \
-            --long-output 150 150 --rate-seconds 20 --fracs "${fracs[@]}" --extend "${EXTEND:-4}" \
+            --long-output 150 150 --rate-seconds "${RATE_SECONDS:-20}" --fracs "${fracs[@]}" \
+            --extend "${EXTEND:-4}" --steady-from "${STEADY_FROM:-0}" \
             --bench-timeout 240 ;;
     *) echo "unknown section $s" ;;
     esac

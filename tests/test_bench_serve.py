@@ -401,6 +401,11 @@ def test_goodput_frontier_is_the_last_rate_before_attainment_drops() -> None:
         rec(0.1, 0.2, False),
     ]
     assert attainment({"requests": reqs}, slos) == 0.25  # only the first meets both; failed miss
+    # --steady-from: the first arrivals (an emptier server) left out of the share
+    for i, r in enumerate(reqs):
+        r["start"] = float(i)  # sent at 0, 1, 2, 3 s: the first, the only one meeting both
+    assert attainment({"requests": reqs}, slos, steady_from=0.3) == 0.0
+    assert attainment({"requests": reqs}, slos, steady_from=0.0) == 0.25
 
 
 def test_steady_capacity_is_the_middle_token_rate_over_a_requests_output() -> None:
