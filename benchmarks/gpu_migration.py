@@ -174,6 +174,32 @@ def chunk_breakdown(t: dict[str, list], chunk_bytes: int) -> dict[str, float | i
     }
 
 
+async def stream_moving(cluster, prompt, params, rid: str, home: str, moves: list[tuple[int, str]]):
+    """``rid`` streamed from decode worker ``home`` and moved by the controller to each
+    ``moves[i][1]`` once it has ``moves[i][0]`` tokens: its tokens and each move's result."""
+    moves = list(moves)
+    tokens, results = [], []
+    async for out in cluster.stream(prompt, params, request_id=rid, decode=home):
+        tokens = list(out.outputs[0].token_ids)
+        if moves and len(tokens) >= moves[0][0]:
+            _, to = moves.pop(0)
+            results.append((await cluster.controller.migrate.remote(rid, to=to))[0])
+    return tokens, results
+
+
+async def form_pairs(cluster, prompt, params, home: str, peer: str, tries: int = 4) -> list:
+    """Requests moved ``home`` -> ``peer`` -> ``home`` until both moves succeed (an NCCL pair
+    channel's first init outlasts a tiny model's whole request; it also fills the prefix
+    cache): the last try's move results."""
+    for i in range(tries):
+        _, warm = await stream_moving(
+            cluster, prompt, params, f"warm{i}", home, [(8, peer), (16, home)]
+        )
+        if [r.outcome for r in warm] == ["migrated", "migrated"]:
+            break
+    return warm
+
+
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]

@@ -47,7 +47,7 @@ def tiny(tmp_path_factory):
 
 def test_nccl_migration_there_and_back_is_exact(tiny) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks.gpu_migration import home_and_peer
+    from benchmarks.gpu_migration import form_pairs, home_and_peer, stream_moving
     from cluster.launch.local import LocalCluster
     from engine import SamplingParams
 
@@ -65,25 +65,13 @@ def test_nccl_migration_there_and_back_is_exact(tiny) -> None:
     ) as c:
         home, peer = home_and_peer(c, "cuda")
 
-        async def one(rid: str, moves: list[tuple[int, str]]):
-            tokens, results = [], []
-            async for out in c.stream(prompt, params, request_id=rid, decode=home):
-                tokens = list(out.outputs[0].token_ids)
-                if moves and len(tokens) >= moves[0][0]:
-                    _, to = moves.pop(0)
-                    results.append((await c.controller.migrate.remote(rid, to=to))[0])
-            return tokens, results
-
         async def main():
-            # fills the prefix cache and forms both pair channels (an NCCL init takes longer
-            # than this model needs for the whole request: try again once the pairs exist)
-            for i in range(4):
-                _, warm = await one(f"fill{i}", [(8, peer), (16, home)])
-                if [r.outcome for r in warm] == ["migrated", "migrated"]:
-                    break
+            warm = await form_pairs(c, prompt, params, home, peer)  # (and the prefix cache)
             assert [r.outcome for r in warm] == ["migrated", "migrated"], warm
-            ref, _ = await one("ref", [])
-            got, results = await one("mig", [(100, peer), (400, home)])
+            ref, _ = await stream_moving(c, prompt, params, "ref", home, [])
+            got, results = await stream_moving(
+                c, prompt, params, "mig", home, [(100, peer), (400, home)]
+            )
             return ref, got, results
 
         ref, got, results = asyncio.run(main())

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +50,8 @@ def tiny(tmp_path_factory, hf_greedy):
 
 
 def test_migration_between_decode_workers_of_tp2_and_tp1_over_nccl(tiny):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.gpu_migration import form_pairs, stream_moving
     from cluster.launch.local import LocalCluster
     from engine import SamplingParams
 
@@ -69,22 +73,9 @@ def test_migration_between_decode_workers_of_tp2_and_tp1_over_nccl(tiny):
         c.refresh()
         tp2, tp1 = "decode-0", "decode-1"
 
-        async def one(rid: str, moves: list[tuple[int, str]]):
-            tokens, results = [], []
-            async for out in c.stream(prompt, params, request_id=rid, decode=tp2):
-                tokens = list(out.outputs[0].token_ids)
-                if moves and len(tokens) >= moves[0][0]:
-                    _, to = moves.pop(0)
-                    results.append((await c.controller.migrate.remote(rid, to=to))[0])
-            return tokens, results
-
         async def main():
-            # forms the pair channels (an NCCL init outlasts this model's whole request)
-            for i in range(4):
-                _, warm = await one(f"warm{i}", [(8, tp1), (16, tp2)])
-                if [r.outcome for r in warm] == ["migrated", "migrated"]:
-                    break
-            return await one("mig", [(100, tp1), (400, tp2)])
+            await form_pairs(c, prompt, params, tp2, tp1)
+            return await stream_moving(c, prompt, params, "mig", tp2, [(100, tp1), (400, tp2)])
 
         got, results = asyncio.run(main())
         status = {w["name"]: w for w in ray.get(c.controller.status.remote())["workers"]}
