@@ -231,26 +231,9 @@ class MetricsSampler:
         self.last = self._scrape()
 
     def _scrape(self) -> dict[str, float]:
-        import urllib.request
+        from benchmarks.gpu_serve import scrape_metrics
 
-        try:
-            text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
-        except OSError:
-            return {}
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line.startswith("tandem:"):
-                continue
-            series, _, value = line.rpartition(" ")
-            try:
-                v = float(value)
-            except ValueError:
-                continue
-            out[series] = v
-            name = series.split("{", 1)[0]
-            if name != series:  # a labelled series: its family's total too
-                out[name] = out.get(name, 0.0) + v
-        return out
+        return scrape_metrics(self.url)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):

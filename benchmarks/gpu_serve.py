@@ -96,18 +96,38 @@ def topology_gpus(topo: str) -> int:
     return len(topology(topo)[1].split(","))
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The gateway's ``tandem:`` series from /metrics, each by its full name (labels
+    included) and, for a labelled one, its family's total under the bare name too; {} when
+    the gateway does not answer."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("tandem:"):
+            continue
+        series, _, value = line.rpartition(" ")
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        out[series] = v
+        name = series.split("{", 1)[0]
+        if name != series:  # a labelled series: its family's total too
+            out[name] = out.get(name, 0.0) + v
+    return out
+
+
 def kv_tail(url: str) -> tuple[float, float]:
     """The decode workers' summed ``tandem:kv_transfer_tail_seconds`` and
     ``tandem:kv_transfers_in`` from /metrics (0, 0 where there are none: colocated)."""
-    import httpx
-
-    sums = {"tandem:kv_transfer_tail_seconds_total": 0.0, "tandem:kv_transfers_in_total": 0.0}
-    with contextlib.suppress(httpx.HTTPError):
-        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-            name = line.split("{", 1)[0]
-            if name in sums:
-                sums[name] += float(line.rsplit(" ", 1)[1])
-    return tuple(sums.values())  # type: ignore[return-value]
+    m = scrape_metrics(url)
+    names = ("tandem:kv_transfer_tail_seconds_total", "tandem:kv_transfers_in_total")
+    return m.get(names[0], 0.0), m.get(names[1], 0.0)
 
 
 # ``topo@variant`` phases: the same topology with other gateway flags (the gateway's own cost).
