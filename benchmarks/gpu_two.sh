@@ -17,7 +17,8 @@
 # colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served
 # (issue 23: one worker through the gateway against the offline engine; served-gateways: the
 # same and through two gateway processes sharing the port, with CPU per process; 1 GPU),
-# tests-tp, tp-scaling and pd70 (issue 29: tensor parallelism on 2-8 GPUs).
+# tests-tp, tp-scaling, pd70 and pd70-side (issue 29: tensor parallelism on 2-8 GPUs; pd70-side
+# runs both 70B topologies at once on 4T GPUs).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
 # (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn. Two runs can
 # share a 4-GPU machine, each on its own CUDA_VISIBLE_DEVICES pair, with GPU_TWO_SHARED=1 (no
@@ -138,16 +139,18 @@ for s in "$@"; do
         section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \
             --profile --out "$out/served-gateways" ;;
-    tests-tp)  # issue 29: every tensor-parallel GPU test (2 GPUs; 3-4 for the P/D pairs)
+    tests-tp)  # issue 29: every tensor-parallel GPU test (2 GPUs; 3-4 for the P/D pairs);
+        # TP_TESTS: a subset (pytest arguments, e.g. one file and a -k)
+        read -r -a tp_tests <<<"${TP_TESTS:-tests/gpu/test_tensor_parallel_gpu.py \
+tests/gpu/test_tensor_parallel_kv_gpu.py tests/gpu/test_tensor_parallel_disagg_gpu.py \
+tests/gpu/test_tensor_parallel_migration_gpu.py}"
         section tests-tp 560 python -m pytest -q -p no:cacheprovider -o faulthandler_timeout=240 \
-            tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_tensor_parallel_kv_gpu.py \
-            tests/gpu/test_tensor_parallel_disagg_gpu.py \
-            tests/gpu/test_tensor_parallel_migration_gpu.py ;;
+            -rs "${tp_tests[@]}" ;;
     tp-scaling)  # issue 29: the 8B shape at TP ${TP_SIZES:-1 2 4}, ITL against floor, throughput
         read -r -a sizes <<<"${TP_SIZES:-1 2 4}"
         section tp-scaling 590 python benchmarks/gpu_tp.py --tp "${sizes[@]}" \
             --out "$out/tp-scaling/gpu_tp.json" ;;
-    pd70)  # issue 29: Llama-3-70B's shape, 1P(TP T) + 1D(TP T) against 2 colocated at TP T, on
+    pd70 | pd70-side)  # issue 29: Llama-3-70B's shape, 1P(TP T) + 1D(TP T) against 2 colocated at TP T, on
         # the same 2T GPUs (T = ${TP:-4}; QUANT=fp8 for 2 x TP 2 on four 80 GB cards, or TP=1
         # on two H200s), ShareGPT and Dynamo's 3k-in / 150-out. PD70_PHASES: one topology per
         # call where a call's time is short; FRACS: fewer rates; LONG: the long burst's size.
@@ -161,13 +164,28 @@ import big_config; json.dump(big_config(80), open('$big/config.json', 'w'))"
         # REF_RATE / LONG_REF_RATE: offer the topologies the same rates (fracs of these)
         [ -n "${REF_RATE:-}" ] && quant+=(--ref-rate "$REF_RATE")
         [ -n "${LONG_REF_RATE:-}" ] && quant+=(--long-ref-rate "$LONG_REF_RATE")
-        section pd70 590 python benchmarks/gpu_serve.py run --model "$big" \
-            --phases "${PD70_PHASES:-pd-p${t}d${t},two-tp${t}}" --out "$out/pd70" "${dummy[@]}" \
-            "${quant[@]}" --requests-file "$sample" --warmup 32 --num-prompts 500 \
-            --rate-prompts 120 --long-prompts "${LONG:-120}" --long-rate-prompts 40 --long-input 3000 3000 \
-            --long-output 150 150 --rate-seconds "${RATE_SECONDS:-20}" --fracs "${fracs[@]}" \
-            --extend "${EXTEND:-4}" --steady-from "${STEADY_FROM:-0}" \
-            --bench-timeout 240 ;;
+        args70=(--model "$big" "${dummy[@]}" "${quant[@]}" --requests-file "$sample" \
+            --workloads "${WORKLOADS:-sharegpt,long}" --warmup 32 --num-prompts 500 \
+            --rate-prompts 120 --long-prompts "${LONG:-120}" --long-rate-prompts 40 \
+            --long-input 3000 3000 --long-output 150 150 --rate-seconds "${RATE_SECONDS:-20}" \
+            --fracs "${fracs[@]}" --extend "${EXTEND:-4}" --steady-from "${STEADY_FROM:-0}" \
+            --bench-timeout 240)
+        if [ "$s" = pd70 ]; then
+            section pd70 590 python benchmarks/gpu_serve.py run \
+                --phases "${PD70_PHASES:-pd-p${t}d${t},two-tp${t}}" --out "$out/pd70" "${args70[@]}"
+        else  # pd70-side: 1P1D on GPUs 0..2T-1 beside 2 colocated on 2T..4T-1, the same rates
+            # (REF_RATE / LONG_REF_RATE) offered to both at the same time (4T GPUs)
+            lo=$(seq -s, 0 $((2 * t - 1))) hi=$(seq -s, $((2 * t)) $((4 * t - 1)))
+            mkdir -p "$out/pd70-side"
+            section pd70-side 590 bash -c '
+                o="$1" lo="$2" hi="$3" t="$4"; shift 4
+                python benchmarks/gpu_serve.py run --phases "pd-p${t}d${t}" --gpus "$lo" \
+                    --out "$o/pd" "$@" >"$o/pd.log" 2>&1 &
+                python benchmarks/gpu_serve.py run --phases "two-tp${t}" --gpus "$hi" \
+                    --out "$o/two" "$@" >"$o/two.log" 2>&1 &
+                wait; tail -n 15 "$o/pd.log" "$o/two.log"' _ "$out/pd70-side" "$lo" "$hi" "$t" \
+                "${args70[@]}"
+        fi ;;
     *) echo "unknown section $s" ;;
     esac
 done
