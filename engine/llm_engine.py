@@ -41,6 +41,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_inputs import GatheredLayerHook
 from engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
 from engine.tp_ranks import LocalRanks, RayRanks
+from engine.tracing import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class LLMEngine:
         # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
         # last one (workers: per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
+        self._step_log = StepLog.from_env()  # TANDEM_STEP_LOG: a line per step, to compare runs
 
     def _make_runner(self, max_len: int, ranks: type[LocalRanks | RayRanks]) -> ModelRunner:
         """One device's runner, or rank 0's of ``tensor_parallel_size`` (a layout that does not
@@ -185,6 +187,9 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device)."""
         stopped = self.runner.close()
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
         if self.ranks is not None:
             self.ranks.close(stopped)
             self.ranks = None
@@ -508,6 +513,7 @@ class LLMEngine:
         sampled tokens, stop checks, outputs, the next schedule) runs while the device works.
         A step whose sampled ids the next one needs on the host (penalties), and every step
         of an engine with a step observer, is waited for in the call that launches it."""
+        t0, c0 = time.time(), time.perf_counter()
         self._land_grammars()
         sched_out = self.scheduler.schedule()
         launched = self._launch(sched_out) if not sched_out.is_empty else None
@@ -525,6 +531,10 @@ class LLMEngine:
         if launched is not None and not self._may_overlap(launched):
             self._drain()
         outputs, self._ready = self._ready, []
+        if self._step_log is not None and not sched_out.is_empty:
+            self._step_log.record(
+                t0, time.perf_counter() - c0, sched_out.scheduled, len(sched_out.preempted)
+            )
         return outputs
 
     def _land_grammars(self) -> None:

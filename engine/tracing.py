@@ -74,3 +74,42 @@ class StallWatch:
                 )
                 frame = frame.f_back
             trace("-", f"stall:{self.name}:{age * 1e3:.0f}:{'<'.join(stack) or '?'}")
+
+
+class StepLog:
+    """With ``TANDEM_STEP_LOG=PATH``: one CSV line per engine step appended to ``PATH`` (a
+    ``{pid}`` in it becomes the process id, so each worker of a cluster writes its own file):
+    wall-clock start, the ``step`` call's milliseconds, and the step's shape (sequences,
+    tokens, tokens not of single-token decodes,
+    decodes, preemptions). Offline and served runs of the same requests then
+    compare step by step (``benchmarks/step_log.py``). Without the variable: no cost."""
+
+    HEADER = "start,ms,seqs,tokens,prefill_tokens,decodes,preempted\n"
+
+    def __init__(self, path: str) -> None:
+        self.path = path.replace("{pid}", str(os.getpid()))
+        new = not os.path.exists(self.path)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (line-buffered; closed by close)
+        if new:
+            self._file.write(self.HEADER)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> StepLog | None:
+        path = os.environ.get("TANDEM_STEP_LOG", "").strip()
+        return cls(path) if path else None
+
+    def record(self, start: float, seconds: float, chunks: list, preempted: int) -> None:
+        """``chunks``: the step's scheduled chunks (``num_tokens`` each; one token that is
+        not a prompt token is a decode)."""
+        tokens = decodes = 0
+        for c in chunks:
+            tokens += c.num_tokens
+            decodes += c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens
+        line = f"{start:.6f},{seconds * 1e3:.3f},{len(chunks)},{tokens},{tokens - decodes},"
+        with self._lock:
+            self._file.write(f"{line}{decodes},{preempted}\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
