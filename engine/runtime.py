@@ -35,7 +35,6 @@ roles in one place each; its public methods are its roles' own (``delegate``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
@@ -47,6 +46,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,8 +197,26 @@ class EngineWorker:
         # group (cluster/control/spawn.py); a worker built in-process starts child processes.
         self._in_placement_group = _in_placement_group()
         ranks = RayRanks if self._in_placement_group else LocalRanks
-        # Workers stream token ids; the router detokenizes (and checks stop strings).
-        self.engine = LLMEngine(EngineConfig(**{**engine_config, "detokenize": False}), ranks)
+        self._closed = False
+        # The engine thread exists from here: the engine is built on it, as every later call
+        # into the engine runs there. On CPU that keeps the process to one OpenMP thread team:
+        # a second team (torch work on the actor's main thread, then steps on this one) puts
+        # more OpenMP threads than cores under libgomp, which then sleeps its workers between
+        # parallel regions, and a 135M model's decode step took 1.5x as long (NOTES, "The CPU
+        # served gap, found").
+        self._boot: queue.SimpleQueue = queue.SimpleQueue()  # its work before ``start()``
+        self._started = False
+        self._thread = threading.Thread(target=self._main, name=f"{name or self.role}-engine")
+        self._thread.daemon = True
+        self._thread.start()
+        try:
+            # Workers stream token ids; the router detokenizes (and checks stop strings).
+            config = EngineConfig(**{**engine_config, "detokenize": False})
+            self.engine = self.on_engine_thread(lambda: LLMEngine(config, ranks))
+        except BaseException:
+            self._closed = True
+            self._boot.put(None)
+            raise
         self.engine.output_kind = "delta"
         self.engine.on_rank_failure = self._rank_failed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -208,7 +226,6 @@ class EngineWorker:
         self.roles: list[Role] = []  # its subclass's, in the order they are asked
         self._wake_at: float | None = None  # the earliest time a role's tick asked for
         self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
-        self._closed = False
         self.steps = 0
         self._step_started: float | None = None  # monotonic start of the step running now
         # Latency, as this worker sees it (stats()["latency"]): the time between two engine
@@ -229,15 +246,40 @@ class EngineWorker:
                 held = self.engine.tiers.record_events()
                 for tier in ("host", "disk"):
                     self._publisher.push([h for t, h in held if t == tier], [], tier)
-        # Started by ``start()`` once every role is built (``ready()`` calls it: the
-        # first call the controller makes), so no constructor races the engine thread.
-        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        # The engine thread's loop starts with ``start()`` once every role is built
+        # (``ready()`` calls it: the first call the controller makes), so no constructor races
+        # it.
+
+    def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """Before ``start()``: run ``fn`` on the engine thread and return what it returns (or
+        raise what it raised). For construction that does torch work (the engine, a role's
+        buffers), so one thread does all of it."""
+        if self._started:
+            raise RuntimeError("on_engine_thread is for construction, before start()")
+        done: Future = Future()
+
+        def job() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.set_exception(exc)
+
+        self._boot.put(job)
+        return done.result()
 
     def start(self) -> None:
-        """Start the engine thread (once; later calls do nothing)."""
-        if not self._thread.is_alive() and not self._closed:
-            with contextlib.suppress(RuntimeError):  # started already, and ended
-                self._thread.start()
+        """Start the engine thread's loop (once; later calls do nothing)."""
+        if not self._started and not self._closed:
+            self._started = True
+            self._boot.put(None)
+
+    def _main(self) -> None:
+        """The engine thread: construction work until ``start()`` (or ``shutdown()``), then
+        the loop."""
+        while (job := self._boot.get()) is not None:
+            job()
+        if not self._closed:
+            self._run()
 
     def kv_spec(self):
         """This worker's per-layer KV shape, KV cache dtype and block size, as pair channels
@@ -619,6 +661,7 @@ class EngineWorker:
         for role in self.roles:
             role.close()
         self._closed = True
+        self._boot.put(None)  # (the loop never started: the thread ends)
         self.post(lambda: None)
         for ch in self._channels.values():
             if self._loop is not None:
