@@ -8,7 +8,10 @@
 # SHAREGPT: a ShareGPT_V3 JSON file vLLM's client can read (the packaged one is cut off; write
 # a whole one with `python -c "import json; from benchmarks.workloads import sharegpt_records;
 # json.dump(list(sharegpt_records()), open('F', 'w'))"`). NUM_PROMPTS (120), RATE (inf) and
-# MODEL_DIR (SmolLM2-135M-Instruct from tandem's model hub) can be set. Each run's JSON
+# MODEL_DIR (SmolLM2-135M-Instruct from tandem's model hub), SYSTEMS ("tandem vllm", or one of
+# them) and VLLM_MEMORY_FRACTION (vLLM's --gpu-memory-utilization: on CPU the share of the
+# node's memory it reserves, 0.3 here; its 0.92 default fails beside other processes) can be
+# set. Each run's JSON
 # (vLLM's --save-result) goes to OUTDIR/<system>-<round>.json; a table is printed at the end.
 set -uo pipefail
 out="$1"
@@ -39,14 +42,19 @@ wait_up() {  # port
 }
 
 for r in $(seq "$rounds"); do
-    echo "== round $r: tandem $(date +%T)"
-    (cd "$root" && tandem serve --model "$model" --served-model-name smollm2 --port 8000 \
-        --detach >"$out/tandem-serve-$r.log" 2>&1)
-    wait_up 8000 && bench tandem 8000
-    (cd "$root" && tandem stop >/dev/null 2>&1)
+    systems="${SYSTEMS:-tandem vllm}"
+    if [[ " $systems " == *" tandem "* ]]; then
+        echo "== round $r: tandem $(date +%T)"
+        (cd "$root" && tandem serve --model "$model" --served-model-name smollm2 --port 8000 \
+            --detach >"$out/tandem-serve-$r.log" 2>&1)
+        wait_up 8000 && bench tandem 8000
+        (cd "$root" && tandem stop >/dev/null 2>&1)
+    fi
+    [[ " $systems " == *" vllm "* ]] || continue
     echo "== round $r: vLLM $(date +%T)"
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-/tmp/vllm-cache}" \
         "$vpy" -m vllm.entrypoints.openai.api_server --model "$model" --dtype float32 \
+        --gpu-memory-utilization "${VLLM_MEMORY_FRACTION:-0.3}" \
         --port 8001 --served-model-name smollm2 >"$out/vllm-serve-$r.log" 2>&1 &
     vpid=$!
     wait_up 8001 && bench vllm 8001

@@ -68,6 +68,7 @@ from engine.messages import (
 )
 from engine.runtime import EngineWorker, Role
 from engine.sampling_params import SamplingParams
+from engine.threads import torch_single_threaded
 
 logger = logging.getLogger(__name__)
 
@@ -361,6 +362,7 @@ class MigrationRole(Role):
     def _gather_beside(self, state: _Out, sender, table, ready, end: int) -> None:
         """A worker thread: gather and queue ``[sent, end)`` behind ``ready`` on the copy stream."""
         if ready is None:
+            torch_single_threaded()  # on CPU: no second OpenMP team (engine/threads.py)
             return self._gather(state, sender, table, end)
         device = self.engine.runner.kv_caches[0].device
         with torch.cuda.device(device):

@@ -81,6 +81,7 @@ import numpy as np
 import torch
 
 from engine.attention import host_to_device, slot_array
+from engine.threads import torch_single_threaded
 from engine.tracing import trace
 
 logger = logging.getLogger(__name__)
@@ -757,6 +758,7 @@ class TcpKVReceiver(KVReceiver):
 
     def _serve(self, peer: int, conn: socket.socket) -> None:
         reason = "connection closed"
+        torch_single_threaded()  # its copies into the pool must not start a second team
         try:
             conn.setblocking(True)
             configure_socket(conn, self.limits)
@@ -960,6 +962,7 @@ class KVSender:
     # -- the sender thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch_single_threaded()  # (its reads of the pool: the engine thread's team is enough)
         try:
             self._connect()
         except Exception as exc:  # noqa: BLE001 - every failure becomes the channel's error
