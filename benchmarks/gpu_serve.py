@@ -63,15 +63,27 @@ TOPOLOGIES = {
 # one decode worker at TP D (P + D GPUs), ``two-tp<T>`` two colocated workers at TP T (2T GPUs),
 # ``one-tp<T>`` one colocated worker at TP T.
 _TP_TOPOLOGY = re.compile(r"^(?:pd-p(\d)d(\d)|(one|two)-tp(\d))$")
+# Worker counts at TP 1: ``<N>p<M>d`` N prefill and M decode workers (N + M GPUs; a P:D ratio
+# other than 1:1, e.g. 2p1d for prompts 20x longer than their answers), ``<N>col`` N colocated.
+_COUNT_TOPOLOGY = re.compile(r"^(?:(\d)p(\d)d|(\d)col)$")
 
 
 def topology(name: str) -> tuple[list[str], str]:
     """The ``tandem serve`` flags of a topology and the GPUs it takes (CUDA_VISIBLE_DEVICES)."""
     if name in TOPOLOGIES:
         return TOPOLOGIES[name]
+    c = _COUNT_TOPOLOGY.match(name)
+    if c is not None:
+        if c.group(3):
+            n = int(c.group(3))
+            return ["--colocated", str(n)], ",".join(map(str, range(n)))
+        p, d = int(c.group(1)), int(c.group(2))
+        return ["--prefill", str(p), "--decode", str(d)], ",".join(map(str, range(p + d)))
     m = _TP_TOPOLOGY.match(name)
     if m is None:
-        raise SystemExit(f"unknown topology {name!r}: {sorted(TOPOLOGIES)}, pd-p2d1, two-tp2, ...")
+        raise SystemExit(
+            f"unknown topology {name!r}: {sorted(TOPOLOGIES)}, pd-p2d1, two-tp2, 2p1d, 3col, ..."
+        )
     if m.group(1):
         p, d = int(m.group(1)), int(m.group(2))
         flags = ["--prefill", "1", "--decode", "1"]
@@ -84,6 +96,9 @@ def topology(name: str) -> tuple[list[str], str]:
 
 def topology_label(topo: str) -> str:
     """A topology's name in the tables: ``2 colocated``, ``1P1D``, ``1P(TP 2) + 1D(TP 1)``..."""
+    c = _COUNT_TOPOLOGY.match(topo)
+    if c is not None:
+        return f"{c.group(3)} colocated" if c.group(3) else f"{c.group(1)}P{c.group(2)}D"
     m = _TP_TOPOLOGY.match(topo)
     if topo in ("two", "pd") or m is None:
         return {"two": "2 colocated", "pd": "1P1D", "one": "1 colocated"}.get(topo, topo)

@@ -153,7 +153,9 @@ tests/gpu/test_tensor_parallel_migration_gpu.py}"
     pd70 | pd70-side)  # issue 29: Llama-3-70B's shape, 1P(TP T) + 1D(TP T) against 2 colocated at TP T, on
         # the same 2T GPUs (T = ${TP:-4}; QUANT=fp8 for 2 x TP 2 on four 80 GB cards, or TP=1
         # on two H200s), ShareGPT and Dynamo's 3k-in / 150-out. PD70_PHASES: one topology per
-        # call where a call's time is short; FRACS: fewer rates; LONG: the long burst's size.
+        # call where a call's time is short (or other splits at TP 1: PD70_PHASES=2p1d,3col
+        # for Dynamo's 3k-in prompts, whose prefill needs more GPUs than their decode); FRACS:
+        # fewer rates; LONG: the long burst's size.
         t="${TP:-4}"
         read -r -a fracs <<<"${FRACS:-${fracs[*]}}"
         big="${BIG_MODEL_DIR:-/tmp/llama3-70b}"

@@ -44,6 +44,8 @@ def test_floor_is_rank_weights_plus_all_reduces():
         ),
         ("two-tp4", ["--colocated", "2", "--tensor-parallel-size", "4"], "0,1,2,3,4,5,6,7"),
         ("one-tp2", ["--colocated", "1", "--tensor-parallel-size", "2"], "0,1"),
+        ("2p1d", ["--prefill", "2", "--decode", "1"], "0,1,2"),
+        ("3col", ["--colocated", "3"], "0,1,2"),
     ],
 )
 def test_tensor_parallel_topologies(name, flags, gpus):
@@ -58,7 +60,7 @@ def test_unknown_topology_is_refused():
 @pytest.mark.parametrize(
     "name, label",
     [("pd", "1P1D"), ("two", "2 colocated"), ("pd-p2d1", "1P(TP 2) + 1D(TP 1)"),
-     ("two-tp4", "2 colocated at TP 4")],
+     ("two-tp4", "2 colocated at TP 4"), ("2p1d", "2P1D"), ("3col", "3 colocated")],
 )  # fmt: skip
 def test_topology_labels(name, label):
     assert topology_label(name) == label
