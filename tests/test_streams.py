@@ -209,15 +209,16 @@ def test_an_idle_stream_sends_heartbeats(tiny_worker) -> None:
 
 def test_the_engine_thread_starts_with_ready_not_in_the_constructor(tmp_path, tiny_cfg) -> None:
     """Roles set their state after the base constructor without racing the engine thread:
-    it starts on ``ready()`` (the controller's first call), once."""
+    its loop starts on ``ready()`` (the controller's first call), once. (The thread itself
+    exists from the constructor: the engine is built on it.)"""
     from decode_worker.colocated import ColocatedWorker
 
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_cfg())).save_pretrained(tmp_path)
     w = ColocatedWorker({"model_dir": str(tmp_path), "num_kv_blocks": 16, "block_size": 4}, "c")
     try:
-        assert not w._thread.is_alive()
+        assert not w._started and w._thread.is_alive() and w.steps == 0
         info = asyncio.run(w.ready())
-        assert info["name"] == "c" and w._thread.is_alive()
+        assert info["name"] == "c" and w._started and w._thread.is_alive()
         w.start()  # again: nothing happens
         assert w._thread.is_alive()
     finally:
