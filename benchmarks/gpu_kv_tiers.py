@@ -300,11 +300,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "mid_tokens": live * mean / 2,
         "high_tokens": live * mean,
         "pool_tokens": pool,
+        "mid_over_pool": live * mean / 2 / pool,
+        "high_over_pool": live * mean / pool,
     }
-    out["mid_over_pool"], out["high_over_pool"] = (
-        out["mid_tokens"] / pool,
-        out["high_tokens"] / pool,
-    )
     log(
         f"plan: {len(finals)} conversations of {mean:.0f} tokens at their end, {live} users: "
         f"working set ~{out['mid_over_pool']:.2f}x (up to {out['high_over_pool']:.2f}x) the "

@@ -513,7 +513,8 @@ class LLMEngine:
         sampled tokens, stop checks, outputs, the next schedule) runs while the device works.
         A step whose sampled ids the next one needs on the host (penalties), and every step
         of an engine with a step observer, is waited for in the call that launches it."""
-        t0, c0 = time.time(), time.perf_counter()
+        if self._step_log is not None:  # (TANDEM_STEP_LOG: otherwise nothing is timed)
+            t0, c0 = time.time(), time.perf_counter()
         self._land_grammars()
         sched_out = self.scheduler.schedule()
         launched = self._launch(sched_out) if not sched_out.is_empty else None

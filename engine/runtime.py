@@ -206,8 +206,9 @@ class EngineWorker:
         # served gap, found").
         self._boot: queue.SimpleQueue = queue.SimpleQueue()  # its work before ``start()``
         self._started = False
-        self._thread = threading.Thread(target=self._main, name=f"{name or self.role}-engine")
-        self._thread.daemon = True
+        self._thread = threading.Thread(
+            target=self._main, name=f"{name or self.role}-engine", daemon=True
+        )
         self._thread.start()
         try:
             # Workers stream token ids; the router detokenizes (and checks stop strings).

@@ -80,9 +80,9 @@ class StepLog:
     """With ``TANDEM_STEP_LOG=PATH``: one CSV line per engine step appended to ``PATH`` (a
     ``{pid}`` in it becomes the process id, so each worker of a cluster writes its own file):
     wall-clock start, the ``step`` call's milliseconds, and the step's shape (sequences,
-    tokens, tokens not of single-token decodes,
-    decodes, preemptions). Offline and served runs of the same requests then
-    compare step by step (``benchmarks/step_log.py``). Without the variable: no cost."""
+    tokens, tokens not of single-token decodes, decodes, preemptions). Offline and served runs
+    of the same requests then compare step by step (``benchmarks/step_log.py``). Without the
+    variable: no cost."""
 
     HEADER = "start,ms,seqs,tokens,prefill_tokens,decodes,preempted\n"
 

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from hf_oracle import tiny_config
+from hf_oracle import save_tiny
 
 from engine import LLM, SamplingParams
 
@@ -22,11 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_config())).eval()
-    path = tmp_path_factory.mktemp("tiny-steplog")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory, "tiny-steplog")
 
 
 def test_step_log_counts_every_step_and_token(tiny, tmp_path, monkeypatch):
