@@ -14,7 +14,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 64, 1), (6, 2, 32, 32)],
+    # head_dim 64 with up to 4 query heads a kv head takes the AVX-512 one-pass path (16
+    # positions at a time, never across a block: blocks of 8 and 32 cut those runs short)
+    [(9, 3, 64, 16), (4, 2, 64, 8), (12, 3, 64, 32), (4, 4, 128, 8), (8, 1, 64, 1), (6, 2, 32, 32)],
 )
 def test_matches_reference(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + block_size)
@@ -29,6 +31,25 @@ def test_matches_reference(heads, kv_heads, head_dim, block_size):
     scale = head_dim**-0.5
     got = paged_decode_attention(q, k, v, tables, lens, block_size, scale)
     ref = paged_decode_attention_ref(q, k, v, tables, lens, block_size, scale)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_long_context_split_over_threads_matches_reference(batch):
+    """With fewer (sequence, kv head) pairs than twice the threads (batch 1 on two cores)
+    each context is cut in parts computed apart and merged (flash-
+    decoding's rescaling); one far larger score makes the parts' maxima differ by a lot."""
+    g = torch.Generator().manual_seed(batch)
+    block_size, num_blocks = 16, 160
+    k = torch.randn(3, num_blocks * block_size, 64, generator=g)
+    v = torch.randn(3, num_blocks * block_size, 64, generator=g)
+    q = torch.randn(batch, 9, 64, generator=g)
+    lens = torch.tensor([1200, 999][:batch])
+    tables = torch.randperm(num_blocks, generator=g)[: batch * 75].view(batch, 75)
+    # position 3 of sequence 0, in the first part: a key its first query heads favour by far
+    k[0, tables[0, 0] * block_size + 3] = q[0, 0] * 4
+    got = paged_decode_attention(q, k, v, tables, lens, block_size, 0.125)
+    ref = paged_decode_attention_ref(q, k, v, tables, lens, block_size, 0.125)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

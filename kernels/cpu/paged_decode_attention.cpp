@@ -8,11 +8,18 @@
 //   out          [B, H, D]
 //
 // Work is split over (sequence, kv head); the G = H / KVH query heads that share a kv head
-// reuse each K/V row while it is in cache (GQA). Scores are kept in a small per-task buffer,
-// softmax is exact (max-subtracted, fp32).
+// reuse each K/V row while it is in cache (GQA).
+//
+// Two paths. With AVX-512, head_dim 64 and G <= 4 (SmolLM2: 9 heads over 3): one pass per
+// (sequence, kv head) with an online softmax, 16 positions' scores reduced together and a
+// vector exp; short batches cut each context in parts (flash-decoding) so both cores work.
+// 1.2-1.6x the two-pass path on the 2-core AVX-512 dev host (benchmarks/NOTES.md, "CPU decode
+// attention in one pass"). Otherwise: two passes, scores in a per-task buffer, an exact
+// max-subtracted softmax. Both in fp32.
 #include <torch/extension.h>
 #include <omp.h>
 #include <cmath>
+#include <algorithm>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -122,6 +129,145 @@ void softmax_rows(float* scores, int64_t G, int64_t L) {
   }
 }
 
+
+#ifdef __AVX512F__
+// e^x for x <= 0 (softmax arguments), ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial for e^r (Cephes' expf coefficients), scaled by 2^n. Below -87 the result is ~0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sixteen 16-lane vectors in, one vector of their sixteen lane sums out (lane t = sum of v[t]):
+// a transpose-and-add tree, 15 adds where sixteen horizontal reductions would take ~64 steps.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // pairs: lanes of 2i and 2i+1 interleaved by 32-bit words
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // 64-bit words: four tokens per 128-bit lane
+    b[i] = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: eight tokens per 256 bits
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  // c[0] holds tokens {0,1,2,3 | 4,5,6,7 | 0,1,2,3 | 4,5,6,7} partials, c[1] the same for 8-15
+  const __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], 0x88);
+  const __m512 hi = _mm512_shuffle_f32x4(c[0], c[1], 0xDD);
+  return _mm512_add_ps(lo, hi);
+}
+
+// The D = 64, G <= 4 path: one pass over context positions [begin, end) of one kv head, each
+// 16 positions' scores at once (``sum16``), an online softmax (a running max ``m`` and sum ``l``
+// per query head, rescaled as the max grows: flash-decoding's), and the weighted V rows.
+// Writes the G unnormalised rows to ``acc_out`` [G, 64] and each head's max and sum to
+// ``m_out`` and ``l_out``: ``merge_splits`` combines the parts of a split context.
+void attend_d64(const float* q, const float* kbase, const float* vbase, const int64_t* table,
+                int64_t block_size, int64_t begin, int64_t end, int64_t G, float scale,
+                float* acc_out, float* m_out, float* l_out) {
+  __m512 qv[4][4], acc[4][4];
+  float m[4], l[4];
+  alignas(64) float probs[4][16];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int c = 0; c < 4; ++c) {
+      qv[g][c] = _mm512_loadu_ps(q + g * 64 + c * 16);
+      acc[g][c] = _mm512_setzero_ps();
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  for (int64_t t0 = begin; t0 < end;) {
+    // up to 16 positions, all in one block
+    const int64_t in_block = t0 % block_size;
+    const int64_t n = std::min<int64_t>({16, end - t0, block_size - in_block});
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    const int64_t slot = table[t0 / block_size] * block_size + in_block;
+    const float* kb = kbase + slot * 64;
+    const float* vb = vbase + slot * 64;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 dots[16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t >= n) {
+          dots[t] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* k = kb + t * 64;
+        __m512 x = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+        __m512 y = _mm512_mul_ps(qv[g][1], _mm512_loadu_ps(k + 16));
+        x = _mm512_fmadd_ps(qv[g][2], _mm512_loadu_ps(k + 32), x);
+        y = _mm512_fmadd_ps(qv[g][3], _mm512_loadu_ps(k + 48), y);
+        dots[t] = _mm512_add_ps(x, y);
+      }
+      const __m512 sc = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+      const float m_new = std::max(m[g], _mm512_mask_reduce_max_ps(live, sc));
+      const float alpha = std::exp(m[g] - m_new);  // 0 on the first positions (m = -inf)
+      const __m512 pr =
+          _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(pr);
+      m[g] = m_new;
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
+      }
+      _mm512_store_ps(probs[g], pr);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = vb + t * 64;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 pt = _mm512_set1_ps(probs[g][t]);
+        acc[g][0] = _mm512_fmadd_ps(pt, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(pt, v1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(pt, v2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(pt, v3, acc[g][3]);
+      }
+    }
+    t0 += n;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc_out + g * 64 + c * 16, acc[g][c]);
+    m_out[g] = m[g];
+    l_out[g] = l[g];
+  }
+}
+
+// out[g] = sum over parts of e^(m_p - M) acc_p[g] / sum over parts of e^(m_p - M) l_p, M the
+// parts' largest max: the parts of one kv head's context put back together.
+void merge_splits(const float* acc, const float* m, const float* l, int64_t parts, int64_t G,
+                  float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[p * G + g]);
+    __m512 o[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    float denom = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      if (l[p * G + g] == 0.f) continue;  // an empty part
+      const float w = std::exp(m[p * G + g] - mx);
+      denom += w * l[p * G + g];
+      const __m512 wv = _mm512_set1_ps(w);
+      const float* a = acc + (p * G + g) * 64;
+      for (int c = 0; c < 4; ++c) o[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a + c * 16), o[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / denom);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, _mm512_mul_ps(o[c], inv));
+  }
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -149,6 +295,37 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                 "paged_decode_attention: context length exceeds the block table");
   }
 
+#ifdef __AVX512F__
+  if (D == 64 && G <= 4) {
+    // Fewer (sequence, kv head) pairs than twice the threads (decode at batch 1-2): each
+    // context is cut in ``parts`` of at least 256 positions, computed apart and merged, so
+    // every thread has work.
+    const int64_t threads = omp_get_max_threads();
+    int64_t parts = 1;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b]);
+    if (B * KVH < 2 * threads)
+      parts = std::max<int64_t>(1, std::min((2 * threads + B * KVH - 1) / (B * KVH), longest / 256));
+    std::vector<float> acc(B * KVH * parts * G * 64), mx(B * KVH * parts * G), sm(B * KVH * parts * G);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * KVH * parts; ++task) {
+      const int64_t pair = task / parts, part = task % parts;
+      const int64_t b = pair / KVH, kvh = pair % KVH;
+      const int64_t L = lens[b], chunk = (L + parts - 1) / parts;
+      const int64_t begin = std::min(L, part * chunk), end = std::min(L, begin + chunk);
+      attend_d64(qp + (b * H + kvh * G) * D, kp + kvh * S * D, vp + kvh * S * D,
+                 tables + b * max_blocks, block_size, begin, end, G, sc,
+                 acc.data() + task * G * 64, mx.data() + task * G, sm.data() + task * G);
+    }
+#pragma omp parallel for schedule(static) if (B * KVH > 64)
+    for (int64_t pair = 0; pair < B * KVH; ++pair) {
+      const int64_t b = pair / KVH, kvh = pair % KVH;
+      merge_splits(acc.data() + pair * parts * G * 64, mx.data() + pair * parts * G,
+                   sm.data() + pair * parts * G, parts, G, op + (b * H + kvh * G) * D);
+    }
+    return out;
+  }
+#endif
   // Contexts differ in length (the engine even sorts decodes by it), so tasks are handed out
   // dynamically (guided): a static split gave one thread all the long ones (mixed workload:
   // 70 -> 42 ms of attention per decode step).
