@@ -441,6 +441,19 @@ def select_backend(
     return TorchAttentionBackend()
 
 
+def native_cpu_kernels(device: torch.device, dtype: torch.dtype):
+    """The native CPU kernels' module where the model's own ops may use them (fp32 on CPU,
+    ``TANDEM_ATTENTION_BACKEND`` not forcing torch or triton; whatever the KV cache holds), else
+    None."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    if os.environ.get("TANDEM_ATTENTION_BACKEND", "auto") != "auto":
+        return None
+    from kernels.cpu.paged_decode import load_kernel
+
+    return load_kernel()
+
+
 # Padding a group to its longest context wastes gather and matmul work on the shorter rows; a
 # new group starts when the padded size would exceed this factor of the useful size.
 MAX_PADDING = 1.3

@@ -30,12 +30,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, ChunkSpec, host_to_device, select_backend
+from engine.attention import (
+    AttentionBackend,
+    ChunkSpec,
+    host_to_device,
+    native_cpu_kernels,
+    select_backend,
+)
 from engine.config import EngineConfig, ModelConfig
 from engine.cpu_layout import use_cpu_linears
 from engine.cuda_graphs import DecodeGraphs, GraphPool, PiecewiseGraphs
 from engine.models import model_class
-from engine.ops import TritonOps, use_skinny_linears
+from engine.ops import CpuOps, TritonOps, use_skinny_linears
 from engine.outputs import SampledToken
 from engine.parallel import RankFailure, TPGroup, tp_layout
 from engine.quant import fp8_problem, quantize_model
@@ -97,6 +103,8 @@ class ModelRunner:
             self.model.ops = TritonOps()
             if self.device.type == "cuda":
                 use_skinny_linears(self.model)
+        elif (kernel := native_cpu_kernels(self.device, self.dtype)) is not None:
+            self.model.ops = CpuOps(kernel)  # fused elementwise layers, whatever the KV holds
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
         if self.device.type == "cuda":  # the grammar-mask kernel, so it never compiles mid-run
             from kernels.token_bitmask import warm_up

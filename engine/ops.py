@@ -1,9 +1,10 @@
-"""The decoder's elementwise layers in two implementations with one interface.
+"""The decoder's elementwise layers in three implementations with one interface.
 
-``TorchOps`` is plain PyTorch: the CPU path and the numerical reference. ``TritonOps`` calls the
-fused kernels of kernels/ (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests): RMSNorm
-with the residual add folded in, rotary embedding applied in place from the position ids, and
-SiLU-and-multiply. Both follow one residual convention (vLLM's): a layer takes ``(x, residual)``
+``TorchOps`` is plain PyTorch: the numerical reference. ``CpuOps`` runs the native CPU kernels
+(kernels/cpu/fused_ops.cpp, fp32 rows; the rest falls back to TorchOps). ``TritonOps`` calls the
+fused kernels of kernels/ (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests). The fused
+ones fold the residual add into RMSNorm, apply the rotary embedding in place from the position
+ids, and fuse SiLU-and-multiply. All follow one residual convention (vLLM's): a layer takes ``(x, residual)``
 and hands on ``(x, residual)``; ``add_rms_norm`` returns ``(norm(x + residual), x + residual)``
 with the sum rounded to the model dtype, as ``x + residual`` in the plain model rounds it.
 """
@@ -79,6 +80,52 @@ class TritonOps:
 
     def silu_and_mul(self, x):
         return self._activation.silu_and_mul(x)
+
+
+class CpuOps(TorchOps):
+    """The native CPU kernels (kernels/cpu/fused_ops.cpp) for fp32 rows: one pass per layer
+    where TorchOps runs four to six ops and their temporaries. ``add_rms_norm`` updates the
+    residual in place (as TritonOps does); the rotary rotates q and k in place, bit for bit
+    TorchOps' result. Anything else (3-D per-head norms of Qwen3, other dtypes) goes to
+    TorchOps."""
+
+    name = "cpu"
+
+    def __init__(self, kernel) -> None:
+        self._k = kernel
+
+    @staticmethod
+    def _rows(*xs: torch.Tensor) -> bool:
+        return all(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 for x in xs)
+
+    def rms_norm(self, x, weight, eps):
+        if self._rows(x):
+            return self._k.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self._rows(x, residual):
+            return self._k.add_rms_norm(x, residual, weight, eps), residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rope_state(self, rotary, positions, dtype):
+        if dtype != torch.float32:
+            return super().rope_state(rotary, positions, dtype)
+        return positions, rotary.cos, rotary.sin
+
+    def apply_rotary(self, q, k, state):
+        if len(state) == 2:  # TorchOps' state (another dtype)
+            return super().apply_rotary(q, k, state)
+        if q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:  # (not views of one qkv)
+            positions, cos, sin = state
+            return apply_rotary(q, k, cos[positions][:, None, :], sin[positions][:, None, :])
+        self._k.rotary(q, k, *state)
+        return q, k
+
+    def silu_and_mul(self, x):
+        if self._rows(x):
+            return self._k.silu_and_mul(x)
+        return super().silu_and_mul(x)
 
 
 class SkinnyLinear(nn.Module):

@@ -107,9 +107,87 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load() -> None:
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    build = Path(_get_build_directory("tandem_paged_decode_cpu", verbose=False))
+    from kernels.cpu.native import _NAME
+
+    build = Path(_get_build_directory(_NAME, verbose=False))
     (build / "lock").touch()  # what a builder killed mid-build leaves
     root = Path(__file__).resolve().parents[1]
     code = "from kernels.cpu.paged_decode import load_kernel; assert load_kernel() is not None"
     subprocess.run([sys.executable, "-c", code], cwd=root, timeout=240, check=True)
     assert not (build / "lock").exists()
+
+
+def _ops():
+    from engine.ops import CpuOps, TorchOps
+
+    return CpuOps(load_kernel()), TorchOps()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: rows spread over the OpenMP threads
+def test_fused_norms_match_torch_ops(rows):
+    """RMSNorm and the add folded into it, against TorchOps: the sum of squares is summed in
+    another order (in double), so a few ulps apart; the residual becomes ``x + residual``
+    exactly, in place; odd widths take the scalar tail."""
+    cpu, ref = _ops()
+    g = torch.Generator().manual_seed(rows)
+    for width in (576, 100):
+        x = torch.randn(rows, width, generator=g) * 3
+        residual = torch.randn(rows, width, generator=g)
+        w = torch.randn(width, generator=g)
+        torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+        want, want_sum = ref.add_rms_norm(x, residual, w, 1e-5)
+        before = residual.clone()
+        got, got_sum = cpu.add_rms_norm(x, residual, w, 1e-5)
+        assert got_sum is residual and torch.equal(residual, x + before)
+        torch.testing.assert_close(got, want)
+
+
+def test_fused_rotary_is_bit_identical_to_torch_ops():
+    """q and k as the attention projects them (views of one fused qkv row), rotated in place by
+    position: the very bits TorchOps' ``q * cos + rotate_half(q) * sin`` gives."""
+    from engine.config import RopeConfig
+    from engine.models.llama import RotaryEmbedding
+
+    cpu, ref = _ops()
+    rotary = RotaryEmbedding(64, 4096, RopeConfig(theta=10000.0))
+    rotary.build(torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for t in (1, 37):
+        qkv = torch.randn(t, (9 + 2 * 3) * 64, generator=g)
+        positions = torch.randint(0, 4096, (t,), generator=g)
+        q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+        q, k = q.view(t, 9, 64), k.view(t, 3, 64)
+        want_q, want_k = ref.apply_rotary(q, k, ref.rope_state(rotary, positions, torch.float32))
+        got_q, got_k = cpu.apply_rotary(q, k, cpu.rope_state(rotary, positions, torch.float32))
+        assert got_q.data_ptr() == qkv.data_ptr()  # in place
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_fused_rotary_refuses_a_position_past_its_table():
+    kernel = load_kernel()
+    q, k = torch.zeros(1, 2, 8), torch.zeros(1, 1, 8)
+    cos = torch.ones(4, 8)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        kernel.rotary(q, k, torch.tensor([4]), cos, cos)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_fused_silu_and_mul_matches_torch_ops(rows):
+    """silu(gate) * up with a polynomial e^x: within a few ulps of torch's, over gates from
+    deep negative (e^-g overflows to inf: silu -> -0) to large."""
+    cpu, ref = _ops()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 1536 + 2 * 7, generator=g) * 8  # 1543 wide: a scalar tail
+    x[0, :4] = torch.tensor([-200.0, -88.0, 90.0, 0.0])
+    torch.testing.assert_close(cpu.silu_and_mul(x), ref.silu_and_mul(x), rtol=2e-6, atol=1e-6)
+
+
+def test_cpu_ops_leave_what_they_do_not_cover_to_torch():
+    """Per-head norms (Qwen3's q_norm: 3-D, strided) and bf16 go through TorchOps unchanged."""
+    cpu, ref = _ops()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4 * 32 + 64, generator=g)[:, :128].view(3, 4, 32)
+    w = torch.randn(32, generator=g)
+    assert torch.equal(cpu.rms_norm(q, w, 1e-6), ref.rms_norm(q, w, 1e-6))
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    assert torch.equal(cpu.silu_and_mul(x), ref.silu_and_mul(x))
