@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_exp.h"
+
 namespace {
 
 constexpr int64_t kParallelRows = 16;  // fewer rows than this run on the calling thread
@@ -55,25 +57,6 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t n, floa
 #endif
   for (; i < n; ++i) out[i] = w[i] * (x[i] * r);
 }
-
-#ifdef __AVX512F__
-// e^x, ~1 ulp over fp32's range (Cephes' expf: x = n ln2 + r, a degree-6 polynomial, 2^n).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 }  // namespace
 
@@ -174,7 +157,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (; i + 16 <= inter; i += 16) {
       const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 den = _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+      const __m512 den = _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), -103.f));
       _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, den), _mm512_loadu_ps(u + i)));
     }
 #endif

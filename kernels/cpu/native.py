@@ -1,6 +1,7 @@
 """The native CPU kernels as one torch extension: paged decode attention
 (``paged_decode_attention.cpp``) and the decoder's fused elementwise layers (``fused_ops.cpp``),
-bound in ``bindings.cpp``.
+bound in ``bindings.cpp``; both use the vector ``exp`` of ``vec_exp.h`` (a header change
+rebuilds them too: torch's loader runs ninja, which follows the includes).
 
 It is built with ``torch.utils.cpp_extension.load`` the first time it is needed (about a minute
 on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). When

@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_exp.h"
+
 namespace {
 
 // Blocks are scattered in the pool and a block of one head is only block_size * D floats (4 KiB
@@ -131,24 +133,6 @@ void softmax_rows(float* scores, int64_t G, int64_t L) {
 
 
 #ifdef __AVX512F__
-// e^x for x <= 0 (softmax arguments), ~1 ulp: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial for e^r (Cephes' expf coefficients), scaled by 2^n. Below -87 the result is ~0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Sixteen 16-lane vectors in, one vector of their sixteen lane sums out (lane t = sum of v[t]):
 // a transpose-and-add tree, 15 adds where sixteen horizontal reductions would take ~64 steps.
 inline __m512 sum16(__m512 v[16]) {
@@ -214,7 +198,7 @@ void attend_d64(const float* q, const float* kbase, const float* vbase, const in
       const float m_new = std::max(m[g], _mm512_mask_reduce_max_ps(live, sc));
       const float alpha = std::exp(m[g] - m_new);  // 0 on the first positions (m = -inf)
       const __m512 pr =
-          _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+          _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)), -87.f));
       l[g] = l[g] * alpha + _mm512_reduce_add_ps(pr);
       m[g] = m_new;
       if (alpha != 1.f) {
