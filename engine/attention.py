@@ -431,20 +431,15 @@ def select_backend(
         except ImportError as exc:  # no triton for this platform: plain torch still works
             logger.warning("Triton unavailable (%s); using the torch attention backend", exc)
             return TorchAttentionBackend()
-    native = dtype == torch.float32 and kv_dtype in (None, dtype)
-    if choice == "auto" and device.type == "cpu" and native:
-        from kernels.cpu.paged_decode import load_kernel
-
-        kernel = load_kernel()
-        if kernel is not None:
-            return CpuAttentionBackend(kernel)
+    if kv_dtype in (None, dtype) and (kernel := native_cpu_kernels(device, dtype)) is not None:
+        return CpuAttentionBackend(kernel)
     return TorchAttentionBackend()
 
 
 def native_cpu_kernels(device: torch.device, dtype: torch.dtype):
-    """The native CPU kernels' module where the model's own ops may use them (fp32 on CPU,
-    ``TANDEM_ATTENTION_BACKEND`` not forcing torch or triton; whatever the KV cache holds), else
-    None."""
+    """The native CPU kernels' module where they may run: an fp32 model on CPU, with
+    ``TANDEM_ATTENTION_BACKEND`` not forcing torch or triton; else None. The fused ops use it
+    whatever the KV cache holds, the decode attention only over an fp32 cache."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
     if os.environ.get("TANDEM_ATTENTION_BACKEND", "auto") != "auto":
