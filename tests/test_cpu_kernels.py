@@ -191,3 +191,85 @@ def test_cpu_ops_leave_what_they_do_not_cover_to_torch():
     assert torch.equal(cpu.rms_norm(q, w, 1e-6), ref.rms_norm(q, w, 1e-6))
     x = torch.randn(2, 64, generator=g).bfloat16()
     assert torch.equal(cpu.silu_and_mul(x), ref.silu_and_mul(x))
+
+
+# -- causal prefill attention (kernels/cpu/prefill_attention.cpp) -----------------------------
+
+
+def _prefill_ref(q, k, v, start, scale):
+    """Causal attention in float64 through torch's SDPA with an explicit mask."""
+    n = q.shape[0]
+    mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].double(),
+        k[None, :, : start + n].double(),
+        v[None, :, : start + n].double(),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=k.shape[0] != q.shape[1],
+    )
+    return o[0].transpose(0, 1).float()
+
+
+def _native_prefill(head_dim: int):
+    kernel = load_kernel()
+    if not kernel.prefill_attention_supported(head_dim):
+        pytest.skip("this build has no native prefill attention for this head size (AVX-512)")
+    return kernel
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    # 4 query heads a task at most: 7 over 1 runs as 4 + 3, 12 over 1 as 4 + 4 + 4
+    [(4, 2, 16), (9, 3, 64), (8, 8, 32), (7, 1, 128), (12, 1, 64)],
+)
+@pytest.mark.parametrize(("n", "start"), [(1, 0), (15, 0), (17, 0), (130, 0), (33, 64), (70, 91)])
+def test_prefill_attention_matches_reference(heads, kv_heads, head_dim, n, start):
+    """Strided as the engine passes them: q a slice of the packed qkv rows, k and v the chunk's
+    rows transposed to [KVH, L, D] (with keys past start + n that no query may see), out rows of
+    a wider buffer."""
+    kernel = _native_prefill(head_dim)
+    g = torch.Generator().manual_seed(n * 131 + start + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(start + n + 5, width, generator=g)
+    q = qkv[start : start + n, : heads * head_dim].view(n, heads, head_dim)
+    kv = qkv[:, heads * head_dim :].view(-1, 2 * kv_heads, head_dim).transpose(0, 1)
+    k, v = kv[:kv_heads], kv[kv_heads:]
+    out = torch.full((n + 2, heads * head_dim), float("nan"))
+    rows = out[1 : n + 1]
+    kernel.prefill_attention(q, k, v, start, head_dim**-0.5, rows.view(n, heads, head_dim))
+    torch.testing.assert_close(
+        rows.view(n, heads, head_dim), _prefill_ref(q, k, v, start, head_dim**-0.5),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+    assert out[0].isnan().all() and out[-1].isnan().all(), "wrote outside its rows"
+
+
+def test_prefill_attention_rescales_when_a_later_block_holds_the_maximum():
+    """Keys come in blocks of 64 with an online softmax: a far larger score in the third block
+    (and a smaller peak in the first) makes every earlier partial sum be rescaled."""
+    kernel = _native_prefill(64)
+    g = torch.Generator().manual_seed(7)
+    n = 200
+    q = torch.randn(n, 9, 64, generator=g)
+    k, v = torch.randn(3, n, 64, generator=g), torch.randn(3, n, 64, generator=g)
+    k[0, 150] = q[180, 0] * 3  # query 180 of head 0 favours key 150 by far
+    k[1, 10] = q[199, 4] * 2
+    out = torch.empty(n, 9, 64)
+    kernel.prefill_attention(q, k, v, 0, 0.125, out)
+    torch.testing.assert_close(out, _prefill_ref(q, k, v, 0, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_rejects_bad_input():
+    kernel = load_kernel()
+    q = torch.zeros(4, 2, 16)
+    with pytest.raises(RuntimeError, match="bad shapes"):  # 4 queries from 3 over 5 keys
+        kernel.prefill_attention(q, torch.zeros(1, 5, 16), torch.zeros(1, 5, 16), 3, 1.0, q)
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        kv = torch.zeros(1, 4, 16, dtype=torch.float64)
+        kernel.prefill_attention(q, kv, kv, 0, 1.0, q)
+    if kernel.prefill_attention_supported(16):
+        assert not kernel.prefill_attention_supported(24)
+        with pytest.raises(RuntimeError, match="unsupported head_dim"):
+            q24 = torch.zeros(4, 2, 24)
+            kernel.prefill_attention(q24, torch.zeros(1, 4, 24), torch.zeros(1, 4, 24), 0, 1.0, q24)

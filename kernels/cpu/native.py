@@ -1,7 +1,8 @@
 """The native CPU kernels as one torch extension: paged decode attention
-(``paged_decode_attention.cpp``) and the decoder's fused elementwise layers (``fused_ops.cpp``),
-bound in ``bindings.cpp``; both use the vector ``exp`` of ``vec_exp.h`` (a header change
-rebuilds them too: torch's loader runs ninja, which follows the includes).
+(``paged_decode_attention.cpp``), causal prefill attention (``prefill_attention.cpp``) and the
+decoder's fused elementwise layers (``fused_ops.cpp``), bound in ``bindings.cpp``; all use the
+vector ``exp`` of ``vec_exp.h`` (a header change rebuilds them too: torch's loader runs ninja,
+which follows the includes).
 
 It is built with ``torch.utils.cpp_extension.load`` the first time it is needed (about a minute
 on 2 cores, cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). When
@@ -21,7 +22,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp")]
+SOURCES = [
+    _HERE / name
+    for name in (
+        "paged_decode_attention.cpp",
+        "prefill_attention.cpp",
+        "fused_ops.cpp",
+        "bindings.cpp",
+    )
+]
 _NAME = "tandem_cpu_kernels"
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the rotary rounds
 # each product and sum as torch does (bit-identical to engine/ops.py's TorchOps)
