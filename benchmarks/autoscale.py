@@ -182,7 +182,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
-        engine={"max_num_batched_tokens": 512, "max_num_seqs": args.slots, "num_kv_blocks": 256},
+        engine={
+            "max_num_batched_tokens": 512,
+            "max_num_seqs": args.slots,
+            "num_kv_blocks": 256,
+            "block_size": 16,
+        },
         migration={"timeout_s": 30},
         autoscale=autoscale,
         role_switching=args.role_switching,

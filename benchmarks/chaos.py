@@ -116,7 +116,7 @@ class ChaosConfig:
     stall_timeout_s: float = 10.0  # a worker silent (or one engine step) this long: hung
     transfer_timeout_s: float = 60.0
     max_resumes: int = 2
-    kv_blocks: int | None = 512  # per worker (None: the engine's own sizing)
+    kv_blocks: int | None = 512  # per worker, of 16 tokens (None: the engine's own sizing)
     engine: dict[str, Any] = field(default_factory=dict)  # more EngineConfig fields
     decode_gpus: float = 1.0  # CUDA: GPUs per decode worker (0.5: two share one)
     prefill_gpus: float = 1.0  # CUDA: GPUs per prefill worker
@@ -454,7 +454,9 @@ class Harness:
 
         cfg = self.cfg
         self.redis = RedisServer().start()
-        engine = {"max_num_batched_tokens": 256, "max_num_seqs": 64, **cfg.engine}
+        # blocks of 16 on every device: kv_blocks counts them, and the scenarios' prompts are
+        # sized so that they fill some (prefix lookups, the index's outage)
+        engine = {"max_num_batched_tokens": 256, "max_num_seqs": 64, "block_size": 16, **cfg.engine}
         engine["dtype"] = cfg.dtype or ("float32" if cfg.device == "cpu" else "bfloat16")
         if cfg.kv_blocks:
             engine["num_kv_blocks"] = cfg.kv_blocks

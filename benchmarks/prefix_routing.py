@@ -153,7 +153,11 @@ def main() -> None:
                 model=args.model,
                 num_prefill=2,
                 num_decode=1,
-                engine={"num_kv_blocks": args.kv_blocks, "max_num_batched_tokens": 2048},
+                engine={
+                    "num_kv_blocks": args.kv_blocks,
+                    "block_size": 16,  # --kv-blocks counts blocks of 16
+                    "max_num_batched_tokens": 2048,
+                },
                 index_url=redis.url,
             )
             try:

@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         num_prefill=1,
         num_decode=2,
         device=args.device,
-        engine=engine,
+        engine={**engine, "block_size": 16},  # --kv-blocks counts blocks of 16 on any device
         decode_engine={"num_kv_blocks": args.kv_blocks},
         prefill_engine={"num_kv_blocks": max(1024, 2 * args.kv_blocks)},
         **extra,

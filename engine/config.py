@@ -32,8 +32,10 @@ PIECEWISE_MAX_TOKENS = 16384
 # 512 / 8192); on the 110-in / 275-out lengths file 512 / 8192 led (37.4 vs 33.1 req/s):
 # benchmarks/NOTES.md "Engine defaults".
 DEVICE_DEFAULTS = {
-    "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 512},
-    "cpu": {"max_num_batched_tokens": 2048, "max_num_seqs": 256},
+    "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 512, "block_size": 16},
+    # blocks of 128 on CPU, as vLLM's CPU backend: a sequence's KV is read in longer runs
+    # (benchmarks/NOTES.md, "prefill attention and blocks of 128")
+    "cpu": {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 128},
 }
 
 
@@ -160,7 +162,7 @@ class EngineConfig:
     model_dir: str
     dtype: str = "float32"
     device: str = "cpu"
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: the device's (DEVICE_DEFAULTS)
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0  # used on CPU when num_kv_blocks is None
     kv_cache_dtype: str = field(

@@ -27,7 +27,7 @@ class LLM:
         *,
         dtype: str = "float32",
         device: str = "cpu",
-        block_size: int = 16,
+        block_size: int | None = None,  # None: the device's default (EngineConfig)
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int | None = None,  # None: the device's default (EngineConfig)
         max_num_seqs: int | None = None,

@@ -81,9 +81,14 @@ def test_kv_cache_settings_are_the_same_for_prefill_and_decode(tmp_path):
     assert "block_size=32 and decode workers block_size=16" in msg
     msg = problems(tmp_path, "dtype: bfloat16\ndecode_engine: {dtype: float32}\n")
     assert "dtype='bfloat16' and decode workers dtype='float32'" in msg
+    # block_size left out is the device's: 128 on CPU, 16 on CUDA
+    msg = problems(tmp_path, "device: cpu\ndecode_engine: {block_size: 16}\n")
+    assert "block_size=128 and decode workers block_size=16" in msg
     fine = [
         "engine: {kv_cache_dtype: fp8}\nprefill_engine: {kv_cache_dtype: fp8}\n",
-        "decode_engine: {block_size: 16}\n",  # the default: the same as left out
+        "device: cuda\ndecode_engine: {block_size: 16}\n",  # CUDA's default: as left out
+        "device: cpu\nprefill_engine: {block_size: 128}\n",  # and CPU's
+        "decode_engine: {block_size: 16}\n",  # device auto: the handshake checks it later
         "prefill_engine: {dtype: bfloat16}\n",  # dtype auto: bfloat16 on CUDA, checked later
     ]
     for text in fine:

@@ -44,7 +44,13 @@ def cluster(smollm2_dir):
         num_prefill=2,
         num_decode=2,
         num_colocated=1,
-        engine={"max_num_batched_tokens": CHUNK, "num_kv_blocks": 256, "max_num_seqs": 16},
+        # blocks of 16 (CPU defaults to 128): the prefix tests share 3 whole blocks
+        engine={
+            "max_num_batched_tokens": CHUNK,
+            "num_kv_blocks": 256,
+            "block_size": 16,
+            "max_num_seqs": 16,
+        },
         transfer_timeout_s=30,
     )
     yield c
@@ -108,7 +114,7 @@ def test_control_calls_are_not_starved_by_streams(cluster, smollm2_dir) -> None:
 
     actor = ray.remote(concurrency_groups={CONTROL_GROUP: 4})(ColocatedWorker)
     handle = actor.options(max_concurrency=2, num_cpus=0).remote(
-        {"model_dir": str(smollm2_dir), "num_kv_blocks": 32}, "starved"
+        {"model_dir": str(smollm2_dir), "num_kv_blocks": 32, "block_size": 16}, "starved"
     )
     try:
         ray.get(control(handle.ready).remote(), timeout=120)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
 PROMPT_LEN = 200  # 12 full blocks; one token is always computed, so 192 can be cached
 # 40 blocks of 16 tokens per worker: a third 200-token prompt pushes the first one out
-ENGINE = ["num_kv_blocks=40", "max_num_seqs=4"]
+ENGINE = ["num_kv_blocks=40", "block_size=16", "max_num_seqs=4"]
 
 
 def free_port() -> int:

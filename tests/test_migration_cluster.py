@@ -52,7 +52,12 @@ def cluster(smollm2_dir):
         model=str(smollm2_dir),
         num_prefill=1,
         num_decode=2,
-        engine={"max_num_batched_tokens": 512, "num_kv_blocks": 320, "max_num_seqs": 24},
+        engine={
+            "max_num_batched_tokens": 512,
+            "num_kv_blocks": 320,
+            "block_size": 16,
+            "max_num_seqs": 24,
+        },
         transfer_timeout_s=20,
         stall_timeout_s=4,
         migration=MIGRATION,

@@ -40,7 +40,12 @@ def cluster(smollm2_dir):
         model=str(smollm2_dir),
         num_prefill=1,
         num_decode=1,
-        engine={"max_num_batched_tokens": 256, "num_kv_blocks": 192, "max_num_seqs": 8},
+        engine={
+            "max_num_batched_tokens": 256,
+            "num_kv_blocks": 192,
+            "block_size": 16,
+            "max_num_seqs": 8,
+        },
         transfer_timeout_s=20,
         stall_timeout_s=6,
         migration=MIGRATION,

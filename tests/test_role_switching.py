@@ -34,7 +34,12 @@ def cluster(smollm2_dir):
         model=str(smollm2_dir),
         num_prefill=2,
         num_decode=1,
-        engine={"max_num_batched_tokens": 256, "num_kv_blocks": 128, "max_num_seqs": 8},
+        engine={
+            "max_num_batched_tokens": 256,
+            "num_kv_blocks": 128,
+            "block_size": 16,
+            "max_num_seqs": 8,
+        },
         transfer_timeout_s=20,
         stall_timeout_s=6,
         migration={"last_stage_blocks": 2, "headroom_blocks": 2, "timeout_s": 10},

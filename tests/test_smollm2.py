@@ -74,7 +74,8 @@ def test_chunked_prefill_and_preemption_match(smollm2_dir, prompts, expected):
 
 def test_prefix_hit_same_tokens(llm, prompts, expected):
     outs = llm.generate(prompts[-1:], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-    assert outs[0].num_cached_tokens >= len(prompts[-1]) // 16 * 16 - 16
+    bs = llm.engine.cfg.block_size  # 128 on CPU: still whole blocks of this prompt
+    assert outs[0].num_cached_tokens >= len(prompts[-1]) // bs * bs - bs > 0
     assert outs[0].outputs[0].token_ids == expected[-1]
 
 

@@ -64,7 +64,11 @@ def test_a_worker_builds_its_engine_on_its_engine_thread(tmp_path_factory, monke
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "LLMEngine", recording)
-    cfg = {"model_dir": save_tiny(tmp_path_factory, "tiny-threads"), "num_kv_blocks": 16}
+    cfg = {
+        "model_dir": save_tiny(tmp_path_factory, "tiny-threads"),
+        "num_kv_blocks": 16,
+        "block_size": 16,
+    }
     w = DecodeWorker(cfg, "d", transport="inproc")
     try:
         assert built_on == [w._thread] and w._thread is not threading.main_thread()

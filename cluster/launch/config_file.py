@@ -451,11 +451,20 @@ class ServeConfig(BaseModel):
     def _kv_settings_agree(self) -> ServeConfig:
         """Prefill and decode workers exchange KV: the pair handshake refuses workers whose KV
         differs (engine/kv_transfer/transport.py ``KVSpec``), so say so before anything starts.
-        A setting left out is its default; ``dtype: auto`` resolves by device, later: skipped."""
+        A setting left out is its default; ``dtype: auto``, and ``block_size`` left out with
+        ``device: auto``, resolve by device later: skipped (the handshake still checks)."""
         base = {**_kv_defaults(), "dtype": self.dtype, **self.engine}
         prefill, decode = {**base, **self.prefill_engine}, {**base, **self.decode_engine}
+        if self.device != "auto":  # block_size None: the device's default
+            from engine.config import DEVICE_DEFAULTS
+
+            for side in (prefill, decode):
+                if side["block_size"] is None:
+                    side["block_size"] = DEVICE_DEFAULTS[self.device]["block_size"]
         for key in KV_SHARED_SETTINGS:
-            unresolved = key == "dtype" and "auto" in (prefill[key], decode[key])
+            unresolved = (key == "dtype" and "auto" in (prefill[key], decode[key])) or (
+                key == "block_size" and None in (prefill[key], decode[key])
+            )
             if prefill[key] != decode[key] and not unresolved:
                 raise ValueError(
                     f"prefill workers would run {key}={prefill[key]!r} and decode workers "

@@ -49,7 +49,12 @@ def _cluster(smollm2_dir, **kw):
 
     return LocalCluster(
         model=str(smollm2_dir),
-        engine={"max_num_batched_tokens": 256, "num_kv_blocks": 256, "max_num_seqs": 16},
+        engine={
+            "max_num_batched_tokens": 256,
+            "num_kv_blocks": 256,
+            "block_size": 16,
+            "max_num_seqs": 16,
+        },
         transfer_timeout_s=30,
         stall_timeout_s=STALL_S,
         max_resumes=2,
