@@ -10,11 +10,15 @@
 2. The decoder's elementwise layers: the same engine with ``TorchOps`` and with ``CpuOps``
    (engine/ops.py) swapped in, alternating, on a 2,048-token prefill step (8 x 256) and decode
    steps at batch 1 (1,500 tokens of context) and 64 (400 tokens). Best of ``--rounds``.
+3. Causal prefill attention (kernels/cpu/prefill_attention.cpp) against torch's SDPA (its CPU
+   flash kernel, as ``TorchAttentionBackend`` calls it), one sequence of n tokens, SmolLM2's
+   heads: milliseconds per call and GFLOP/s (4 n^2 / 2 x head_dim x heads, the causal half).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -31,6 +35,51 @@ from kernels.cpu.native import load_kernel  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 ATTENTION_CASES = [(1, 1500), (2, 700), (4, 1200), (16, 900), (64, 400), (96, 600)]
+PREFILL_LENGTHS = [16, 64, 256, 843, 2048]
+
+
+def prefill_attention(kernel, rounds: int) -> list[dict]:
+    import torch.nn.functional as F
+
+    rows = []
+    for n in PREFILL_LENGTHS:
+        g = torch.Generator().manual_seed(n)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
+        k = torch.randn(KV_HEADS, n, HEAD_DIM, generator=g)
+        v = torch.randn(KV_HEADS, n, HEAD_DIM, generator=g)
+        out = torch.empty_like(q)
+        qt, k4, v4 = q.transpose(0, 1)[None], k[None], v[None]
+        scale = HEAD_DIM**-0.5
+        calls = {
+            "sdpa": functools.partial(
+                F.scaled_dot_product_attention,
+                qt,
+                k4,
+                v4,
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ),
+            "native": functools.partial(kernel.prefill_attention, q, k, v, 0, scale, out),
+        }
+        flops = 4 * n * n / 2 * HEAD_DIM * HEADS
+        row: dict = {"tokens": n}
+        for name, fn in calls.items():
+            fn()  # warm
+            best = float("inf")
+            for _ in range(max(rounds, 5)):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            row[f"{name}_ms"], row[f"{name}_gflop_s"] = best * 1e3, flops / best / 1e9
+        rows.append(row)
+        print(
+            f"| {n} | {row['sdpa_ms']:.3f} ({row['sdpa_gflop_s']:.0f} GFLOP/s) | "
+            f"{row['native_ms']:.3f} ({row['native_gflop_s']:.0f} GFLOP/s) | "
+            f"{row['sdpa_ms'] / row['native_ms']:.2f}x |",
+            flush=True,
+        )
+    return rows
 
 
 def attention(kernel, rounds: int) -> list[dict]:
@@ -143,9 +192,16 @@ def main() -> None:
     att = attention(kernel, args.rounds)
     print("\n| step | TorchOps ms | CpuOps ms | speed-up |\n|---|---|---|---|")
     steps = engine_steps(args.model, args.rounds)
+    print("\n| prefill tokens | SDPA ms | native ms | speed-up |\n|---|---|---|---|")
+    prefill = prefill_attention(kernel, args.rounds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"threads": torch.get_num_threads(), "attention": att, "engine_steps": steps}
+    result = {
+        "threads": torch.get_num_threads(),
+        "attention": att,
+        "engine_steps": steps,
+        "prefill_attention": prefill,
+    }
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 

@@ -79,10 +79,17 @@ def init_local_ray(**options: Any) -> None:
     the umask's mode); ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` are the operator's choice.
     Loopback: Ray's GCS, raylet, object manager, agents and workers bind the node address,
     127.0.0.1 here (``_loopback_stays_loopback``).
+
+    No idle workers started ahead: tandem runs actors, each started on demand in its own
+    process, and every prestarted Python worker wakes a hundred times a second (its core
+    worker's signal check), beside the engine on the same cores. On the 2-core dev host that
+    was 2 processes and ~3 % of the CPU burst's throughput (benchmarks/NOTES.md).
     """
     import ray
 
     _force_token_auth()
+    system = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+    options["_system_config"] = {**system, **options.get("_system_config", {})}
     with _loopback_stays_loopback():
         # "local": a new Ray of our own, never a cluster another process left running
         ray.init(address="local", _node_ip_address="127.0.0.1", **options)
