@@ -34,9 +34,14 @@ PIECEWISE_MAX_TOKENS = 16384
 DEVICE_DEFAULTS = {
     "cuda": {"max_num_batched_tokens": 2048, "max_num_seqs": 512, "block_size": 16},
     # blocks of 128 on CPU, as vLLM's CPU backend: a sequence's KV is read in longer runs
-    # (benchmarks/NOTES.md, "prefill attention and blocks of 128")
+    # (benchmarks/NOTES.md, "The CPU engine against vLLM's, phase by phase")
     "cpu": {"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 128},
 }
+
+
+def device_defaults(device: str) -> dict[str, int]:
+    """What ``DEVICE_DEFAULTS`` gives ``device`` (``cuda``, ``cuda:1``, ``cpu``)."""
+    return DEVICE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
 
 
 @dataclass(frozen=True)
@@ -266,8 +271,7 @@ class EngineConfig:
         return self.kv_offload_cpu_gb > 0 or bool(self.kv_offload_disk_dir)
 
     def __post_init__(self) -> None:
-        defaults = DEVICE_DEFAULTS["cuda" if self.device.startswith("cuda") else "cpu"]
-        for name, value in defaults.items():
+        for name, value in device_defaults(self.device).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         if self.cuda_graph_max_batch is None:

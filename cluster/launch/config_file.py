@@ -456,11 +456,11 @@ class ServeConfig(BaseModel):
         base = {**_kv_defaults(), "dtype": self.dtype, **self.engine}
         prefill, decode = {**base, **self.prefill_engine}, {**base, **self.decode_engine}
         if self.device != "auto":  # block_size None: the device's default
-            from engine.config import DEVICE_DEFAULTS
+            from engine.config import device_defaults
 
             for side in (prefill, decode):
                 if side["block_size"] is None:
-                    side["block_size"] = DEVICE_DEFAULTS[self.device]["block_size"]
+                    side["block_size"] = device_defaults(self.device)["block_size"]
         for key in KV_SHARED_SETTINGS:
             unresolved = (key == "dtype" and "auto" in (prefill[key], decode[key])) or (
                 key == "block_size" and None in (prefill[key], decode[key])

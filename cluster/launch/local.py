@@ -83,7 +83,8 @@ def init_local_ray(**options: Any) -> None:
     No idle workers started ahead: tandem runs actors, each started on demand in its own
     process, and every prestarted Python worker wakes a hundred times a second (its core
     worker's signal check), beside the engine on the same cores. On the 2-core dev host that
-    was 2 processes and ~3 % of the CPU burst's throughput (benchmarks/NOTES.md).
+    was 2 processes and ~1 % of a core while idle; the CPU burst's A/B moved +3 %, inside that
+    host's noise (benchmarks/NOTES.md).
     """
     import ray
 
