@@ -149,6 +149,21 @@ class Delta:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    @property
+    def plain(self) -> bool:
+        """Tokens and their position only (most deltas): the streams send these compactly."""
+        return (
+            self.logprobs is None
+            and not self.text
+            and self.finish_reason is None
+            and self.stop_reason is None
+            and not self.num_cached_tokens
+            and self.error is None
+            and not self.retryable
+            and self.moved_to is None
+            and self.predicted is None
+        )
+
     def merge(self, later: Delta) -> Delta:
         """This delta followed by ``later`` of the same sequence, as one delta (a reader that
         fell behind gets one per sequence, however many steps it missed)."""
@@ -192,25 +207,11 @@ class StreamBatch:
         )
 
 
-def _plain(d: Delta) -> bool:
-    return (
-        d.logprobs is None
-        and not d.text
-        and d.finish_reason is None
-        and d.stop_reason is None
-        and not d.num_cached_tokens
-        and d.error is None
-        and not d.retryable
-        and d.moved_to is None
-        and d.predicted is None
-    )
-
-
 def _pack(deltas: list[Delta]) -> tuple:
     ids, rest = [], {}
     index, start, count, tokens = array("q"), array("q"), array("q"), array("q")
     for i, d in enumerate(deltas):
-        if not _plain(d):
+        if not d.plain:
             rest[i] = d
             continue
         ids.append(d.request_id)

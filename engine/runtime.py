@@ -7,19 +7,21 @@ asyncio futures on the actor's event loop. When the engine has nothing to comput
 blocks on the inbox, so an idle worker burns no CPU and a new request wakes it at once.
 
 Outputs leave as one message per engine step per *client* (a router process), never one per
-token and never cumulative::
+token and never cumulative, on a socket of their own (engine/output_stream.py)::
 
-    engine thread, each step           actor event loop                   router
-    ────────────────────────           ─────────────────                  ──────
-    deltas of the step's requests ──► _Channel(client).put(deltas) ──► outputs(client) yields
-    grouped by their client            (one call per client per step)     StreamBatch(deltas)
-                                                                          (empty: a heartbeat)
+    engine thread, each step                                         router's event loop
+    ────────────────────────                                         ───────────────────
+    deltas of the step's requests ──► streams.offer(client, deltas) ──► one msgpack frame,
+    grouped by their client            merged into the client's channel,  StreamBatch(deltas)
+                                       written at once when its socket    (empty: a heartbeat,
+                                       can take it                        from the event loop)
 
 A channel holds what its reader has not taken yet, merged per sequence: a router that falls
 behind gets fewer, larger batches (``coalesced`` counts the merged steps), never an unbounded
 queue of messages, and what is held is bounded by the tokens its running requests produce.
 When a router's reader goes away and none comes back within ``orphan_grace_s``, that router's
-requests are aborted (their blocks are freed).
+requests are aborted (their blocks are freed). ``outputs(client)`` reads the same stream
+in-process (tests) or as a Ray generator.
 
 With a global prefix index (engine.prefix_index), the engine thread hands the publisher each
 tier's block-stored / block-evicted hashes after every step (the device pool's, and the host and
@@ -53,6 +55,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import Delta, StreamBatch, aborted
+from engine.output_stream import OutputStreams
 from engine.parallel import RankFailure
 from engine.tp_ranks import LocalRanks, RayRanks
 from engine.tracing import StallWatch, trace
@@ -139,32 +142,6 @@ def delegate(role: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., 
     return call_role
 
 
-class _Channel:
-    """The deltas one client has not read yet (lives on the actor's event loop)."""
-
-    def __init__(self) -> None:
-        self.pending: dict[tuple[str, int], Delta] = {}
-        self.ready = asyncio.Event()
-        self.steps = 0  # puts since the last take
-        self.readers = 0
-        self.coalesced = 0  # steps merged into an earlier batch, in total
-
-    def put(self, deltas: list[Delta]) -> None:
-        for d in deltas:
-            key = (d.request_id, d.index)
-            prev = self.pending.get(key)
-            self.pending[key] = d if prev is None else prev.merge(d)
-        self.steps += 1
-        self.ready.set()
-
-    def take(self) -> tuple[list[Delta], int]:
-        deltas, merged = list(self.pending.values()), max(self.steps - 1, 0)
-        self.pending, self.steps = {}, 0
-        self.coalesced += merged
-        self.ready.clear()
-        return deltas, merged
-
-
 class EngineWorker:
     """The engine thread of a worker actor and its roles: base of PrefillWorker, DecodeWorker,
     ColocatedWorker and FlexWorker (plain classes: the controller wraps them in
@@ -172,8 +149,6 @@ class EngineWorker:
     this constructor (the engine exists, its thread has not started) into ``self.roles``."""
 
     role = "engine"
-    orphan_grace_s = 5.0  # a client's requests outlive its reader this long (it may come back)
-    heartbeat_s = 1.0  # an idle stream still yields an empty batch this often (liveness)
     # The engine's length probe when the config names none: roles that prefill new prompts
     # refine the router's length estimate with the shipped probe ("auto"); decode needs none.
     length_probe: str | None = None
@@ -226,7 +201,8 @@ class EngineWorker:
         self.requests: dict[str, Tracked] = {}
         self.roles: list[Role] = []  # its subclass's, in the order they are asked
         self._wake_at: float | None = None  # the earliest time a role's tick asked for
-        self._channels: dict[str, _Channel] = {}  # client -> unread deltas (event loop only)
+        # client -> its stream of deltas (engine/output_stream.py): a socket per router
+        self.streams = OutputStreams(self.name, self._step_age, self._orphaned)
         self.steps = 0
         self._step_started: float | None = None  # monotonic start of the step running now
         # Latency, as this worker sees it (stats()["latency"]): the time between two engine
@@ -430,32 +406,16 @@ class EngineWorker:
         # step each have a delta here, and the first one's end must not drop the others
         for rid in ended:
             self.retire(rid)
-        if by_client and self._loop is not None:
-            self._send_to_loop(self._deliver, by_client)
+        for client, batch in by_client.items():
+            self.streams.offer(client, batch)
 
     def send(self, client: str, deltas: list[Delta]) -> None:
-        """Engine thread: hand ``deltas`` to ``client``'s channel as they are (for a request
+        """Engine thread: hand ``deltas`` to ``client``'s stream as they are (for a request
         no longer tracked here: a migration's ``moved_to``)."""
-        self._send_to_loop(self._deliver, {client: deltas})
-
-    def _send_to_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed (in-process use after asyncio.run)
-            logger.debug("%s: event loop closed, output dropped", self.name)
+        self.streams.offer(client, deltas)
 
     def _all_finished(self, delta: Delta) -> bool:
         return delta.error is not None or not self.engine.has_request(delta.request_id)
-
-    def _deliver(self, by_client: dict[str, list[Delta]]) -> None:
-        for client, deltas in by_client.items():
-            self._channel(client).put(deltas)
-
-    def _channel(self, client: str) -> _Channel:
-        ch = self._channels.get(client)
-        if ch is None:
-            ch = self._channels[client] = _Channel()
-        return ch
 
     def fail(self, request_id: str, message: str, retryable: bool = False) -> None:
         """Engine thread: end a request's stream with an error."""
@@ -499,36 +459,26 @@ class EngineWorker:
 
     # -- the stream of outputs -------------------------------------------------------------------
 
-    async def outputs(self, client: str) -> AsyncIterator[StreamBatch]:
-        """Every delta of ``client``'s requests, one StreamBatch per engine step (merged when
-        the reader is behind), and an empty one after ``heartbeat_s`` without any: the reader
-        tells a live worker from a hung one by them (and a hung engine thread by their
-        ``step_age_s``). Runs until the worker shuts down; a reader
-        that goes away and is not replaced within ``orphan_grace_s`` has its client's requests
-        aborted."""
+    async def stream_endpoint(self, peer_ip: str = "") -> tuple[str, int, str]:
+        """(host, port, token) where a router on node ``peer_ip`` reads its output stream
+        (engine/output_stream.py: one socket per router, written by the engine thread)."""
         self._loop = asyncio.get_running_loop()
-        ch = self._channel(client)
-        ch.readers += 1
-        try:
-            while not self._closed:
-                try:
-                    await asyncio.wait_for(ch.ready.wait(), self.heartbeat_s)
-                except TimeoutError:
-                    yield StreamBatch(self.name, [], 0, self._step_age())
-                    continue
-                deltas, merged = ch.take()
-                if deltas:
-                    yield StreamBatch(self.name, deltas, merged)
-        finally:
-            ch.readers -= 1
-            if ch.readers == 0 and not self._closed:
-                self._loop.call_later(self.orphan_grace_s, self._reap, client)
+        own = _ray_node().get("node_ip", "127.0.0.1")
+        return await self.streams.endpoint(peer_ip, own)
 
-    def _reap(self, client: str) -> None:
-        ch = self._channels.get(client)
-        if ch is None or ch.readers > 0:
-            return
-        del self._channels[client]
+    async def outputs(self, client: str) -> AsyncIterator[StreamBatch]:
+        """``client``'s stream read in-process (or as a Ray generator): one StreamBatch per
+        engine step (merged when the reader is behind), and an empty one after
+        ``streams.heartbeat_s`` without any: the reader tells a live worker from a hung one by
+        them (and a hung engine thread by their ``step_age_s``). Runs until the worker shuts
+        down; a client whose readers are all gone for ``streams.orphan_grace_s`` has its
+        requests aborted."""
+        self._loop = asyncio.get_running_loop()
+        async for batch in self.streams.iterate(client):
+            yield batch
+
+    def _orphaned(self, client: str) -> None:
+        """(event loop) ``client``'s readers went away and none came back: abort its requests."""
 
         def abort_orphans() -> None:
             orphans = [rid for rid, c in self._streams().items() if c == client]
@@ -577,8 +527,9 @@ class EngineWorker:
 
     async def stats(self) -> dict[str, Any]:
         stats = await self.call(self._stats, control=True)
-        stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in self._channels.values())
-        stats["stream_clients"] = len(self._channels)
+        channels = list(self.streams.channels.values())
+        stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in channels)
+        stats["stream_clients"] = len(channels)
         # quantiles off the engine thread, over copies (appends there are atomic)
         ttfts, gaps = tuple(self._ttfts), tuple(self._step_gaps)
         since = time.monotonic() - LATENCY_RECENT_S
@@ -664,9 +615,7 @@ class EngineWorker:
         self._closed = True
         self._boot.put(None)  # (the loop never started: the thread ends)
         self.post(lambda: None)
-        for ch in self._channels.values():
-            if self._loop is not None:
-                self._send_to_loop(ch.ready.set)
+        self.streams.close()
         if self._publisher is not None:
             self._publisher.close()  # its entries stop counting at once
         if self.engine.tiers is not None:

@@ -12,8 +12,8 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
          worker waits on one the router has given up on)
          Rejected -> RequestError (bad input: no retry)
     3. P's result: PrefillFailed -> D.fail_transfer(rid) (D ends the request retryably)
-    4. D's deltas arrive on this router's one stream from D (``outputs(client_id)``, a batch
-       per engine step for every request of this router on D); the request's queue takes its
+    4. D's deltas arrive on this router's one stream from D (a socket of D's, a batch per
+       engine step for every request of this router on D: ``worker_stream``); the request's queue takes its
        own, and the ``Assembler`` makes each batch taken one ``Step`` (router/outputs.py): what
        each choice gained, its text built here (detokenization and stop strings: off the
        engine thread); nothing cumulative leaves it
@@ -49,7 +49,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.detokenizer import SequenceText
-from engine.messages import Delta, Full, PrefillFailed, Rejected, Reserved, brief, control
+from engine.messages import (
+    Delta,
+    Full,
+    PrefillFailed,
+    Rejected,
+    Reserved,
+    StreamBatch,
+    brief,
+    control,
+)
+from engine.output_stream import StreamError, read_stream
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
 from router.errors import CapacityError, ClusterError, RequestError
@@ -311,6 +321,9 @@ class Dispatcher:
         self.resume_log: deque[dict[str, Any]] = deque(maxlen=256)
         self.migrations = 0  # requests of this router that moved to another worker
         self._orphans: dict[tuple[str, str], None] = {}
+        # (worker, client) -> its batches; a socket of the worker's (worker_stream), a test's
+        # fake in unit tests
+        self.open_stream = worker_stream
 
     # -- a request ---------------------------------------------------------------------------
 
@@ -565,13 +578,9 @@ class Dispatcher:
 
     async def _read(self, worker: WorkerRef) -> None:
         """Demultiplex ``worker``'s batches to the requests they belong to."""
-        stream = worker.handle.outputs.options(
-            num_returns="streaming", _generator_backpressure_num_objects=16
-        ).remote(self.client_id)
         why = "its output stream ended"
         try:
-            async for ref in stream:
-                batch = await ref
+            async for batch in self.open_stream(worker, self.client_id):
                 now = time.monotonic()
                 self._seen[worker.name] = now
                 self._step_age[worker.name] = (batch.step_age_s, now)
@@ -652,6 +661,40 @@ class Dispatcher:
 
 
 _UNRESPONSIVE = object()  # _answer_of: the worker went suspect or dead before it answered
+
+
+async def worker_stream(worker: WorkerRef, client: str) -> AsyncIterator[StreamBatch]:
+    """``client``'s output stream from ``worker``, on a socket of its own (the endpoint and its
+    token come over Ray; engine/output_stream.py). It ends when the worker closes it: at its
+    shutdown, or at its death, which the actor's next answer then raises (RayActorError)."""
+    host, port, token = await worker.handle.stream_endpoint.remote(_node_ip())
+    try:
+        async for batch in read_stream(host, port, token, client):
+            yield batch
+    except (OSError, StreamError):  # cut: the worker died, or the network failed
+        await _alive(worker)
+        raise
+    await _alive(worker)
+
+
+STREAM_END_PROBE_S = 5.0
+
+
+async def _alive(worker: WorkerRef) -> None:
+    """Raises the actor's death (RayActorError) when it is dead; returns when it answers or
+    is too busy to answer within STREAM_END_PROBE_S."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(control(worker.handle.health).remote(), STREAM_END_PROBE_S)
+
+
+def _node_ip() -> str:
+    """This process's Ray node address (where a worker on another node must listen)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except Exception:  # noqa: BLE001 - outside Ray: this host
+        return "127.0.0.1"
 
 
 def _carried(kwargs: dict[str, Any]) -> int:

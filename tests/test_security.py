@@ -106,11 +106,24 @@ def served(tmp_path_factory, smollm2_dir):
         gcs = proc.wait_for(r"^ray: (\S+) ", 300)[1]
         proc.wait_for(r"^serving http://", 300)
         operator_port = int(proc.wait_for(r"^operator: 127\.0\.0\.1:(\d+) ", 1)[1])
+        before = snapshot(proc.proc.pid)
+        # one request: the router then reads the decode worker's output stream (its socket)
+        auth = {"Authorization": f"Bearer {KEYS[0]}"}
+        base = f"http://127.0.0.1:{port}/v1"
+        model = httpx.get(f"{base}/models", headers=auth, timeout=30).json()["data"][0]["id"]
+        done = httpx.post(
+            f"{base}/completions",
+            json={"model": model, "prompt": "Hi", "max_tokens": 2},
+            headers=auth,
+            timeout=120,
+        )
+        assert done.status_code == 200, done.text
         yield {
             "proc": proc,
             "port": port,
             "gcs": gcs,
             "operator_port": operator_port,
+            "before": {(p["pid"], port) for p in before for _, port in p["listening"]},
             "snapshot": snapshot(proc.proc.pid),
         }
     finally:
@@ -179,6 +192,8 @@ def name_socket(proc: dict, port: int, served: dict, ray: dict) -> str | None:
         grpc_port = ray["actors"].get(str(proc["pid"]))
         if grpc_port in (None, port):  # None: an idle worker, no actor yet
             return "ray-worker"
+        if (proc["pid"], port) not in served["before"]:  # opened when the router came to read
+            return "output-stream"
         return "kv-transfer" if argv0 == "ray::DecodeWorker" else None
     return None
 
@@ -204,6 +219,8 @@ def test_every_listening_socket_is_a_documented_kind_on_loopback(served, ray_vie
     assert expected <= set(seen), f"the doc's rows not opened: {sorted(expected - set(seen))}"
     decode_workers = [p for p in served["snapshot"] if p["cmdline"][:1] == ["ray::DecodeWorker"]]
     assert len(seen["kv-transfer"]) == len(decode_workers) == 1, seen["kv-transfer"]
+    # the one router's stream of the one decode worker (the prefill worker streams to nobody)
+    assert [pid for pid, _ in seen["output-stream"]] == [decode_workers[0]["pid"]]
 
 
 def secrets_of(served) -> dict[str, str]:

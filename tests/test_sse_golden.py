@@ -49,7 +49,7 @@ class _Method:
 
 
 class _Stream:
-    """One client's output stream of one worker: an async iterator of awaitable batches."""
+    """One client's output stream of one worker: an async iterator of batches."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[StreamBatch] = asyncio.Queue()
@@ -58,10 +58,7 @@ class _Stream:
         return self
 
     async def __anext__(self):
-        batch = await self.queue.get()
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(batch)
-        return fut
+        return await self.queue.get()
 
 
 class _Job:
@@ -81,8 +78,6 @@ class _Worker:
         self.abort = _Method(self._abort)
         self.health = _Method(lambda: {"step_age_s": 0.0})
         self.stats = _Method(lambda: {"name": name, "free_blocks": 100, "running": 0})
-        self.outputs = _Method(self._outputs)
-        self.outputs.remote = self._outputs  # an iterator, not a future
 
     def _outputs(self, client: str) -> _Stream:
         return self.streams.setdefault(client, _Stream())
@@ -270,6 +265,7 @@ async def _run_cases(tokenizer) -> dict[str, Any]:
     stop_token = cluster.cycle[6]
     backend = ClusterBackend(cluster.membership(), tokenizer=tokenizer, model_name="smollm2")
     cluster.dispatcher = backend.dispatcher
+    backend.dispatcher.open_stream = lambda worker, client: worker.handle._outputs(client)
     driver = asyncio.ensure_future(cluster.drive())
     app = create_app(backend)
     results = {}

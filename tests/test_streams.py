@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.messages import Delta, StreamBatch
-from engine.runtime import _Channel
+from engine.output_stream import Channel
 from engine.sampling_params import SamplingParams
 from router.dispatch import Assembler
 
@@ -26,16 +26,11 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_channel_merges_what_a_slow_reader_missed() -> None:
-    async def scenario():
-        ch = _Channel()
-        ch.put([Delta("a", [1], [{1: -0.1}]), Delta("b", [7])])
-        ch.put([Delta("a", [2], [{2: -0.2}])])
-        ch.put([Delta("a", [3], [{3: -0.3}], finish_reason="length")])
-        assert ch.ready.is_set()
-        deltas, merged = ch.take()
-        return ch, deltas, merged
-
-    ch, deltas, merged = asyncio.run(scenario())
+    ch = Channel()
+    ch.put([Delta("a", [1], [{1: -0.1}]), Delta("b", [7])])
+    ch.put([Delta("a", [2], [{2: -0.2}])])
+    ch.put([Delta("a", [3], [{3: -0.3}], finish_reason="length")])
+    deltas, merged = ch.take()
     assert merged == 2 and ch.coalesced == 2 and not ch.pending
     by_id = {d.request_id: d for d in deltas}
     assert by_id["a"].token_ids == [1, 2, 3] and by_id["a"].finish_reason == "length"
@@ -111,7 +106,7 @@ def tiny_worker(tmp_path, tiny_cfg, request):
 
 def test_a_readers_requests_are_aborted_when_it_goes_away(tiny_worker) -> None:
     w = tiny_worker
-    w.orphan_grace_s = 0.2
+    w.streams.orphan_grace_s = 0.2
 
     async def scenario():
         params = SamplingParams(max_tokens=10_000, ignore_eos=True)
@@ -184,7 +179,7 @@ def test_sse_frames_stay_one_line_under_any_line_splitter() -> None:
 def test_an_idle_stream_sends_heartbeats(tiny_worker) -> None:
     """A reader tells a live worker from a hung one by the empty batches an idle stream sends."""
     w = tiny_worker
-    w.heartbeat_s = 0.05
+    w.streams.heartbeat_s = 0.05
 
     async def scenario():
         stream = w.outputs("router-h")
