@@ -71,6 +71,7 @@ LATENCY_RECENT_S = 30.0
 # The idle engine thread wakes this often while disk writes are in flight, to publish their
 # block events (engine.prefix_index)
 TIER_EVENTS_S = 0.05
+IDLE_TAIL_S = 2.0  # check_idle waits this long for a step in flight after the last request
 SHUTDOWN_JOIN_S = 10.0  # how long shutdown waits for the engine thread's step to end
 
 
@@ -582,20 +583,29 @@ class EngineWorker:
 
     async def check_idle(self) -> str | None:
         """None when idle (free + cached + in-use == total, nothing in use, no request still
-        tracked here); else why not."""
+        tracked here); else why not. A step still in flight after the last request ended
+        (async scheduling queues one ahead; its outputs go nowhere) is waited out, up to
+        ``IDLE_TAIL_S``: the engine thread finishes it on its next turn."""
 
-        def check() -> str | None:
+        def check() -> tuple[str | None, bool]:
             try:
                 self.engine.block_manager.check_invariant(expect_idle=True)
             except AssertionError as exc:
-                return str(exc)
+                return str(exc), False
             if self.engine.has_unfinished_requests():
-                return f"{self.engine.num_unfinished_requests} requests unfinished"
+                tail = self.engine.num_unfinished_requests == 0  # only the step in flight
+                return f"{self.engine.num_unfinished_requests} requests unfinished", tail
             if self.requests:  # ended in the engine, still kept here: a leak
-                return f"{len(self.requests)} requests still tracked: {sorted(self.requests)[:4]}"
-            return None
+                held = sorted(self.requests)[:4]
+                return f"{len(self.requests)} requests still tracked: {held}", False
+            return None, False
 
-        return await self.call(check, control=True)
+        deadline = time.monotonic() + IDLE_TAIL_S
+        while True:
+            why, tail = await self.call(check, control=True)
+            if not tail or time.monotonic() > deadline:
+                return why
+            await asyncio.sleep(0.01)
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self._abort(request_id), control=True)

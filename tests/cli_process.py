@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +16,32 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port(n: int = 1) -> int:
+    """A free port on 127.0.0.1 (with the next ``n - 1`` free too) for a server a test starts,
+    below the kernel's ephemeral range: a port the kernel hands out (bind to 0) may be taken
+    by any outgoing connection or Ray listener before the server binds it (a flake seen in CI:
+    "address already in use")."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low - n)
+        try:
+            for p in range(port, port + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class CliProcess:

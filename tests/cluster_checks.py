@@ -23,14 +23,6 @@ GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a 
 GREEDY_TOKENS = 12
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def skip_without_model() -> None:
     """Skip when SmolLM2 is neither converted nor installed (it is never downloaded here)."""
     import pytest

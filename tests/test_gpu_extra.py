@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster_checks import free_port
+from cli_process import free_port
 
 from cluster.launch.local import ClusterConfig
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_process import CliProcess
+from cli_process import CliProcess, free_port
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -25,14 +25,6 @@ BLOCK = 16
 PROMPT_LEN = 200  # 12 full blocks; one token is always computed, so 192 can be cached
 # 40 blocks of 16 tokens per worker: a third 200-token prompt pushes the first one out
 ENGINE = ["num_kv_blocks=40", "block_size=16", "max_num_seqs=4"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

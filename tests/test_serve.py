@@ -13,14 +13,13 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from cli_process import CliProcess
+from cli_process import CliProcess, free_port
 from openai_checks import check_n_samples, check_tool_calls
 
 openai = pytest.importorskip("openai")
@@ -48,12 +47,6 @@ WORDS = [
     "meadow",
     "signal",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 Proc = CliProcess

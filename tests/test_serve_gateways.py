@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from cli_process import CliProcess
+from cli_process import CliProcess, free_port
 from openai_checks import check_n_samples, check_tool_calls
 
 from cluster.launch.gateways import (
@@ -270,22 +270,6 @@ pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
 
-def free_ports(n: int) -> int:
-    """A port with the next n - 1 free too."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65535:
-            continue
-        try:
-            check_ports_free("127.0.0.1", range(port, port + n))
-        except ValueError:
-            continue
-        return port
-    raise RuntimeError("no free ports")
-
-
 class Serve(CliProcess):
     """A `tandem serve` child and its output. In the foreground its child gateways write to its
     pipe too; with ``--detach`` ``proc`` is the launcher (it exits once the server serves) and
@@ -354,10 +338,10 @@ class Serve(CliProcess):
 def servers(smollm2_dir, tmp_path_factory):
     """Both servers, started side by side (their startup is most of this module's time): one
     gateway per port in the foreground, and all on one port, detached."""
-    split = Serve(smollm2_dir, free_ports(2), "--gateways", "2")
-    port = free_ports(1)
+    split = Serve(smollm2_dir, free_port(2), "--gateways", "2")
+    port = free_port(1)
     while port in (split.port, split.port + 1):
-        port = free_ports(1)
+        port = free_port(1)
     shared = Serve(
         smollm2_dir,
         port,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_process import CliProcess
+from cli_process import CliProcess, free_port
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -28,14 +28,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 120
 PROMPTS = ["The river runs past the mill", "A lantern in the harbor"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
