@@ -12,7 +12,9 @@
 # them) and VLLM_MEMORY_FRACTION (vLLM's --gpu-memory-utilization: on CPU the share of the
 # node's memory it reserves, 0.3 here; its 0.92 default fails beside other processes) can be
 # set. Each run's JSON
-# (vLLM's --save-result) goes to OUTDIR/<system>-<round>.json; a table is printed at the end.
+# (vLLM's --save-result) goes to OUTDIR/<system>-<round>.json; a table is printed at the end, and
+# a plot of each round's req/s (OUTDIR/cpu_vs_vllm.png, with matplotlib). ROUNDS 0 only
+# summarizes the JSON files already in OUTDIR.
 set -uo pipefail
 out="$1"
 rounds="${2:-1}"
@@ -71,4 +73,26 @@ print("| run | req/s | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms |")
 print("|---|---|---|---|---|---|")
 for r in rows:
     print("| %s | %.3f | %.1f | %.0f | %.1f | %.1f |" % r)
+by = {}  # system -> {round: req/s}
+for name, rps, *_ in rows:
+    system, _, rnd = name.rpartition("-")
+    by.setdefault(system, {})[int(rnd)] = rps
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit(0)
+fig, ax = plt.subplots(figsize=(7, 3.5))
+for i, (system, runs) in enumerate(sorted(by.items())):
+    rounds = sorted(runs)
+    ax.bar([r + 0.4 * i - 0.2 for r in rounds], [runs[r] for r in rounds], 0.4, label=system)
+ax.set_xlabel("round (one server at a time, alternating)")
+ax.set_ylabel("req/s")
+ax.set_title("120 ShareGPT requests at once, vLLM's client, this CPU")
+ax.legend(loc="lower center", ncol=2)
+fig.tight_layout()
+fig.savefig(pathlib.Path(sys.argv[1]) / "cpu_vs_vllm.png", dpi=110)
+print("plot:", pathlib.Path(sys.argv[1]) / "cpu_vs_vllm.png")
 PY
