@@ -633,7 +633,7 @@ class MigrationRole(Role):
 
     async def migration_candidates(self) -> list[dict[str, Any]]:
         """Every request streaming from here, with its length and what it may still need."""
-        return await self.worker.call(self.candidates, control=True)
+        return await self.worker.call(self.candidates)
 
     def candidates(self) -> list[dict[str, Any]]:
         """Engine thread: every request here, for drain and rebalance to pick from."""

@@ -32,6 +32,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import MISSING, fields
 from typing import Any
 
 import msgpack
@@ -55,19 +56,11 @@ class StreamError(Exception):
 # -- frames ----------------------------------------------------------------------------------------
 
 
+# every field but the id, with its default: a rich delta sends those that differ
 _DEFAULTS = {
-    "token_ids": [],
-    "logprobs": None,
-    "text": "",
-    "index": 0,
-    "finish_reason": None,
-    "stop_reason": None,
-    "num_cached_tokens": 0,
-    "error": None,
-    "retryable": False,
-    "start": -1,
-    "moved_to": None,
-    "predicted": None,
+    f.name: f.default if f.default is not MISSING else f.default_factory()
+    for f in fields(Delta)
+    if f.name != "request_id"
 }
 
 
@@ -222,13 +215,17 @@ async def read_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tu
 # -- sockets ---------------------------------------------------------------------------------------
 
 
-def configure(sock: socket.socket, keepalive_s: int = 15) -> None:
-    """No Nagle (a frame is small and wanted now); keepalive probes notice a dead host on a
-    quiet stream (the heartbeats notice a dead process)."""
+def configure(sock: socket.socket, keepalive_s: float | None = 15) -> None:
+    """No Nagle (a frame is small and wanted now); keepalive probes after ``keepalive_s`` idle
+    (None: none) notice a dead host on a quiet connection (heartbeats notice a dead process).
+    The KV channels' sockets are set up the same way (kv_transfer/transport.py)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if keepalive_s is None:
+        return
+    idle = int(keepalive_s)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", keepalive_s), ("TCP_KEEPINTVL", max(1, keepalive_s // 3))):
-        if hasattr(socket, name):
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3))):
+        if hasattr(socket, name):  # Linux; other systems keep their own timing
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     if hasattr(socket, "TCP_KEEPCNT"):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
@@ -315,7 +312,7 @@ class OutputStreams:
     client's channel and, when a socket reads it and holds no backlog, writes them at once as
     one frame, in that thread: the common case wakes nothing else. A socket that cannot take a
     whole frame keeps the rest as backlog; the event loop then writes it when the socket drains
-    (``add_writer``), and whatever the engine offers meanwhile waits merged in the channel. The
+    (``_settle``), and whatever the engine offers meanwhile waits merged in the channel. The
     event loop owns the rest: listeners, hellos, heartbeats (an empty batch, with
     ``step_age()``, after ``heartbeat_s`` without a frame), a reader's end, and the reaping of a
     client whose readers are gone for ``orphan_grace_s`` (``on_orphaned(client)``)."""
@@ -361,10 +358,8 @@ class OutputStreams:
             return
         if wake:
             self._call(ch.ready.set)
-        elif sent is False:
-            self._call(self._await_writable, client, ch, sock)
-        elif sent is None:
-            self._call(self._drop, client, ch, sock)
+        elif sent is not True:
+            self._call(self._settle, client, ch, sock, sent)
 
     def _flush(self, ch: Channel, heartbeat: bool = False) -> bool | None:
         """(lock held) Write ``ch``'s backlog, then its pending deltas as one frame (or, with
@@ -459,10 +454,7 @@ class OutputStreams:
             ch.readers += 1
             sent = self._flush(ch, heartbeat=True)  # what waited, or an empty batch: "accepted"
         self.loop.add_reader(sock, self._on_readable, client, ch, sock)
-        if sent is False:
-            self._await_writable(client, ch, sock)
-        elif sent is None:
-            self._drop(client, ch, sock)
+        self._settle(client, ch, sock, sent)
 
     def _on_readable(self, client: str, ch: Channel, sock: socket.socket) -> None:
         """A router sends nothing after its hello: readable means closed (or a protocol
@@ -477,17 +469,21 @@ class OutputStreams:
             logger.warning("%s: client %s sent data on its output stream", self.name, client)
         self._drop(client, ch, sock)
 
-    def _await_writable(self, client: str, ch: Channel, sock: socket.socket) -> None:
-        if ch.sock is sock:
+    def _settle(self, client: str, ch: Channel, sock: socket.socket, sent: bool | None) -> None:
+        """After a ``_flush``: a backlog left (False) is written when the socket drains; a broken
+        socket (None) is dropped."""
+        if sent is False and ch.sock is sock:
             self.loop.add_writer(sock, self._on_writable, client, ch, sock)
+        elif sent is None:
+            self._drop(client, ch, sock)
 
     def _on_writable(self, client: str, ch: Channel, sock: socket.socket) -> None:
         with ch.lock:
             sent = self._flush(ch) if ch.sock is sock else True
         if sent is True:
             self.loop.remove_writer(sock)
-        elif sent is None:
-            self._drop(client, ch, sock)
+        else:
+            self._settle(client, ch, sock, sent)
 
     def _drop(self, client: str, ch: Channel, sock: socket.socket) -> None:
         """A socket reader's end (closed by the router, broken, or replaced)."""
@@ -525,10 +521,7 @@ class OutputStreams:
                     continue
                 with ch.lock:
                     sent = self._flush(ch, heartbeat=True) if ch.sock is sock else True
-                if sent is False:
-                    self._await_writable(client, ch, sock)
-                elif sent is None:
-                    self._drop(client, ch, sock)
+                self._settle(client, ch, sock, sent)
 
     async def iterate(self, client: str) -> AsyncIterator[StreamBatch]:
         """An in-process (or Ray generator) reader of ``client``'s stream: a StreamBatch per

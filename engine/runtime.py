@@ -197,7 +197,6 @@ class EngineWorker:
         self.engine.output_kind = "delta"
         self.engine.on_rank_failure = self._rank_failed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
         # What this worker keeps per request beside the engine (engine thread only).
         self.requests: dict[str, Tracked] = {}
         self.roles: list[Role] = []  # its subclass's, in the order they are asked
@@ -438,13 +437,10 @@ class EngineWorker:
         """Run ``fn`` in the engine thread (from any thread)."""
         self._inbox.put(fn)
 
-    async def call(self, fn: Callable[[], Any], *, control: bool = False) -> Any:
-        """Run ``fn`` in the engine thread and await its result (or exception). Request
-        methods (the actor's default concurrency group) make their loop the one outputs are
-        delivered on; ``control`` methods run on the control group's own loop and do not."""
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the engine thread and await its result (or exception), on the calling
+        event loop (the request group's or the control group's)."""
         loop = asyncio.get_running_loop()
-        if not control:
-            self._loop = loop
         fut = loop.create_future()
 
         def run() -> None:
@@ -463,7 +459,6 @@ class EngineWorker:
     async def stream_endpoint(self, peer_ip: str = "") -> tuple[str, int, str]:
         """(host, port, token) where a router on node ``peer_ip`` reads its output stream
         (engine/output_stream.py: one socket per router, written by the engine thread)."""
-        self._loop = asyncio.get_running_loop()
         own = _ray_node().get("node_ip", "127.0.0.1")
         return await self.streams.endpoint(peer_ip, own)
 
@@ -474,7 +469,6 @@ class EngineWorker:
         them (and a hung engine thread by their ``step_age_s``). Runs until the worker shuts
         down; a client whose readers are all gone for ``streams.orphan_grace_s`` has its
         requests aborted."""
-        self._loop = asyncio.get_running_loop()
         async for batch in self.streams.iterate(client):
             yield batch
 
@@ -527,7 +521,7 @@ class EngineWorker:
         return time.monotonic() - started if started is not None else 0.0
 
     async def stats(self) -> dict[str, Any]:
-        stats = await self.call(self._stats, control=True)
+        stats = await self.call(self._stats)
         channels = list(self.streams.channels.values())
         stats["stream_coalesced_steps"] = sum(ch.coalesced for ch in channels)
         stats["stream_clients"] = len(channels)
@@ -602,13 +596,13 @@ class EngineWorker:
 
         deadline = time.monotonic() + IDLE_TAIL_S
         while True:
-            why, tail = await self.call(check, control=True)
+            why, tail = await self.call(check)
             if not tail or time.monotonic() > deadline:
                 return why
             await asyncio.sleep(0.01)
 
     async def abort(self, request_id: str) -> None:
-        await self.call(lambda: self._abort(request_id), control=True)
+        await self.call(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         """Engine thread: the first role that holds ``request_id`` ends it; none: the engine."""

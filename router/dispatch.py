@@ -13,10 +13,10 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
          Rejected -> RequestError (bad input: no retry)
     3. P's result: PrefillFailed -> D.fail_transfer(rid) (D ends the request retryably)
     4. D's deltas arrive on this router's one stream from D (a socket of D's, a batch per
-       engine step for every request of this router on D: ``worker_stream``); the request's queue takes its
-       own, and the ``Assembler`` makes each batch taken one ``Step`` (router/outputs.py): what
-       each choice gained, its text built here (detokenization and stop strings: off the
-       engine thread); nothing cumulative leaves it
+       engine step for every request of this router on D: ``worker_stream``); the request's
+       queue takes its own, and the ``Assembler`` makes each batch taken one ``Step``
+       (router/outputs.py): what each choice gained, its text built here (detokenization and
+       stop strings: off the engine thread); nothing cumulative leaves it
     5. a retryable failure (transfer failed, worker died, worker silent for ``stall_timeout_s``:
        no delta and no heartbeat, or one engine step older than ``hang_timeout_s``) -> run
        again on other workers. Before any token that is a new attempt, up to

@@ -99,7 +99,7 @@ class FlexWorker(EngineWorker):
             self.switches += old != role
             return {"name": self.name, "from": old, "role": role, "switches": self.switches}
 
-        return await self.call(switch, control=True)
+        return await self.call(switch)
 
     def _stats(self) -> dict[str, Any]:
         return {**super()._stats(), "role_switches": self.switches}

@@ -81,6 +81,7 @@ import numpy as np
 import torch
 
 from engine.attention import host_to_device, slot_array
+from engine.output_stream import configure
 from engine.threads import torch_single_threaded
 from engine.tracing import trace
 
@@ -299,15 +300,7 @@ def read_header(sock: socket.socket, *, idle_ok: bool = False) -> dict:
 
 def configure_socket(sock: socket.socket, limits: KVLimits) -> None:
     """No Nagle, keepalive probes on an idle channel, and ``io_timeout_s`` on every call."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if limits.keepalive_s is not None:
-        idle = int(limits.keepalive_s)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3))):
-            if hasattr(socket, name):  # Linux; other systems keep their own timing
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-        if hasattr(socket, "TCP_KEEPCNT"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    configure(sock, limits.keepalive_s)
     sock.settimeout(limits.io_timeout_s)
 
 
