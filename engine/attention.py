@@ -85,7 +85,10 @@ class AttentionBackend(abc.ABC):
     layer's cache before reading it. Output is ``[num_tokens, num_heads * head_dim]``, written
     into ``out`` when given (a static buffer of the piecewise CUDA graphs). The caches hold q's
     dtype, or fp8 (``torch.float8_e4m3fn``): then k, v are stored as ``k / k_scale`` and
-    ``v / v_scale`` and read back times the scales; other caches ignore the scales."""
+    ``v / v_scale`` and read back times the scales; other caches ignore the scales. The
+    Triton backend also takes ``rope=`` (TritonOps' rotary state) with q and k unrotated and
+    rotates them as it writes the KV (one kernel); the model passes it only to that backend
+    (``LlamaForCausalLM.rope_in_attention``, set by the runner)."""
 
     name: str
 
@@ -265,9 +268,10 @@ class TritonAttentionBackend(AttentionBackend):
         from kernels.extend_attention import extend_attention
         from kernels.kv_cache_write import write_kv_cache
         from kernels.paged_decode_attention import paged_decode_attention
+        from kernels.rotary import apply_rotary_write_kv
 
         self._write, self._decode_kernel = write_kv_cache, paged_decode_attention
-        self._extend = extend_attention
+        self._extend, self._rotary_write = extend_attention, apply_rotary_write_kv
 
     @torch.inference_mode()
     def warm_up(
@@ -278,12 +282,13 @@ class TritonAttentionBackend(AttentionBackend):
         block_size: int,
         dtype: torch.dtype | None = None,
     ):
-        """Launch every variant of the three kernels that serving can meet, once, on dummy rows
+        """Launch every variant of the four kernels that serving can meet, once, on dummy rows
         (nothing is written to the cache: every slot is -1, and extends read no prefix), so
         Triton compiles them now (or loads them from its disk cache) and not in a live step. A
         variant compiled by a live step held that step 1-2 s on an H100; on 2 GPUs both prefill
         workers did so under the first requests, and a resume that landed then waited for it
-        (benchmarks/NOTES.md, the resume stall). Variants: the extend with and without TMA
+        (benchmarks/NOTES.md, the resume stall). Variants: the KV write alone and with the
+        rotary (up to 64 rows and more: other head blocks), the extend with and without TMA
         loads (chunks of 1024 tokens or more use them), the decode in one split (written
         directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits).
         Integer arguments that vary per step (table widths, split counts) are not specialised
@@ -293,11 +298,14 @@ class TritonAttentionBackend(AttentionBackend):
 
         kv_heads, _, head_dim = k_cache.shape
         device, dtype = k_cache.device, dtype or k_cache.dtype
-        for t in (16, 1024):
+        table = torch.zeros(2, head_dim, dtype=torch.float32, device=device)  # cos, sin
+        for t in (16, 1024):  # (the rotary's head blocks change past 64 rows)
             q = torch.zeros(t, num_heads, head_dim, dtype=dtype, device=device)
             k = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
             skip = torch.full((t,), -1, dtype=torch.int64, device=device)
             self._write(k, k, k_cache, v_cache, skip)
+            positions = torch.zeros(t, dtype=torch.int64, device=device)
+            self._rotary_write(q, k, k, positions, table, table, k_cache, v_cache, skip)
             width = -(-t // block_size)
             table = torch.zeros(1, width, dtype=torch.int32, device=device)
             cu = torch.tensor([0, t], dtype=torch.int32, device=device)
@@ -355,8 +363,16 @@ class TritonAttentionBackend(AttentionBackend):
             **fields,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, out=None, k_scale=1.0, v_scale=1.0):
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale, out=None, k_scale=1.0, v_scale=1.0, rope=None
+    ):
+        """``rope``: TritonOps' rotary state (positions, cos, sin) when q and k come unrotated;
+        one kernel rotates them in place and writes the KV."""
+        if rope is not None:
+            slots = meta.slot_mapping
+            self._rotary_write(q, k, v, *rope, k_cache, v_cache, slots, k_scale, v_scale)
+        else:
+            self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         t, num_heads, head_dim = q.shape
         if out is None:
             out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)

@@ -296,7 +296,7 @@ class PiecewiseGraphs:
         """Each kind of piece once at this size, outside capture: Triton compiles and cuBLAS
         sets up here, not in a graph."""
         model, o = self.model, self._o[:t]
-        step = StepContext(model.ops, None, None, None)
+        step = StepContext(model.ops, None, None, None, model.rope_in_attention)
         *_, residual = model.first_piece(step, self._ids[2][:t], self._positions[2][:t])
         if len(model.layers) > 1:
             model.middle_piece(step, 1, o, residual)
@@ -308,7 +308,7 @@ class PiecewiseGraphs:
         allocated until the bucket is captured (``step`` holds the rotary state, ``residual``
         the residual stream); its q, k, v and the hidden states are kept borrowed."""
         model, o, bucket = self.model, self._o[:t], _Bucket()
-        step = StepContext(model.ops, None, None, None)
+        step = StepContext(model.ops, None, None, None, model.rope_in_attention)
 
         def piece(fn, *args):
             graph = torch.cuda.CUDAGraph()
@@ -363,7 +363,11 @@ class PiecewiseGraphs:
         self._copied.record()
         if fill is not None:
             self._ids[2].index_copy_(0, *fill)
-        step = StepContext(self.model.ops, None, meta, self.backend)
+        model = self.model
+        rope = None
+        if model.rope_in_attention:  # the eager attention rotates q, k: the step's positions
+            rope = model.ops.rope_state(model.rotary, self._positions[2][:n], self._o.dtype)
+        step = StepContext(model.ops, rope, meta, self.backend, model.rope_in_attention)
         o = self._o[:n]
         taps: dict[int, torch.Tensor] = {}
         layers = self.model.layers

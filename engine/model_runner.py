@@ -101,6 +101,7 @@ class ModelRunner:
         self.backend: AttentionBackend = select_backend(self.device, self.dtype, self.kv_dtype)
         if self.backend.name == "triton":
             self.model.ops = TritonOps()
+            self.model.rope_in_attention = True  # rotary and the KV write: one kernel a layer
             if self.device.type == "cuda":
                 use_skinny_linears(self.model)
         elif (kernel := native_cpu_kernels(self.device, self.dtype)) is not None:

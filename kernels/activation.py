@@ -19,11 +19,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import start as pdl_start
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -56,7 +62,14 @@ def silu_and_mul(
         return out
     block, num_warps = _config(t, inter)
     _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=num_warps
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=num_warps,
+        **pdl.launch_options(x.device),
     )
     return out
 

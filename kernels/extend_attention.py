@@ -51,7 +51,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales
+from kernels.pdl import start as pdl_start
 
 _LOG2E = math.log2(math.e)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -245,8 +247,9 @@ def _extend_attention_kernel(
     k_scale, v_scale,  # an fp8 cache holds k / k_scale and v / v_scale
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)  # kernels/pdl.py: before any read (and before the early return below)
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest rows of the triangle first
     chunk = tl.program_id(2)
@@ -384,7 +387,7 @@ def _launch(
         GROUP=num_heads // k.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device),
     )  # fmt: skip
     return out
 

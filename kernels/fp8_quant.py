@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import start as pdl_start
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12
@@ -45,7 +48,9 @@ def _quant_rows_kernel(
     MIN_AMAX_: tl.constexpr,
     FP8_MAX_: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX_, FP8_MAX_, BLOCK_K)
@@ -67,7 +72,16 @@ def quantize_per_token(x: torch.Tensor, block_k: int = 1024) -> tuple[torch.Tens
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         _quant_rows_kernel[(m,)](
-            x, q, scale, k, x.stride(0), q.stride(0), MIN_AMAX, FP8_MAX, BLOCK_K=block_k
+            x,
+            q,
+            scale,
+            k,
+            x.stride(0),
+            q.stride(0),
+            MIN_AMAX,
+            FP8_MAX,
+            BLOCK_K=block_k,
+            **pdl.launch_options(x.device),
         )
     return q, scale
 

@@ -19,13 +19,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8_quant
+from kernels import fp8_quant, pdl
 from kernels.fp8_quant import row_scale
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 
 GEMV_MAX_ROWS = 1
 # e4m3's largest value and the smallest amax a row is scaled by (kernels/fp8_quant.py's)
 FP8_MAX: tl.constexpr = tl.constexpr(fp8_quant.FP8_MAX)
 MIN_AMAX: tl.constexpr = tl.constexpr(fp8_quant.MIN_AMAX)
+
+
+@triton.jit
+def _x_tile(x_row, kk, k_mask, x_scale, QUANT_X: tl.constexpr, W_DTYPE: tl.constexpr):
+    """x's values at ``kk`` in fp32; with ``QUANT_X`` the e4m3 values they quantize to."""
+    x = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+    if QUANT_X:
+        x = tl.clamp(x / x_scale, -FP8_MAX, FP8_MAX).to(W_DTYPE).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -46,29 +56,41 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``SCALED``: x and W are e4m3 with a scale per row of x (``xs``) and per row of W
     (``ws``): the sum is scaled and rounded to the output dtype, then the bias added in it
     (kernels/fp8_gemv.py, as ``Fp8Linear`` does after ``_scaled_mm``). Otherwise the bias is
     added to the fp32 sum. ``QUANT_X`` (with ``SCALED``): x comes unquantized and each program
     quantizes it as kernels/fp8_quant.py does (the row's amax first, then each tile), the
-    same e4m3 values and scale, with no kernel of its own."""
+    same e4m3 values and scale, with no kernel of its own.
+
+    ``PDL`` (kernels/pdl.py): the first tile of W is read before waiting for the kernel that
+    writes x, so the weight stream starts while that kernel ends."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    if QUANT_X:
+    if PDL:
+        gdc_launch_dependents()
+        w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        gdc_wait()
+    if QUANT_X:  # noqa: SIM108 (a constexpr branch: Triton compiles only the one taken)
         x_scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX, FP8_MAX, BLOCK_K)
+    else:
+        x_scale = 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        x = _x_tile(x_ptr + m * stride_xm, rk, rk < K, x_scale, QUANT_X, w_ptr.dtype.element_ty)
+        acc += w_first.to(tl.float32) * x[None, :]
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         kk = k0 + rk
         k_mask = kk < K
-        x = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
-        if QUANT_X:
-            x = tl.clamp(x / x_scale, -FP8_MAX, FP8_MAX).to(w_ptr.dtype.element_ty)
-            x = x.to(tl.float32)
+        x = _x_tile(x_ptr + m * stride_xm, kk, k_mask, x_scale, QUANT_X, w_ptr.dtype.element_ty)
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
@@ -110,6 +132,7 @@ def launch_gemv(
         BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl.launch_options(x.device),
     )
 
 

@@ -30,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales, quantize_fp8
+from kernels.pdl import start as pdl_start
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,7 +59,9 @@ def _write_kv_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]
@@ -84,7 +88,7 @@ def write_kv_cache(
     """``k_cache[:, slot_mapping[t]] = k[t]`` (and V) for every row with a slot >= 0, in place.
     Slots must be < num_slots (not checked: that would need a host sync). An fp8 cache gets
     ``k / k_scale`` clamped to +-448; the scales are ignored for other caches."""
-    _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     t, kv_heads, head_dim = k.shape
     if t == 0:
         return
@@ -111,6 +115,7 @@ def write_kv_cache(
         BLOCK_D=block_d,
         FP8=k_cache.dtype == FP8,
         num_warps=_num_warps(block_h * block_d * k.element_size()),
+        **pdl.launch_options(k.device),
     )
 
 
@@ -131,7 +136,7 @@ def _num_warps(row_bytes: int) -> int:
     return max(1, min(8, row_bytes // 512))
 
 
-def _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+def check_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k, v must both be [T, KVH, D], got {tuple(k.shape)}, {tuple(v.shape)}")
     t, kv_heads, head_dim = k.shape

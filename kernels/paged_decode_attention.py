@@ -52,7 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales
+from kernels.pdl import start as pdl_start
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,7 +91,9 @@ def _split_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,  # the cache holds e4m3: upcast each tile to q's dtype
     F16_DOT: tl.constexpr,  # FP8 with a 16-bit q: upcast to fp16 instead (q and P rounded to it)
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -170,7 +174,9 @@ def _reduce_kernel(
     num_splits,
     D: tl.constexpr,
     S_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, S_PAD)
@@ -313,12 +319,13 @@ def _launch(
         G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, F16_DOT=f16_dot,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device),
     )  # fmt: skip
     if not direct:
         _reduce_kernel[(batch, num_heads)](
             ws, out, out.stride(0), out.stride(1), num_heads, num_splits,
             D=head_dim, S_PAD=_next_pow2(num_splits), num_warps=4,
+            **pdl.launch_options(q.device),
         )  # fmt: skip
     return out
 

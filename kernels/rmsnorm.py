@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import start as pdl_start
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # elements a program holds when rows are short: ROWS = _TILE // BLOCK_N
 
@@ -51,7 +54,9 @@ def _rms_norm_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     a, b = rows // inner, rows % inner
     cols = tl.arange(0, BLOCK_N)
@@ -143,6 +148,7 @@ def _launch(x, residual, weight, out, eps) -> None:
         ROWS=rows,
         HAS_RESIDUAL=residual is not None,
         num_warps=num_warps,
+        **pdl.launch_options(x.device),
     )
 
 

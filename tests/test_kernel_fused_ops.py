@@ -19,7 +19,7 @@ from kernels.fp8 import quantize_fp8
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary as apply_rotary_kernel
-from kernels.rotary import apply_rotary_ref
+from kernels.rotary import apply_rotary_ref, apply_rotary_write_kv
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {
@@ -276,6 +276,69 @@ def test_rotary_rejects_odd_head_dim_and_half_tables():
     q = torch.randn(2, 2, 8)
     with pytest.raises(ValueError, match="fp32"):
         apply_rotary_kernel(q, q, torch.tensor([0, 1]), torch.ones(8, 8).half(), torch.ones(8, 8))
+
+
+def check_rotary_write_kv(t, heads, kv_heads, head_dim, dtype, gen, num_slots=48):
+    """The fused kernel stores exactly what rotary then the KV write store, one after the other:
+    q and k rotated in place, k's rotated heads and v in their slots, padding rows (slot -1)
+    writing nothing."""
+    cos, sin = rope_tables(head_dim)
+    qkv, q, k, v = fused_qkv(t, heads, kv_heads, head_dim, dtype, gen, bias_cols=4)
+    positions = torch.randint(0, cos.shape[0], (t,), generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:t]
+    slots[1::4] = -1
+    cache = torch.randn(2, kv_heads, num_slots, head_dim, generator=gen).to(dtype)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    wq, wk, wv = (x.view(t, -1, head_dim) for x in want_qkv[:, : sum(split)].split(split, dim=-1))
+    apply_rotary_kernel(wq, wk, positions, cos, sin)
+    write_kv_cache(wk, wv, want_cache[0], want_cache[1], slots)
+    apply_rotary_write_kv(q, k, v, positions, cos, sin, cache[0], cache[1], slots)
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(cache, want_cache)
+    kept = slots >= 0
+    assert torch.equal(cache[0][:, slots[kept]], k[kept].transpose(0, 1))  # rotated k stored
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (4, 1, 16)])
+def test_rotary_write_kv_equals_rotary_then_write(dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(7 * heads + head_dim)
+    for t in (1, 5, 70):  # 70: the prefill head blocks
+        check_rotary_write_kv(t, heads, kv_heads, head_dim, dtype, gen, num_slots=96)
+
+
+def test_rotary_write_kv_fp8_cache():
+    """An fp8 cache: the rotated k and v stored as value / scale in e4m3, byte for byte what
+    the separate write stores (the inputs rotate to values whose quantization is exact:
+    position 0, where the rotation is the identity)."""
+    gen = torch.Generator().manual_seed(11)
+    t, heads, kv_heads, head_dim, num_slots = 6, 4, 2, 32, 20
+    cos, sin = rope_tables(head_dim)
+    k_scale, v_scale = 0.5, 4.0
+    q = torch.randn(t, heads, head_dim, generator=gen)
+    k = fp8_grid_values((t, kv_heads, head_dim), k_scale, gen)
+    v = fp8_grid_values((t, kv_heads, head_dim), v_scale, gen)
+    positions = torch.zeros(t, dtype=torch.int64)
+    slots = torch.randperm(num_slots, generator=gen)[:t]
+    slots[3] = -1
+    cache = torch.zeros(2, kv_heads, num_slots, head_dim, dtype=torch.float8_e4m3fn)
+    want = cache.clone()
+    wk = k.clone()
+    apply_rotary_kernel(q.clone(), wk, positions, cos, sin)
+    write_kv_cache_ref(wk, v, want[0], want[1], slots, k_scale, v_scale)
+    apply_rotary_write_kv(q, k, v, positions, cos, sin, cache[0], cache[1], slots, k_scale, v_scale)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    assert cache[1].float().abs().max() == 448  # some of v clamped
+
+
+def test_rotary_write_kv_rejects_a_mismatched_cache():
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    cos, sin = rope_tables(16)
+    cache = torch.zeros(2, 2, 8, 32)  # head_dim 32, not 16
+    with pytest.raises(ValueError):
+        apply_rotary_write_kv(q, k, k, torch.tensor([0, 1]), cos, sin, cache[0], cache[1],
+                              torch.tensor([0, 1]))  # fmt: skip
 
 
 # -- SiLU and mul ----------------------------------------------------------------------------

@@ -33,8 +33,12 @@ def tiny_dir(tmp_path_factory):
 def pieces_forward(model, backend, kv_caches, meta, ids, positions, num_real, hook):
     """The piecewise graphs' sequence, run eagerly: pieces over all rows (real + padding),
     attention over the real rows only, into one output buffer."""
-    dense = StepContext(model.ops, None, None, None)
-    attn = StepContext(model.ops, None, meta, backend)
+    fused = model.rope_in_attention  # the Triton backend rotates q, k as it writes the KV
+    dense = StepContext(model.ops, None, None, None, fused)
+    rope = (
+        model.ops.rope_state(model.rotary, positions[:num_real], torch.float32) if fused else None
+    )
+    attn = StepContext(model.ops, rope, meta, backend, fused)
     cfg = model.cfg
     o = torch.zeros(ids.shape[0], cfg.num_heads * cfg.head_dim, dtype=torch.float32)
     n = num_real
@@ -57,6 +61,7 @@ def test_pieces_equal_the_forward(tiny_dir, backend_name, padding, monkeypatch):
     runner = llm.engine.runner
     model, backend = runner.model, runner.backend
     assert model.ops.name == ("triton" if backend_name == "triton" else "torch")
+    assert model.rope_in_attention == (backend_name == "triton")  # one kernel: rotary + KV write
     rng = random.Random(0)
     # Step 1 fills a 20-token prefix of request A; step 2 mixes a decode of B (context 5),
     # A's next chunk of 9 tokens over its cached prefix and a fresh 7-token prompt C.

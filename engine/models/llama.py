@@ -38,6 +38,9 @@ class StepContext:
     rope: object  # the ops' rotary state for this step's positions
     meta: AttentionMetadata | None  # None inside graphed pieces (no attention there)
     backend: AttentionBackend | None
+    # The backend rotates q and k as it writes the KV (one kernel: kernels/rotary.py's
+    # apply_rotary_write_kv), so ``Attention.project`` leaves them unrotated.
+    rope_in_attention: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -134,7 +137,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q, step.ops), self.k_norm(k, step.ops)
-        q, k = step.ops.apply_rotary(q, k, step.rope)
+        if not step.rope_in_attention:
+            q, k = step.ops.apply_rotary(q, k, step.rope)
         return q, k, v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -143,7 +147,9 @@ class Attention(nn.Module):
         return _all_reduce(self.tp, self.o_proj(o))
 
     def attend(self, step: StepContext, q, k, v, kv_cache, out=None) -> torch.Tensor:
-        """Writes k, v into the layer's cache and attends: ``[T, H * D]`` (into ``out``)."""
+        """Writes k, v into the layer's cache and attends: ``[T, H * D]`` (into ``out``);
+        rotates q and k first when ``project`` left that to the backend."""
+        rope = {"rope": step.rope} if step.rope_in_attention else {}
         return step.backend.forward(
             q,
             k,
@@ -155,6 +161,7 @@ class Attention(nn.Module):
             out,
             self.k_scale,
             self.v_scale,
+            **rope,
         )
 
 
@@ -243,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.ops = TorchOps()  # the runner swaps in TritonOps on GPUs
+        # set by the runner where the attention backend rotates q, k as it writes the KV
+        self.rope_in_attention = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -263,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         (queued on the current stream): the prefill worker streams that layer out from there."""
         x = self.embed(input_ids)
         rope = self.ops.rope_state(self.rotary, positions, x.dtype)
-        step = StepContext(self.ops, rope, meta, backend)
+        step = StepContext(self.ops, rope, meta, backend, self.rope_in_attention)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(step, x, residual, kv_cache)

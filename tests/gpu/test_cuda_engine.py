@@ -92,6 +92,41 @@ def test_graphs_cover_every_batch_size_and_match_eager(tiny):
     assert results[0] == results[1]
 
 
+def test_pdl_and_the_fused_rotary_change_no_token(tiny):
+    """Programmatic dependent launch (kernels/pdl.py) reorders nothing a kernel computes, and
+    the rotary fused into the KV write stores the same values: bf16 greedy tokens under graphs
+    are the same with each off, for a batch that shrinks through the graph sizes."""
+    from engine import LLM, SamplingParams
+    from kernels import pdl
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    _, path, _ = tiny
+    rng = random.Random(9)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(1, 90))] for _ in range(11)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)
+    ]
+    results = {}
+    try:
+        for name, on, fused in (("default", None, True), ("no pdl", False, True),
+                                ("unfused", None, False)):  # fmt: skip
+            pdl.force(on)
+            llm = LLM(str(path), dtype="bfloat16", device="cuda", num_kv_blocks=256,
+                      max_num_batched_tokens=64)  # fmt: skip
+            runner = llm.engine.runner
+            assert pdl.enabled(runner.device) == (on is not False)
+            runner.model.rope_in_attention = fused
+            runner.graphs.capture()
+            if runner.piecewise is not None:
+                runner.piecewise.capture()
+            results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            llm.engine.block_manager.check_invariant(expect_idle=True)
+    finally:
+        pdl.force(None)
+    assert results["default"] == results["no pdl"] == results["unfused"]
+
+
 def test_bf16_greedy_picks_transformers_argmax_up_to_rounding(tiny):
     """bf16 reorders sums, so random tiny models (flat logits) part at near-ties; what must hold
     is that every token we pick is transformers' argmax on our own sequence, up to bf16 rounding

@@ -17,7 +17,7 @@ from engine.models.llama import RotaryEmbedding
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.rotary import apply_rotary, apply_rotary_ref
+from kernels.rotary import apply_rotary, apply_rotary_ref, apply_rotary_write_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -98,6 +98,34 @@ def test_rotary(size, t, gen):
     check(q, want_q)
     check(k, want_k)
     assert torch.equal(qkv[:, -tail.shape[1] :], tail)
+
+
+@pytest.mark.parametrize("cache_dtype", [BF16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("t", ROWS)
+def test_rotary_write_kv_equals_rotary_then_write(size, t, cache_dtype, gen):
+    """The fused kernel (one a layer in the engine) stores bit for bit what rotary and then the
+    KV write store: q and k in place, k and v (fp8: quantized with their scales) in their
+    slots, nothing for padding rows."""
+    rotary = RotaryEmbedding(size[4], 16384, RopeConfig(500000.0, "llama3", 8.0, 1.0, 4.0, 8192))
+    rotary.build(torch.device("cuda"))
+    qkv, q, k, v = qkv_views(t, size, gen)
+    positions = torch.randint(0, 16384, (t,), device="cuda", generator=gen)
+    num_slots = 2 * t + 8
+    slots = torch.randperm(num_slots, device="cuda", generator=gen)[:t]
+    slots[::5] = -1
+    cache = torch.randn(2, size[3], num_slots, size[4], device="cuda", generator=gen)
+    cache = cache.to(cache_dtype)
+    scales = (0.05, 0.02) if cache_dtype != BF16 else (1.0, 1.0)
+    want_qkv, want_cache = qkv.clone(), cache.clone()
+    cut = [q.shape[1] * q.shape[2], k.shape[1] * k.shape[2], v.shape[1] * v.shape[2]]
+    wq, wk, wv = (x.view(t, -1, size[4]) for x in want_qkv[:, : sum(cut)].split(cut, dim=-1))
+    apply_rotary(wq, wk, positions, rotary.cos, rotary.sin)
+    write_kv_cache(wk, wv, want_cache[0], want_cache[1], slots, *scales)
+    apply_rotary_write_kv(q, k, v, positions, rotary.cos, rotary.sin, cache[0], cache[1], slots,
+                          *scales)  # fmt: skip
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
 
 
 @pytest.mark.parametrize("size", SIZES)

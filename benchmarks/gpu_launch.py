@@ -1,0 +1,191 @@
+"""The step's launches, on one GPU: programmatic dependent launch and the fused rotary + KV
+write, each on and off (issue 23, item 3; issue 26's FP8 ITL).
+
+Llama-3-8B shape, dummy weights, engine defaults (bf16, or ``--quantization fp8``). The steps
+of benchmarks/gpu_kernels.py, built by hand (disjoint block tables, 512 tokens of context):
+
+    decode-1     one decode (the ITL case: the floor is the weights over the HBM copy rate)
+    decode-256   256 decodes (weights + KV over the copy rate)
+    mixed        the 256 decodes + one 2048-token prefill chunk (piecewise graphs; + the
+                 chunk's matmul FLOPs over the measured bf16 rate)
+
+For each variant the graphs the step uses are captured again (the launch attribute and the
+model's pieces are fixed at capture), then the step is timed under them (median of ``--reps``
+runs of ``ModelRunner.execute``, which ends in the sampler's read-back), in rounds that
+alternate the variants (the host's pace drifts between runs):
+
+    base     every kernel launched after the last one drained, rotary and KV write apart
+    fused    rotary and the KV write in one kernel a layer (kernels/rotary.py)
+    pdl      kernels/pdl.py: each Triton kernel launched while the one before it ends
+    both     the engine's default
+
+    PYTHONPATH=$PWD python benchmarks/gpu_launch.py --out DIR/gpu_launch.json [--quantization fp8]
+
+Prints a table (ms per step, against the floor and against base), writes JSON and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_ceilings import bf16_matmul_flops, hbm_copy_bandwidth  # noqa: E402
+from benchmarks.gpu_engine import log, make_llm  # noqa: E402
+from benchmarks.gpu_kernels import BATCH, CHUNK, CONTEXT, Step  # noqa: E402
+from benchmarks.gpu_step import StepFactory, time_step  # noqa: E402
+
+VARIANTS = {  # name: (PDL, rotary fused into the KV write)
+    "base": (False, False),
+    "fused": (False, True),
+    "pdl": (True, False),
+    "both": (True, True),
+}
+
+
+def set_variant(runner, name: str, steps: list[tuple]) -> float:
+    """Switch ``runner`` to variant ``name`` and capture the graphs the steps use again;
+    returns the capture's seconds."""
+    from kernels import pdl
+
+    on, fused = VARIANTS[name]
+    pdl.force(on)
+    runner.model.rope_in_attention = fused
+    t0 = time.perf_counter()
+    sizes = sorted({len(s) for _, s, _ in steps if all(c.num_tokens == 1 for c in s)})
+    runner.graphs.capture(sizes)
+    pw = runner.piecewise
+    for _, scheduled, _ in steps:
+        n = sum(c.num_tokens for c in scheduled)
+        if pw is not None and any(c.num_tokens > 1 for c in scheduled) and pw.fits(n):
+            t = next(s for s in pw.sizes if s >= n)
+            pw._warm_up(t)
+            pw._buckets[t] = pw._capture_bucket(t)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_launch.json"))
+    ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
+    ap.add_argument("--reps", type=int, default=30, help="timed runs of a step per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the variants")
+    ap.add_argument("--steps", default="decode-1,decode-256,mixed")
+    args = ap.parse_args()
+    from engine.scheduler import SchedulerOutput
+
+    bw, flops = hbm_copy_bandwidth(), bf16_matmul_flops()
+    log(f"HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    llm = make_llm(
+        max_num_seqs=BATCH,
+        max_num_batched_tokens=CHUNK + BATCH,
+        cuda_graph_max_tokens=CHUNK + BATCH,
+        quantization=args.quantization,
+    )
+    runner = llm.engine.runner
+    cfg = runner.model_cfg
+    factory = StepFactory(runner.cfg.block_size, runner.num_kv_blocks)
+    decodes = [factory.chunk(CONTEXT, 1) for _ in range(BATCH)]
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for name, p in runner.model.named_parameters()
+        if "embed_tokens" not in name or cfg.tie_word_embeddings
+    )
+    every = {
+        "decode-1": (decodes[:1], Step(cfg, weight_bytes, 1, CONTEXT, 0)),
+        "decode-256": (decodes, Step(cfg, weight_bytes, BATCH, CONTEXT, 0)),
+        "mixed": (
+            decodes + [factory.chunk(0, CHUNK)],
+            Step(cfg, weight_bytes, BATCH, CONTEXT, CHUNK),
+        ),
+    }
+    steps = [(name, *every[name]) for name in args.steps.split(",")]
+    times: dict[str, dict[str, list[float]]] = {s[0]: {v: [] for v in VARIANTS} for s in steps}
+    capture_s: dict[str, float] = {}
+    for r in range(args.rounds):
+        for variant in VARIANTS:
+            capture_s[variant] = set_variant(runner, variant, steps)
+            for name, scheduled, _ in steps:
+                t = time_step(runner, SchedulerOutput(scheduled=scheduled), args.reps)
+                times[name][variant].append(t)
+            log(
+                f"round {r + 1}/{args.rounds} {variant}: "
+                + ", ".join(f"{n} {times[n][variant][-1] * 1e3:.3f} ms" for n, *_ in steps)
+            )
+    rows = []
+    for name, _, arith in steps:
+        floor = arith.floor(bw, flops)
+        base = min(times[name]["base"])
+        for variant in VARIANTS:
+            best = min(times[name][variant])
+            rows.append(
+                {
+                    "step": name,
+                    "variant": variant,
+                    "ms": best * 1e3,
+                    "rounds_ms": [t * 1e3 for t in times[name][variant]],
+                    "floor_ms": floor * 1e3,
+                    "over_floor": best / floor,
+                    "vs_base": best / base,
+                }
+            )
+    print(f"\n{torch.cuda.get_device_name()}, Llama-3-8B shape, {args.quantization or 'bf16'}")
+    print("| step | variant | ms (best round) | rounds | floor ms | / floor | / base |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        rounds = " ".join(f"{t:.3f}" for t in row["rounds_ms"])
+        print(
+            f"| {row['step']} | {row['variant']} | {row['ms']:.3f} | {rounds} | "
+            f"{row['floor_ms']:.2f} | {row['over_floor']:.3f}x | {row['vs_base']:.3f} |"
+        )
+    result = {
+        "benchmark": "gpu_launch",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name(),
+        "quantization": args.quantization,
+        "hbm_copy_bytes_per_s": bw,
+        "bf16_flops": flops,
+        "weight_bytes_read": weight_bytes,
+        "capture_s": capture_s,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    log(f"wrote {out}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(dict.fromkeys(r["step"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(steps), figsize=(4 * len(steps), 3.2), squeeze=False)
+    for ax, step in zip(axes[0], steps, strict=True):
+        rows = [r for r in result["rows"] if r["step"] == step]
+        ax.bar([r["variant"] for r in rows], [r["over_floor"] for r in rows], color="tab:blue")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{step} ({rows[0]['floor_ms']:.2f} ms floor)")
+        ax.set_ylabel("step / floor")
+        ax.set_ylim(0.9, max(r["over_floor"] for r in rows) * 1.05)
+        for i, r in enumerate(rows):
+            ax.text(i, r["over_floor"], f"{r['ms']:.2f}", ha="center", va="bottom", fontsize=8)
+    q = result["quantization"] or "bf16"
+    fig.suptitle(f"Launch modes, Llama-3-8B shape {q}, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
