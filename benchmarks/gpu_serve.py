@@ -397,6 +397,7 @@ def drive(
     label = label or name
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--base-url", server.url]
     cmd += ["--ignore-eos", "--save-requests", "--label", label, "--out", str(path)]
+    cmd += ["--client", args.client]
     cmd += ["--goodput", *(f"{k}:{v:g}" for k, v in SLOS["chat"].items())]
     cmd += ["--rates", *(bench.format_rate(r) for r in rates)]
     cmd += workload_args(args, workload, num)
@@ -845,6 +846,12 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--bench-timeout", type=float, default=400.0)
     r.add_argument("--inf-only", action="store_true", help="only ShareGPT at inf per phase")
     r.add_argument("--profile", action="store_true", help="CPU per process; py-spy stacks")
+    r.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="serve.py's HTTP client (httpx: the one the runs before 2026-11-28 used)",
+    )
     r.add_argument("--profile-delay", type=float, default=8.0, help="py-spy starts then (s)")
 
 

@@ -15,8 +15,10 @@
 # (benchmarks/gpu_serve.py, a topology's capacity and its SLO attainment at 0.6x..1.3x of it,
 # vLLM-sampled ShareGPT and 2k-8k prompts; goodput-sharegpt / goodput-long: one workload, 2
 # colocated on GPUs 0,1 beside 1P1D on 2,3 of a 4-GPU machine, RATE_SECONDS per rate), served
-# (issue 23: one worker through the gateway against the offline engine; served-gateways: the
-# same and through two gateway processes sharing the port, with CPU per process; 1 GPU),
+# (issue 23: one worker through the gateway against the offline engine; SERVED_PHASES: other
+# gpu_serve.py phases, SERVE_CLIENT=httpx: the client of the runs before 2026-11-28;
+# served-gateways: the same and through two gateway processes sharing the port, with CPU per
+# process; 1 GPU),
 # tests-tp, tp-scaling, pd70 and pd70-side (issue 29: tensor parallelism on 2-8 GPUs; pd70-side
 # runs both 70B topologies at once on 4T GPUs).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
@@ -133,8 +135,8 @@ for s in "$@"; do
             tail -n 12 '$out/$s/two.log' '$out/$s/pd.log'" ;;
     served)
         section served 420 python benchmarks/gpu_serve.py run --model "$model" \
-            --phases offline,one --inf-only --requests-file "$sample" "${dummy[@]}" \
-            --out "$out/served" ;;
+            --phases "${SERVED_PHASES:-offline,one}" --inf-only --requests-file "$sample" \
+            "${dummy[@]}" --client "${SERVE_CLIENT:-raw}" --out "$out/served" ;;
     served-gateways)  # the same, through one gateway and through two sharing the port
         section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \

@@ -415,6 +415,24 @@ def make_client(timeout_s: float) -> Any:
     )
 
 
+def stream_client(kind: str, timeout_s: float, url: str, fallback: Any) -> Any:
+    """The client the streamed requests go through: benchmarks/http_client.py's (``raw``, for
+    ``http://``; httpx's async client spent ~40x its CPU per event, enough to pace a burst)
+    or ``fallback``, an httpx client."""
+    if kind == "raw" and url.startswith("http://"):
+        from benchmarks.http_client import RawStreamClient
+
+        return RawStreamClient(timeout_s)
+    return fallback
+
+
+def client_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def discover_model(client: Any, target: Target) -> str:
     resp = await client.get(f"{target.base_url.rstrip('/')}/v1/models", headers=target.headers())
     resp.raise_for_status()
@@ -638,6 +656,7 @@ TABLE_COLUMNS = [
     ("ok", "completed", "{}"),
     ("failed", "failed", "{}"),
     ("rejected", "rejected", "{}"),
+    ("client cpu", "client_cpu_share", "{:.0%}"),
 ]
 
 
@@ -750,6 +769,12 @@ def add_target_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--api-key", default=None, help="sent as a Bearer token")
     ap.add_argument("--ignore-eos", action="store_true", help='send vLLM\'s "ignore_eos": true')
     ap.add_argument("--timeout", type=float, default=3600.0, help="per request (s)")
+    ap.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="HTTP client of the streamed requests: benchmarks/http_client.py, or httpx",
+    )
     ap.add_argument("--warmup", type=int, default=1, help="uncounted requests first (0: none)")
 
 
@@ -813,13 +838,19 @@ async def run_sweep(args: argparse.Namespace, requests: list[Request]) -> dict[s
     async with make_client(args.timeout) as client:
         if target.model is None:
             target = replace(target, model=await discover_model(client, target))
+        streams = stream_client(args.client, args.timeout, target.url, client)
         for _ in range(args.warmup):
-            await warm_up(client, target, requests[0])
+            await warm_up(streams, target, requests[0])
         for rate in args.rates:
+            cpu0, wall0 = client_cpu_s(), time.perf_counter()
             records = await run_rate(
-                client, target, requests, rate, args.seed, args.max_concurrency
+                streams, target, requests, rate, args.seed, args.max_concurrency
             )
-            results.append(rate_result(rate, records, slos, args.save_requests))
+            result = rate_result(rate, records, slos, args.save_requests)
+            # The client's own CPU over the run: near 100 % of a core, it sets the pace.
+            result["client_cpu_s"] = client_cpu_s() - cpu0
+            result["client_cpu_share"] = result["client_cpu_s"] / (time.perf_counter() - wall0)
+            results.append(result)
     skip = ("out", "plot", "label", "append", "api_key")  # the key is never written out
     config = {k: v for k, v in vars(args).items() if k not in skip}
     return jsonable(

@@ -298,14 +298,14 @@ class TritonAttentionBackend(AttentionBackend):
 
         kv_heads, _, head_dim = k_cache.shape
         device, dtype = k_cache.device, dtype or k_cache.dtype
-        table = torch.zeros(2, head_dim, dtype=torch.float32, device=device)  # cos, sin
+        cos_sin = torch.zeros(2, head_dim, dtype=torch.float32, device=device)
         for t in (16, 1024):  # (the rotary's head blocks change past 64 rows)
             q = torch.zeros(t, num_heads, head_dim, dtype=dtype, device=device)
             k = torch.zeros(t, kv_heads, head_dim, dtype=dtype, device=device)
             skip = torch.full((t,), -1, dtype=torch.int64, device=device)
             self._write(k, k, k_cache, v_cache, skip)
             positions = torch.zeros(t, dtype=torch.int64, device=device)
-            self._rotary_write(q, k, k, positions, table, table, k_cache, v_cache, skip)
+            self._rotary_write(q, k, k, positions, cos_sin, cos_sin, k_cache, v_cache, skip)
             width = -(-t // block_size)
             table = torch.zeros(1, width, dtype=torch.int32, device=device)
             cu = torch.tensor([0, t], dtype=torch.int32, device=device)

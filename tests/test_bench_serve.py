@@ -267,13 +267,14 @@ def _run(argv: list[str]) -> dict:
     return asyncio.run(asyncio.wait_for(serve.async_main(argv), timeout=30))
 
 
-def test_end_to_end_sweep(fake_server, tmp_path, capsys):
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_end_to_end_sweep(fake_server, tmp_path, capsys, client):
     base, bodies = fake_server
     out = tmp_path / "serve.json"
     argv = (
         f"--base-url {base} --out {out} --label fake --workload random --num-prompts 12 "
         "--input-len 8 --output-len 6 --range-ratio 0.5 --seed 1 --rates inf 40 --ignore-eos "
-        "--warmup 0 --timeout 10 --goodput ttft:5000"
+        f"--warmup 0 --timeout 10 --goodput ttft:5000 --client {client}"
     ).split()
     requests = serve.build_requests(serve.parse_args(argv))
     rejected = sum(r.output_len % 2 for r in requests)
@@ -297,6 +298,7 @@ def test_end_to_end_sweep(fake_server, tmp_path, capsys):
         # measured per chunk (a value, not None); how large depends on when the client's reads
         # ran, which a busy 2-core machine coalesces; the arithmetic is checked by test_metrics_latency_stats
         assert res["median_itl_ms"] is not None and res["median_itl_ms"] > 0
+        assert res["client_cpu_s"] > 0 and 0 < res["client_cpu_share"] <= 1.5
     # the Poisson run cannot end before its last seeded send
     assert entry["results"][1]["duration"] >= serve.arrival_times(12, 40.0, seed=1)[-1]
 
@@ -423,3 +425,59 @@ def test_steady_capacity_is_the_middle_token_rate_over_a_requests_output() -> No
     tokens = 8 * 100 * 2 / 8 + 100 * 12 / 24  # the 8 between 6 and 8 s; the straggler's share
     assert steady_capacity({"requests": recs}) == pytest.approx(tokens / 12 / 100)
     assert steady_capacity({"requests": []}) is None
+
+
+# ------------------------------------------------------------------------ the raw HTTP client
+
+
+def test_raw_client_decodes_chunks_split_anywhere_and_refuses_bad_heads():
+    """Chunked bodies whose size lines and payloads straddle the reads, a sized body, a body
+    up to EOF; a bad status line or a truncated chunk raises HTTPError."""
+    from benchmarks.http_client import HTTPError, RawStreamClient
+
+    payloads = [b"data: a\n\n", b"x" * 70000, b"data: \xe2\x80\xa8b\n\n"]
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in payloads) + b"0\r\n\r\n"
+    replies = {
+        "/chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n" + chunked,
+        "/sized": b"HTTP/1.1 429 Too Many\r\ncontent-length: 5\r\n\r\nbusy!extra",
+        "/eof": b"HTTP/1.1 200 OK\r\n\r\nuntil the end",
+        "/bad": b"HTTX/9 nope\r\n\r\n",
+        "/cut": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\nshort",
+    }
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        path = head.split(b" ")[1].decode()
+        reply = replies[path]
+        for i in range(0, len(reply), 7):  # tiny writes: every boundary falls somewhere
+            writer.write(reply[i : i + 7])
+            await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RawStreamClient(10)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with client.stream("POST", url + "/chunked", json={"a": 1}) as resp:
+                assert resp.status_code == 200 and resp.headers["x-a"] == "1"
+                assert await resp.aread() == b"".join(payloads)
+            async with client.stream("GET", url + "/sized") as resp:
+                assert resp.status_code == 429 and await resp.aread() == b"busy!"
+            async with client.stream("GET", url + "/eof") as resp:
+                assert await resp.aread() == b"until the end"
+            with pytest.raises(HTTPError, match="status line"):
+                async with client.stream("GET", url + "/bad"):
+                    pass
+            with pytest.raises(HTTPError, match="inside a chunk"):
+                async with client.stream("GET", url + "/cut") as resp:
+                    await resp.aread()
+            with pytest.raises(ValueError, match="http://"):
+                async with client.stream("GET", "https://example.com/"):
+                    pass
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=20))
