@@ -55,12 +55,16 @@ class Handle:
         self.delay_s = 0.0  # how long each call takes to answer
         self.calls: list[tuple[str, tuple]] = []
         self.reserve = Method(self, "reserve", lambda *a, **k: Reserved(f"ep-{name}"))
-        self.generate = Method(self, "generate", lambda *a, **k: None)
+        self.generate_many = Method(self, "generate_many", self._start_all)
         self.prefill = Method(self, "prefill", lambda *a, **k: "prefilled")
         self.release = Method(self, "release", lambda *a: None)
         self.abort = Method(self, "abort", lambda *a: None)
         self.fail_transfer = Method(self, "fail_transfer", lambda *a: None)
         self.outputs = _Silent()
+
+    def _start_all(self, items, client):
+        """Bad input (an empty prompt) is refused; everything else queued."""
+        return [("invalid", "prompt is empty") if not ids else None for _, ids, *_ in items]
 
     def called(self, method: str) -> list:
         """The request id of each call of ``method`` (its first argument)."""
@@ -169,3 +173,60 @@ def test_a_prefill_on_a_hung_prefill_worker_fails_the_transfer() -> None:
     ((_, args),) = [c for c in d.handle.calls if c[0] == "fail_transfer"]
     assert args == ("r", "prefill worker prefill-0 is unresponsive")
     assert "prefilled" in timeline
+
+
+def test_colocated_starts_of_a_burst_share_actor_calls() -> None:
+    """40 starts at once on one worker make one call the first loop turn and batch the rest,
+    each start answered on its own: a bad prompt is a RequestError for that request alone."""
+    from router.errors import RequestError
+
+    view = _view(("worker-0", "colocated", False))
+    w = view.get("worker-0")
+    w.handle.delay_s = 0.02
+    dispatcher = _dispatcher(view)
+
+    async def one(i: int):
+        ids = [] if i == 7 else [1, 2, i]
+        try:
+            await dispatcher._start_colocated(f"r{i}", ids, SamplingParams(), {}, w)
+        except RequestError as exc:
+            return str(exc)
+        return None
+
+    async def scenario():
+        first = await asyncio.gather(*(one(i) for i in range(30)))
+        more = [asyncio.ensure_future(one(i)) for i in range(30, 40)]
+        answers = first + list(await asyncio.gather(*more))
+        await dispatcher.aclose()
+        return answers
+
+    answers = _run(scenario())
+    assert answers[7] == "prompt is empty" and answers.count(None) == 39
+    calls = [args for name, args in w.handle.calls if name == "generate_many"]
+    assert len(calls) == 2  # 30 together, then 10 together
+    assert [len(items) for items, _ in calls] == [30, 10]
+    assert [rid for items, _ in calls for rid, *_ in items] == [f"r{i}" for i in range(40)]
+
+
+def test_a_batched_start_on_a_worker_that_dies_fails_each_retryably() -> None:
+    view = _view(("worker-0", "colocated", False))
+    w = view.get("worker-0")
+
+    def dead(items, client):
+        raise RuntimeError("actor died")
+
+    w.handle.generate_many = Method(w.handle, "generate_many", dead)
+    dispatcher = _dispatcher(view)
+
+    async def one(i: int):
+        with pytest.raises(_Retry) as info:
+            await dispatcher._start_colocated(f"r{i}", [1], SamplingParams(), {}, w)
+        return info.value.reason
+
+    async def scenario():
+        reasons = await asyncio.gather(*(one(i) for i in range(5)))
+        await dispatcher.aclose()
+        return reasons
+
+    assert _run(scenario()) == ["worker_died"] * 5
+    assert len([c for c in w.handle.calls if c[0] == "generate_many"]) == 1
