@@ -74,7 +74,7 @@ class _Worker:
     def __init__(self, cluster: FakeCluster, name: str) -> None:
         self.cluster, self.name = cluster, name
         self.streams: dict[str, _Stream] = {}
-        self.generate = _Method(self._generate)
+        self.generate_many = _Method(self._generate_many)
         self.abort = _Method(self._abort)
         self.health = _Method(lambda: {"step_age_s": 0.0})
         self.stats = _Method(lambda: {"name": name, "free_blocks": 100, "running": 0})
@@ -82,8 +82,11 @@ class _Worker:
     def _outputs(self, client: str) -> _Stream:
         return self.streams.setdefault(client, _Stream())
 
-    def _generate(self, irid, ids, params, client, output_token_ids=None, **_):
-        self.cluster.jobs.append(_Job(self, irid, params, client, list(output_token_ids or ())))
+    def _generate_many(self, items, client):
+        for irid, _ids, params, kwargs in items:
+            carried = list(kwargs.get("output_token_ids") or ())
+            self.cluster.jobs.append(_Job(self, irid, params, client, carried))
+        return [None] * len(items)
 
     def _abort(self, irid):
         self.cluster.jobs = [j for j in self.cluster.jobs if j.irid != irid]
