@@ -44,7 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.chaos import GatewayThread  # noqa: E402
-from benchmarks.serve import Progress, Request, Target, make_client, send_request  # noqa: E402
+from benchmarks.serve import (  # noqa: E402
+    Progress,
+    Request,
+    Target,
+    make_client,
+    send_request,
+    stream_client,
+)
 
 
 def log(msg: str) -> None:
@@ -137,12 +144,13 @@ async def drive(gateway, requests, offsets, t0: float) -> list:
     target = Target(gateway.url, "tandem", ignore_eos=True)
     progress = Progress(len(requests), "load step")
     async with make_client(600.0) as client:
+        streams = stream_client("raw", 600.0, target.url, client)  # (httpx paced bursts)
 
         async def one(req, offset):
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            rec = await send_request(client, target, req, t0)
+            rec = await send_request(streams, target, req, t0)
             progress.update(rec)
             return rec
 

@@ -40,6 +40,7 @@ from benchmarks.serve import (  # noqa: E402
     compute_metrics,
     make_client,
     run_rate,
+    stream_client,
 )
 from benchmarks.workloads import read_lengths, sharegpt_lengths  # noqa: E402
 
@@ -130,7 +131,8 @@ async def one_run(gateway, requests, args) -> tuple[list, float, dict]:
     async with make_client(600.0) as client:
         before = await gateway_histograms(client, gateway.url)
         t0 = time.perf_counter()
-        records = await run_rate(client, target, requests, args.rate, seed=args.seed)
+        streams = stream_client("raw", 600.0, target.url, client)  # (httpx paced bursts)
+        records = await run_rate(streams, target, requests, args.rate, seed=args.seed)
         seconds = time.perf_counter() - t0
         after = await gateway_histograms(client, gateway.url)
     hist = {}

@@ -74,6 +74,7 @@ from benchmarks.serve import (  # noqa: E402
     compute_metrics,
     make_client,
     run_rate,
+    stream_client,
 )
 from benchmarks.workloads import sharegpt_prompts  # noqa: E402
 
@@ -123,7 +124,8 @@ def through_gateway(
         async with make_client(1800.0) as client:
             t0 = time.perf_counter()
             tgt = replace(target, base_url=gw.url)
-            records = await run_rate(client, tgt, requests, rate, seed, max_concurrency=limit)
+            streams = stream_client("raw", 1800.0, tgt.url, client)  # (httpx paced bursts)
+            records = await run_rate(streams, tgt, requests, rate, seed, max_concurrency=limit)
             return records, time.perf_counter() - t0
 
     try:
