@@ -65,9 +65,7 @@ def set_variant(runner, name: str, steps: list[tuple]) -> float:
     for _, scheduled, _ in steps:
         n = sum(c.num_tokens for c in scheduled)
         if pw is not None and any(c.num_tokens > 1 for c in scheduled) and pw.fits(n):
-            t = next(s for s in pw.sizes if s >= n)
-            pw._warm_up(t)
-            pw._buckets[t] = pw._capture_bucket(t)
+            pw.capture([next(s for s in pw.sizes if s >= n)])
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

@@ -271,21 +271,23 @@ class PiecewiseGraphs:
     # -- capture ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture every bucket (or only ``sizes``, e.g. again after a kernel switch)."""
         t0 = time.perf_counter()
         device = self.kv_caches[0].device
         used = device_memory_in_use(device)
-        for t in sorted(self.sizes, reverse=True):  # largest first, as the decode graphs
+        sizes = sorted(sizes or self.sizes, reverse=True)  # largest first, as the decode graphs
+        for t in sizes:
             self._warm_up(t)
             self._buckets[t] = self._capture_bucket(t)
         self.capture_s = time.perf_counter() - t0
         self.memory_bytes = device_memory_in_use(device) - used
-        num = sum(len(b.graphs) for b in self._buckets.values())
+        num = sum(len(self._buckets[t].graphs) for t in sizes)
         logger.info(
             "captured %d piecewise graphs (%d token buckets 16..%d, %d pieces each) in %.1f s, "
             "%.0f MiB",
             num,
-            len(self.sizes),
+            len(sizes),
             self.max_tokens,
             len(self.model.layers) + 1,
             self.capture_s,

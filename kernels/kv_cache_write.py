@@ -38,6 +38,16 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def to_cache(x, scale, CACHE_DTYPE: tl.constexpr, FP8: tl.constexpr):
+    """Values of the model's dtype as a cache of ``CACHE_DTYPE`` stores them: an fp8 cache
+    ``x / scale`` clamped to +-448 (the rule above), any other ``x`` as it is. Also
+    kernels/rotary.py's, which writes the KV from its own kernel."""
+    if FP8:
+        return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(CACHE_DTYPE)
+    return x.to(CACHE_DTYPE)
+
+
+@triton.jit
 def _write_kv_cache_kernel(
     k_ptr,
     v_ptr,
@@ -69,9 +79,8 @@ def _write_kv_cache_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (slot >= 0)
     k = tl.load(k_ptr + t * k_stride_t + h * k_stride_h + d, mask=mask)
     v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
-    if FP8:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0).to(k_cache_ptr.dtype.element_ty)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0).to(v_cache_ptr.dtype.element_ty)
+    k = to_cache(k, k_scale, k_cache_ptr.dtype.element_ty, FP8)
+    v = to_cache(v, v_scale, v_cache_ptr.dtype.element_ty, FP8)
     tl.store(k_cache_ptr + h * kc_stride_h + slot * kc_stride_s + d, k, mask=mask)
     tl.store(v_cache_ptr + h * vc_stride_h + slot * vc_stride_s + d, v, mask=mask)
 

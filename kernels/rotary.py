@@ -34,18 +34,10 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8 import FP8
-from kernels.kv_cache_write import check_cache
+from kernels.kv_cache_write import check_cache, to_cache
 from kernels.pdl import start as pdl_start
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _to_cache(x, scale, CACHE_DTYPE: tl.constexpr, FP8: tl.constexpr):
-    """Values of the model's dtype as the cache stores them (kernels/kv_cache_write.py's rule)."""
-    if FP8:
-        return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(CACHE_DTYPE)
-    return x.to(CACHE_DTYPE)
 
 
 @triton.jit
@@ -80,8 +72,8 @@ def _rotate_heads(
     if CACHE:
         c1 = c_ptr + h.to(tl.int64)[:, None] * c_head_stride + cols[None, :]
         c_dtype: tl.constexpr = c_ptr.dtype.element_ty
-        tl.store(c1, _to_cache(o1, c_scale, c_dtype, FP8), mask=mask & c_ok)
-        tl.store(c1 + HALF, _to_cache(o2, c_scale, c_dtype, FP8), mask=mask & c_ok)
+        tl.store(c1, to_cache(o1, c_scale, c_dtype, FP8), mask=mask & c_ok)
+        tl.store(c1 + HALF, to_cache(o2, c_scale, c_dtype, FP8), mask=mask & c_ok)
 
 
 @triton.jit
@@ -106,8 +98,8 @@ def _copy_heads(
     p1 = x_ptr + h.to(tl.int64)[:, None] * head_stride + cols[None, :]
     c1 = c_ptr + h.to(tl.int64)[:, None] * c_head_stride + cols[None, :]
     c_dtype: tl.constexpr = c_ptr.dtype.element_ty
-    tl.store(c1, _to_cache(tl.load(p1, mask=mask), c_scale, c_dtype, FP8), mask=mask)
-    tl.store(c1 + HALF, _to_cache(tl.load(p1 + HALF, mask=mask), c_scale, c_dtype, FP8), mask=mask)
+    tl.store(c1, to_cache(tl.load(p1, mask=mask), c_scale, c_dtype, FP8), mask=mask)
+    tl.store(c1 + HALF, to_cache(tl.load(p1 + HALF, mask=mask), c_scale, c_dtype, FP8), mask=mask)
 
 
 @triton.jit

@@ -690,7 +690,6 @@ class _Starts:
         self.dispatcher, self.worker = dispatcher, worker
         self.pending: list[tuple[tuple, asyncio.Future]] = []
         self.task: asyncio.Task | None = None
-        self.calls = 0  # actor calls made (tests, metrics)
 
     def start(self, item: tuple) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
@@ -706,7 +705,6 @@ class _Starts:
             batch = [(item, f) for item, f in batch if not f.done()]  # (callers cancelled)
             if not batch:
                 continue
-            self.calls += 1
             try:
                 call = worker.handle.generate_many.remote(
                     [item for item, _ in batch], dispatcher.client_id
