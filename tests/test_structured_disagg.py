@@ -36,9 +36,11 @@ VOCAB = 49152
 ENGINE = {"max_num_batched_tokens": 32, "num_kv_blocks": 96, "block_size": 4, "max_num_seqs": 4}
 MIGRATION = {"last_stage_blocks": 2, "headroom_blocks": 1, "chunk_tokens": 8, "timeout_s": 5}
 WORDS = ["alpha", "beta", "gamma"]
-SCHEMA = {"type": "array", "items": {"enum": WORDS}, "minItems": 8, "maxItems": 8}
+# 16 items (~50 tokens): the migration test moves the answer at its 5th and 14th token, and the
+# second move must find it still running (with 8 items it could finish first).
+SCHEMA = {"type": "array", "items": {"enum": WORDS}, "minItems": 16, "maxItems": 16}
 PARAMS = SamplingParams(
-    temperature=0.0, max_tokens=80, structured=StructuredSpec.json_schema(SCHEMA)
+    temperature=0.0, max_tokens=160, structured=StructuredSpec.json_schema(SCHEMA)
 )
 
 
@@ -79,12 +81,13 @@ def expected(colocated, prompt):
     out = colocated.generate([prompt], PARAMS)[0].outputs[0]
     assert out.finish_reason == "stop"
     check(out.text)
+    assert len(out.token_ids) >= 30, out.token_ids  # room after the second move (at 14)
     return out.token_ids
 
 
 def check(text: str) -> None:
     value = json.loads(text)
-    assert len(value) == 8 and set(value) <= set(WORDS), text
+    assert len(value) == 16 and set(value) <= set(WORDS), text
 
 
 def text_of(llm, tokens: list[int]) -> str:
