@@ -1,5 +1,5 @@
-"""The step's launches, on one GPU: programmatic dependent launch and the fused rotary + KV
-write, each on and off (issue 23, item 3; issue 26's FP8 ITL).
+"""The step's launches and small kernels, on one GPU, each generation of them on and off
+(issue 23, item 3; issue 26's FP8 ITL).
 
 Llama-3-8B shape, dummy weights, engine defaults (bf16, or ``--quantization fp8``). The steps
 of benchmarks/gpu_kernels.py, built by hand (disjoint block tables, 512 tokens of context):
@@ -10,14 +10,22 @@ of benchmarks/gpu_kernels.py, built by hand (disjoint block tables, 512 tokens o
                  chunk's matmul FLOPs over the measured bf16 rate)
 
 For each variant the graphs the step uses are captured again (the launch attribute and the
-model's pieces are fixed at capture), then the step is timed under them (median of ``--reps``
-runs of ``ModelRunner.execute``, which ends in the sampler's read-back), in rounds that
+model's pieces are fixed at capture), then the step is timed under them two ways, in rounds that
 alternate the variants (the host's pace drifts between runs):
 
-    base     every kernel launched after the last one drained, rotary and KV write apart
-    fused    rotary and the KV write in one kernel a layer (kernels/rotary.py)
-    pdl      kernels/pdl.py: each Triton kernel launched while the one before it ends
-    both     the engine's default
+    serial     median of ``--reps`` runs of ``ModelRunner.execute`` (inputs, forward, the
+               sampler's read-back; nothing overlaps)
+    pipelined  ``--reps`` steps as the engine runs them (async scheduling: step N+1 launched
+               before N's tokens are read), wall time per step: the step's period in serving
+
+Variants, each adding to the one before:
+
+    base     every kernel launched after the last one drained, rotary and KV write apart,
+             float32 logits, torch's argmax, SiLU-and-mul a kernel of its own
+    pdl      kernels/pdl.py (each Triton kernel launched while the one before it ends) and
+             rotary fused into the KV write (kernels/rotary.py): the last stop's default
+    small    logits left in bf16 (no float32 copy), greedy's argmax in kernels/argmax.py, the
+             batch-1 gate/up GEMV with SiLU-and-mul in its epilogue: the engine's default
 
     PYTHONPATH=$PWD python benchmarks/gpu_launch.py --out DIR/gpu_launch.json [--quantization fp8]
 
@@ -40,24 +48,31 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_ceilings import bf16_matmul_flops, hbm_copy_bandwidth  # noqa: E402
 from benchmarks.gpu_engine import log, make_llm  # noqa: E402
 from benchmarks.gpu_kernels import BATCH, CHUNK, CONTEXT, Step  # noqa: E402
-from benchmarks.gpu_step import StepFactory, time_step  # noqa: E402
+from benchmarks.gpu_step import StepFactory, time_step, time_step_pipelined  # noqa: E402
 
-VARIANTS = {  # name: (PDL, rotary fused into the KV write)
+VARIANTS = {  # name: (PDL and the fused rotary, the small-kernel changes)
     "base": (False, False),
-    "fused": (False, True),
     "pdl": (True, False),
-    "both": (True, True),
+    "small": (True, True),
 }
+MODES = ("serial", "pipelined")
 
 
 def set_variant(runner, name: str, steps: list[tuple]) -> float:
     """Switch ``runner`` to variant ``name`` and capture the graphs the steps use again;
     returns the capture's seconds."""
+    from engine import sampler
+    from engine.models.llama import LlamaForCausalLM
+    from engine.ops import SkinnyLinear
+    from engine.quant import Fp8Linear
     from kernels import pdl
 
-    on, fused = VARIANTS[name]
-    pdl.force(on)
-    runner.model.rope_in_attention = fused
+    launch, small = VARIANTS[name]
+    pdl.force(launch)
+    runner.model.rope_in_attention = launch
+    LlamaForCausalLM.float_logits = not small
+    sampler.GREEDY_KERNEL = small
+    SkinnyLinear.fuse_activation = Fp8Linear.fuse_activation = small
     t0 = time.perf_counter()
     sizes = sorted({len(s) for _, s, _ in steps if all(c.num_tokens == 1 for c in s)})
     runner.graphs.capture(sizes)
@@ -77,6 +92,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="timed runs of a step per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the variants")
     ap.add_argument("--steps", default="decode-1,decode-256,mixed")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS)
+    )
     args = ap.parse_args()
     from engine.scheduler import SchedulerOutput
 
@@ -106,43 +124,54 @@ def main() -> None:
         ),
     }
     steps = [(name, *every[name]) for name in args.steps.split(",")]
-    times: dict[str, dict[str, list[float]]] = {s[0]: {v: [] for v in VARIANTS} for s in steps}
+    variants = [v for v in args.variants.split(",") if v]
+    times = {(s[0], m): {v: [] for v in variants} for s in steps for m in MODES}
     capture_s: dict[str, float] = {}
     for r in range(args.rounds):
-        for variant in VARIANTS:
+        for variant in variants:
             capture_s[variant] = set_variant(runner, variant, steps)
             for name, scheduled, _ in steps:
-                t = time_step(runner, SchedulerOutput(scheduled=scheduled), args.reps)
-                times[name][variant].append(t)
+                out = SchedulerOutput(scheduled=scheduled)
+                times[name, "serial"][variant].append(time_step(runner, out, args.reps))
+                times[name, "pipelined"][variant].append(
+                    time_step_pipelined(runner, out, args.reps)
+                )
             log(
                 f"round {r + 1}/{args.rounds} {variant}: "
-                + ", ".join(f"{n} {times[n][variant][-1] * 1e3:.3f} ms" for n, *_ in steps)
+                + ", ".join(
+                    f"{n} {times[n, 'serial'][variant][-1] * 1e3:.3f} / "
+                    f"{times[n, 'pipelined'][variant][-1] * 1e3:.3f} ms"
+                    for n, *_ in steps
+                )
             )
+    set_variant(runner, "small", [])  # (the defaults back)
     rows = []
     for name, _, arith in steps:
         floor = arith.floor(bw, flops)
-        base = min(times[name]["base"])
-        for variant in VARIANTS:
-            best = min(times[name][variant])
-            rows.append(
-                {
-                    "step": name,
-                    "variant": variant,
-                    "ms": best * 1e3,
-                    "rounds_ms": [t * 1e3 for t in times[name][variant]],
-                    "floor_ms": floor * 1e3,
-                    "over_floor": best / floor,
-                    "vs_base": best / base,
-                }
-            )
+        for mode in MODES:
+            base = min(times[name, mode][variants[0]])
+            for variant in variants:
+                best = min(times[name, mode][variant])
+                rows.append(
+                    {
+                        "step": name,
+                        "mode": mode,
+                        "variant": variant,
+                        "ms": best * 1e3,
+                        "rounds_ms": [t * 1e3 for t in times[name, mode][variant]],
+                        "floor_ms": floor * 1e3,
+                        "over_floor": best / floor,
+                        "vs_first": best / base,
+                    }
+                )
     print(f"\n{torch.cuda.get_device_name()}, Llama-3-8B shape, {args.quantization or 'bf16'}")
-    print("| step | variant | ms (best round) | rounds | floor ms | / floor | / base |")
-    print("|---|---|---|---|---|---|---|")
+    print("| step | timed | variant | ms (best round) | rounds | floor ms | / floor | / first |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         rounds = " ".join(f"{t:.3f}" for t in row["rounds_ms"])
         print(
-            f"| {row['step']} | {row['variant']} | {row['ms']:.3f} | {rounds} | "
-            f"{row['floor_ms']:.2f} | {row['over_floor']:.3f}x | {row['vs_base']:.3f} |"
+            f"| {row['step']} | {row['mode']} | {row['variant']} | {row['ms']:.3f} | {rounds} | "
+            f"{row['floor_ms']:.2f} | {row['over_floor']:.3f}x | {row['vs_first']:.3f} |"
         )
     result = {
         "benchmark": "gpu_launch",
@@ -169,10 +198,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = list(dict.fromkeys(r["step"] for r in result["rows"]))
-    fig, axes = plt.subplots(1, len(steps), figsize=(4 * len(steps), 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(steps), figsize=(4.5 * len(steps), 3.4), squeeze=False)
     for ax, step in zip(axes[0], steps, strict=True):
         rows = [r for r in result["rows"] if r["step"] == step]
-        ax.bar([r["variant"] for r in rows], [r["over_floor"] for r in rows], color="tab:blue")
+        colors = ["tab:gray" if r["mode"] == "serial" else "tab:blue" for r in rows]
+        labels = [f"{r['variant']}\n{r['mode'][:4]}" for r in rows]
+        ax.bar(labels, [r["over_floor"] for r in rows], color=colors)
+        ax.tick_params(axis="x", labelsize=7)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_title(f"{step} ({rows[0]['floor_ms']:.2f} ms floor)")
         ax.set_ylabel("step / floor")

@@ -54,6 +54,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gate_up_act(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's first half: ``silu_and_mul(gate_up(x))``."""
+        return self.silu_and_mul(gate_up(x))
+
 
 class TritonOps:
     """The fused kernels; one launch per op, no host work, so a decode step can be graphed."""
@@ -80,6 +84,13 @@ class TritonOps:
 
     def silu_and_mul(self, x):
         return self._activation.silu_and_mul(x)
+
+    def gate_up_act(self, gate_up, x):
+        """One kernel where the projection has a fused form for these rows (the batch-1 GEMVs'
+        ``silu_mul``: the same arithmetic), else the projection and ``silu_and_mul``."""
+        fused = getattr(gate_up, "silu_mul", None)
+        y = fused(x) if fused is not None else None
+        return y if y is not None else self.silu_and_mul(gate_up(x))
 
 
 class CpuOps(TorchOps):
@@ -135,6 +146,7 @@ class SkinnyLinear(nn.Module):
     tied embeddings stay tied."""
 
     max_rows = 1  # class-wide: benchmarks set 0 to compare against cuBLAS alone
+    fuse_activation = True  # class-wide: benchmarks set False to time silu_and_mul apart
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -147,6 +159,16 @@ class SkinnyLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
             return self._gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(self(x))`` in one GEMV for a fused gate/up weight ``[2I, K]`` when
+        the GEMV takes these rows (the same arithmetic: kernels/gemv.py ``gemv_silu_mul``);
+        None when it does not."""
+        if self.fuse_activation and x.dim() == 2 and x.shape[0] <= self.max_rows:
+            from kernels.gemv import gemv_silu_mul
+
+            return gemv_silu_mul(x, self.weight, self.bias)
+        return None
 
 
 def use_skinny_linears(model: nn.Module) -> int:

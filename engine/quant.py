@@ -52,6 +52,7 @@ class Fp8Linear(nn.Module):
     (as ``SkinnyLinear`` does for bf16)."""
 
     gemv_max_rows = 1  # class-wide: benchmarks set 0 to compare against _scaled_mm alone
+    fuse_activation = True  # class-wide: benchmarks set False to time silu_and_mul apart
 
     def __init__(
         self,
@@ -107,6 +108,20 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where the
+        FP8 GEMV runs (CUDA, at most ``gemv_max_rows`` rows of 2-D input); None elsewhere."""
+        if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows):
+            return None
+        if not self.fuse_activation:
+            return None
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        from kernels.fp8_gemv import fp8_gemv_quantizing
+
+        w, ws = self.weight, self.weight_scale
+        return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=True)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"

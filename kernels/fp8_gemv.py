@@ -47,17 +47,19 @@ def fp8_gemv_quantizing(
     weight_scale: torch.Tensor,  # [1, N] or [N] float32
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    gated: bool = False,
     **config,
 ) -> torch.Tensor:
     """``fp8_gemv(*quantize_per_token(x), ...)`` in one kernel: each program quantizes ``x``'s
     row itself (the same e4m3 values and scale), so batch-1 decode runs one launch per
-    projection instead of two."""
+    projection instead of two. ``gated``: ``weight`` is the fused ``[2I, K]`` gate/up
+    projection and the result ``silu(gate) * up`` ``[M, I]`` (kernels/gemv.py)."""
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+    if weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1 or (gated and n % 2):
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} mismatch")
-    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    launch_gemv(x, None, weight, weight_scale, bias, y, True, config, quant_x=True)
+    y = torch.empty(m, n // 2 if gated else n, dtype=out_dtype, device=x.device)
+    launch_gemv(x, None, weight, weight_scale, bias, y, True, config, quant_x=True, gated=gated)
     return y
 
 

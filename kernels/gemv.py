@@ -11,6 +11,14 @@ table (benchmarks/NOTES.md has the measurement); this one is built for the strea
 
 Rows ``m`` > 0 re-read W, which then mostly hits L2: worth it only for M of 1 to a few, which is
 where the engine uses it (``GEMV_MAX_ROWS``); larger batches go to cuBLAS.
+
+``gated``: the gated MLP's gate/up projection with its activation in the epilogue. W is the
+fused ``[gate I | up I]`` weight (``[2I, K]``) and the output ``silu(gate) * up`` ``[M, I]``:
+program ``n`` streams gate rows ``n*BLOCK_N..`` and the up rows ``I`` further on, rounds both
+sums to the output dtype as the projection's output would be rounded, then applies
+kernels/activation.py's arithmetic: the projection followed by ``silu_and_mul``, one launch
+fewer (at batch 1 that kernel cost ~1.6 us a layer); bit for bit with the same tiles (the GPU's
+sum order within a row follows the tile's shape).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ def _gemv_kernel(
     SCALED: tl.constexpr,
     QUANT_X: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -73,26 +82,53 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + N * stride_wn  # GATED: the up rows (N = I, the output's width)
     if PDL:
         gdc_launch_dependents()
-        w_first = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        first_mask = n_mask[:, None] & (rk < K)[None, :]
+        w_first = tl.load(w_rows + rk[None, :], mask=first_mask, other=0.0)
+        if GATED:
+            u_first = tl.load(u_rows + rk[None, :], mask=first_mask, other=0.0)
         gdc_wait()
     if QUANT_X:  # noqa: SIM108 (a constexpr branch: Triton compiles only the one taken)
         x_scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX, FP8_MAX, BLOCK_K)
     else:
         x_scale = 1.0
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GATED only (else dead)
     k_start = 0
     if PDL:
         x = _x_tile(x_ptr + m * stride_xm, rk, rk < K, x_scale, QUANT_X, w_ptr.dtype.element_ty)
         acc += w_first.to(tl.float32) * x[None, :]
+        if GATED:
+            acc_u += u_first.to(tl.float32) * x[None, :]
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         kk = k0 + rk
         k_mask = kk < K
         x = _x_tile(x_ptr + m * stride_xm, kk, k_mask, x_scale, QUANT_X, w_ptr.dtype.element_ty)
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        tile_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=tile_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            u = tl.load(u_rows + kk[None, :], mask=tile_mask, other=0.0)
+            acc_u += u.to(tl.float32) * x[None, :]
+    y = _epilogue(acc, rn, n_mask, m, x_scale, xs_ptr, ws_ptr, b_ptr, y_ptr, SCALED, QUANT_X,
+                  HAS_BIAS)  # fmt: skip
+    if GATED:  # round gate and up as the projection's output, then kernels/activation.py's math
+        up = _epilogue(acc_u, rn + N, n_mask, m, x_scale, xs_ptr, ws_ptr, b_ptr, y_ptr, SCALED,
+                       QUANT_X, HAS_BIAS)  # fmt: skip
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _epilogue(acc, rn, n_mask, m, x_scale, xs_ptr, ws_ptr, b_ptr, y_ptr, SCALED: tl.constexpr,
+              QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Rows ``rn`` of the product from their partial sums: scaled and rounded (``SCALED``),
+    the bias added; fp32, not yet rounded to the output dtype."""
     y = tl.sum(acc, axis=1)
     if SCALED:
         if QUANT_X:
@@ -102,16 +138,30 @@ def _gemv_kernel(
         y = (y * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    return y
 
 
 def launch_gemv(
-    x, x_scale, weight, weight_scale, bias, y, scaled: bool, config: dict, quant_x: bool = False
+    x,
+    x_scale,
+    weight,
+    weight_scale,
+    bias,
+    y,
+    scaled: bool,
+    config: dict,
+    quant_x: bool = False,
+    gated: bool = False,
 ) -> None:
-    """Run ``_gemv_kernel`` over ``y [M, N]`` (the checks are the callers')."""
+    """Run ``_gemv_kernel`` over ``y [M, N]`` (the checks are the callers'); ``gated``: ``y``
+    is ``[M, N / 2]`` (``silu(gate) * up`` of the ``[2I, K]`` weight)."""
     m, k = x.shape
-    n = weight.shape[0]
-    cfg = {**default_config(n, k), **config}
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    # Gated programs stream gate and up rows: half the rows each, the same bytes per program.
+    cfg = default_config(2 * n if gated else n, k)
+    if gated:
+        cfg["block_n"] = max(1, cfg["block_n"] // 2)
+    cfg.update(config)
     grid = (-(-n // cfg["block_n"]), m)
     _gemv_kernel[grid](
         x,
@@ -128,6 +178,7 @@ def launch_gemv(
         SCALED=scaled,
         QUANT_X=quant_x,
         HAS_BIAS=bias is not None,
+        GATED=gated,
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"],
@@ -155,6 +206,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} mismatch")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch_gemv(x, None, weight, None, bias, y, False, config)
+    return y
+
+
+def gemv_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config
+) -> torch.Tensor:
+    """``silu_and_mul(gemv(x, weight, bias))`` in one kernel, ``weight`` ``[2I, K]`` the fused
+    gate/up projection: ``[M, I]``, the same arithmetic (module docstring)."""
+    m, k = x.shape
+    n2 = weight.shape[0]
+    if n2 % 2 or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv_silu_mul: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    y = torch.empty(m, n2 // 2, dtype=x.dtype, device=x.device)
+    launch_gemv(x, None, weight, None, bias, y, False, config, gated=True)
     return y
 
 

@@ -77,3 +77,24 @@ def test_the_quantizing_gemv_is_quantize_then_gemv(m, n, k, bias):
     assert torch.equal(one, two)
     with pytest.raises(ValueError, match="mismatch"):
         fp8_gemv_quantizing(x, wq[:, :-1], ws, b, torch.float16)
+
+
+@pytest.mark.parametrize(("m", "inter", "k"), [(1, 8, 64), (2, 21, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gated_fp8_gemv_is_the_projection_then_silu_and_mul(m, inter, k, bias):
+    """The FP8 gate/up GEMV with the activation in its epilogue (batch-1 decode under FP8
+    weights): bit for bit the quantizing GEMV followed by kernels/activation.py, each of gate
+    and up scaled by its own rows' scales."""
+    from kernels.activation import silu_and_mul
+    from kernels.fp8_gemv import fp8_gemv_quantizing
+
+    g = torch.Generator().manual_seed(inter * k + m)
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    wq = torch.randn(2 * inter, k, generator=g).mul(50).clamp(-448, 448).to(FP8)
+    ws = torch.rand(1, 2 * inter, generator=g) * 0.002 + 1e-4
+    b = torch.randn(2 * inter, generator=g).to(torch.float16) if bias else None
+    cfg = {"block_n": 4, "block_k": 64}
+    one = fp8_gemv_quantizing(x, wq, ws, b, torch.float16, gated=True, **cfg)
+    two = silu_and_mul(fp8_gemv_quantizing(x, wq, ws, b, torch.float16, **cfg))
+    assert one.shape == (m, inter)
+    assert torch.equal(one, two)

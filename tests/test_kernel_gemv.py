@@ -46,3 +46,53 @@ def test_gemv_matches_reference(dtype, m, n, k, bias):
 def test_gemv_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="mismatch"):
         gemv(torch.zeros(1, 8), torch.zeros(4, 9))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "inter", "k"), [(1, 8, 64), (1, 37, 100), (2, 20, 513)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_gemv_is_the_projection_then_silu_and_mul(dtype, m, inter, k, bias):
+    """The gate/up GEMV with the activation in its epilogue gives, bit for bit, what the
+    projection's GEMV followed by kernels/activation.py gives (same tiles), for gate/up rows
+    that straddle a program's block (37 rows of 4)."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import gemv_silu_mul
+
+    g = torch.Generator().manual_seed(inter * k + m)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(2 * inter, generator=g).to(dtype) if bias else None
+    one = gemv_silu_mul(x, w, b, block_n=4, block_k=64)
+    two = silu_and_mul(gemv(x, w, b, block_n=4, block_k=64))
+    assert one.shape == (m, inter) and one.dtype == dtype
+    assert torch.equal(one, two)
+    with pytest.raises(ValueError, match="gemv_silu_mul"):
+        gemv_silu_mul(x, w[:-1], b)
+
+
+def test_triton_ops_fuse_the_activation_where_the_gemv_runs():
+    """``TritonOps.gate_up_act``: one GEMV kernel for the rows the GEMV takes (batch 1), the
+    projection and the activation for more rows, the same values either way."""
+    from torch import nn
+
+    from engine.ops import SkinnyLinear, TorchOps, TritonOps
+    from kernels.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(96, 2 * 40, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 96, generator=g) / 10)
+    skinny = SkinnyLinear(lin)
+    ops = TritonOps()
+    one_row = torch.randn(1, 96, generator=g)
+    calls = []
+    fused = skinny.silu_mul
+    skinny.silu_mul = lambda x: calls.append(x.shape[0]) or fused(x)
+    got = ops.gate_up_act(skinny, one_row)
+    assert calls == [1]
+    assert torch.equal(got, silu_and_mul(gemv(one_row, lin.weight)))
+    rows = torch.randn(3, 96, generator=g)  # past the GEMV's rows: cuBLAS and the activation
+    got = ops.gate_up_act(skinny, rows)
+    assert calls == [1, 3]
+    want = TorchOps().gate_up_act(lin, rows)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)

@@ -179,3 +179,53 @@ def test_all_four_in_a_cuda_graph(gen):
         check(q, want_q)
         check(cache, want_cache, min_equal=0.98)
         check(act, want_act)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gated_gemv_equals_the_projection_then_silu_and_mul(size, fp8, gen):
+    """Batch-1 gate/up GEMV with the activation in its epilogue (the engine's default under
+    TritonOps): bit for bit the projection's GEMV then ``silu_and_mul`` with the same tiles,
+    and within bf16 tolerance of it with each kernel's own default tiles (PDL as the engine
+    launches it)."""
+    from kernels.fp8_gemv import fp8_gemv_quantizing
+    from kernels.fp8_quant import FP8
+    from kernels.gemv import gemv, gemv_silu_mul
+
+    hidden, inter = size[0], size[1]
+    x = torch.randn(1, hidden, device="cuda", generator=gen).to(BF16)
+    w = (torch.randn(2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).to(BF16)
+    if fp8:
+        ws = (w.float().abs().amax(dim=1) / 448).reshape(1, -1).contiguous()
+        wq = (w.float() / ws.reshape(-1, 1)).to(FP8)
+
+        def fused(**cfg):
+            return fp8_gemv_quantizing(x, wq, ws, None, BF16, gated=True, **cfg)
+
+        def apart(**cfg):
+            return silu_and_mul(fp8_gemv_quantizing(x, wq, ws, None, BF16, **cfg))
+    else:
+
+        def fused(**cfg):
+            return gemv_silu_mul(x, w, **cfg)
+
+        def apart(**cfg):
+            return silu_and_mul(gemv(x, w, **cfg))
+
+    tiles = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 3}
+    assert torch.equal(fused(**tiles), apart(**tiles))
+    check(fused(), apart(), min_equal=0.98)
+
+
+@pytest.mark.parametrize("rows", [1, 256])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_argmax_rows_at_the_llama3_vocabulary(rows, dtype, gen):
+    """Greedy's argmax kernel picks torch's token over 128,256 logits, ties included (bf16
+    logits tie often: a row with its maximum repeated in two blocks)."""
+    from kernels.argmax import argmax_rows
+
+    x = torch.randn(rows, 128256, device="cuda", generator=gen).to(dtype)
+    x[0, 90000] = x[0, 5000] = x[0].max() + 1
+    got = argmax_rows(x)
+    assert got[0].item() == 5000
+    assert torch.equal(got, x.max(dim=-1).indices)
