@@ -54,10 +54,44 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales
+from kernels.pdl import gdc_launch_dependents, gdc_wait
 from kernels.pdl import start as pdl_start
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _slots(table_row, pos, valid, BLOCK_SIZE: tl.constexpr):
+    """Cache slots of positions ``pos`` of one sequence, from its block table row."""
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
+    return block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+@triton.jit
+def _rows(head, slot, stride_s, dims, mask, Q_DTYPE: tl.constexpr, FP8: tl.constexpr,
+          F16_DOT: tl.constexpr):  # fmt: skip
+    """K or V rows at ``slot`` (zeros where ``mask`` is off), upcast from an fp8 cache to the
+    dtype of the products (exact; e4m3 -> fp16 is one conversion instruction a pair, -> bf16
+    goes through it)."""
+    x = tl.load(head + slot[:, None] * stride_s + dims[None, :], mask=mask[:, None], other=0.0)
+    if FP8:
+        x = x.to(tl.float16 if F16_DOT else Q_DTYPE)
+    return x
+
+
+@triton.jit
+def _accumulate(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax: scores of ``valid`` tokens, the running max and sum
+    rescaled, P @ V added. A tile must hold a valid token (so the max is finite after it)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["stride_tb", "table_width"])  # the width varies per step
@@ -91,9 +125,11 @@ def _split_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,  # the cache holds e4m3: upcast each tile to q's dtype
     F16_DOT: tl.constexpr,  # FP8 with a 16-bit q: upcast to fp16 instead (q and P rounded to it)
+    PREFETCH: tl.constexpr,  # PDL: the first tile's older tokens read before the wait
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
-    pdl_start(PDL)
+    if PDL:
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,13 +139,6 @@ def _split_kernel(
     dims = tl.arange(0, D)
     heads = kvh * G + rows
     row_ok = rows < G
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    if F16_DOT:
-        q = q.to(tl.float16)
 
     # Tokens past the table's capacity have no block: clamp instead of reading past the row.
     ctx = tl.minimum(tl.load(lens_ptr + b), table_width * BLOCK_SIZE)
@@ -123,30 +152,43 @@ def _split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    first = start
+    if PREFETCH:
+        # The first tile's older tokens are read before waiting for the kernels before this
+        # one (PDL): lengths and tables come from the step's host copies, and every token but
+        # the newest (position ctx - 1, which this step's KV write stores) was written by an
+        # earlier step. The newest is read after the wait.
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        slot = _slots(table_row, pos, valid, BLOCK_SIZE)
+        old = valid & (pos < ctx - 1)
+        k = _rows(k_head, slot, stride_ks, dims, old, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        v = _rows(v_head, slot, stride_vs, dims, old, q_ptr.dtype.element_ty, FP8, F16_DOT)
+    if PDL:
+        gdc_wait()
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if F16_DOT:
+        q = q.to(tl.float16)
+    if PREFETCH:
+        new = valid & (pos == ctx - 1)
+        k_new = _rows(k_head, slot, stride_ks, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        v_new = _rows(v_head, slot, stride_vs, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        k = tl.where(new[:, None], k_new, k)
+        v = tl.where(new[:, None], v_new, v)
+        if start < end:  # (an empty split keeps max -inf and sum 0)
+            m_i, l_i, acc = _accumulate(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        k = tl.load(
-            k_head + slot[:, None] * stride_ks + dims[None, :], mask=valid[:, None], other=0.0
-        )
-        v = tl.load(
-            v_head + slot[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0
-        )
-        if FP8:  # (e4m3 -> fp16 is one conversion instruction a pair; -> bf16 goes through it)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # The first tile of a non-empty split has a valid token, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        slot = _slots(table_row, pos, valid, BLOCK_SIZE)
+        k = _rows(k_head, slot, stride_ks, dims, valid, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        v = _rows(v_head, slot, stride_vs, dims, valid, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        m_i, l_i, acc = _accumulate(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if FP8:
         acc = acc * v_scale
@@ -284,9 +326,11 @@ def _launch(
     q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None,
     num_splits=None, *, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
     k_scale: float = 1.0, v_scale: float = 1.0, f16_dot: bool = False,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The launcher with its tile and launch parameters open, for tests and benchmarks.
-    ``f16_dot`` (an fp8 cache, q bf16 or fp16): the products in fp16, q and P rounded to it."""
+    ``f16_dot`` (an fp8 cache, q bf16 or fp16): the products in fp16, q and P rounded to it.
+    ``prefetch``: the first tile read before the PDL wait (None: where it pays, below)."""
     _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out)
     fp8 = k_cache.dtype == FP8
     f16_dot = bool(f16_dot and fp8 and q.dtype != torch.float32)
@@ -307,6 +351,15 @@ def _launch(
                          f"{num_splits}, {block_n}")  # fmt: skip
     group = num_heads // kv_heads
     direct = num_splits == 1
+    launch = pdl.launch_options(q.device)
+    # A grid that is one wave (at most _PROGRAMS_PER_SM a SM: small batches, which the splits
+    # fill up to it) is bound by each program's chain of reads, table then K/V; reading the
+    # first tile while the KV write before it still runs took 0.2 ms off a batch-1 step of the
+    # Llama-3-8B shape on an H100. Larger grids are bound by bandwidth, and holding the tile
+    # through the wait cost them (+2.6 % at batch 256): benchmarks/NOTES.md.
+    programs = batch * kv_heads * num_splits
+    if prefetch is None:
+        prefetch = launch["PDL"] and programs <= _PROGRAMS_PER_SM * _num_sms(q.device)
     # Workspace (fp32): acc [B, H, S, D] then (max, sum) [B, H, S, 2], one allocation.
     ws = out if direct else torch.empty(batch * num_heads * num_splits * (head_dim + 2),
                                         dtype=torch.float32, device=q.device)  # fmt: skip
@@ -319,13 +372,13 @@ def _launch(
         G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, F16_DOT=f16_dot,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(q.device),
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if not direct:
         _reduce_kernel[(batch, num_heads)](
             ws, out, out.stride(0), out.stride(1), num_heads, num_splits,
             D=head_dim, S_PAD=_next_pow2(num_splits), num_warps=4,
-            **pdl.launch_options(q.device),
+            **launch,
         )  # fmt: skip
     return out
 
