@@ -290,10 +290,12 @@ class TritonAttentionBackend(AttentionBackend):
         (benchmarks/NOTES.md, the resume stall). Variants: the KV write alone and with the
         rotary (up to 64 rows and more: other head blocks), the extend with and without TMA
         loads (chunks of 1024 tokens or more use them), the decode in one split (written
-        directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits).
+        directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits),
+        each with its first tile read before the PDL wait and after it (kernels/).
         Integer arguments that vary per step (table widths, split counts) are not specialised
         on (``do_not_specialize`` in kernels/), so these are all there are. ``dtype``: the
         model's (q, k, v), when the cache holds another (fp8)."""
+        from kernels import pdl
         from kernels.paged_decode_attention import _MAX_SPLITS
 
         kv_heads, _, head_dim = k_cache.shape
@@ -312,13 +314,15 @@ class TritonAttentionBackend(AttentionBackend):
             prefix = torch.zeros(1, dtype=torch.int32, device=device)
             self._extend(q, k, k, k_cache, v_cache, table, cu, prefix, t, block_size, 1.0)
         splits = 1
+        # (the first tile read before the PDL wait: small grids only, so both variants serve)
+        prefetches = (False, True) if pdl.enabled(device) else (False,)
         while splits <= _MAX_SPLITS:
             q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
             table = torch.zeros(1, splits, dtype=torch.int32, device=device)
             lens = torch.full((1,), splits * block_size, dtype=torch.int32, device=device)
-            self._decode_kernel(
-                q, k_cache, v_cache, table, lens, block_size, 1.0, num_splits=splits
-            )
+            for prefetch in prefetches:
+                self._decode_kernel(q, k_cache, v_cache, table, lens, block_size, 1.0,
+                                    num_splits=splits, prefetch=prefetch)  # fmt: skip
             splits *= 2
         torch.cuda.synchronize(device)
 

@@ -107,10 +107,11 @@ class ModelRunner:
         elif (kernel := native_cpu_kernels(self.device, self.dtype)) is not None:
             self.model.ops = CpuOps(kernel)  # fused elementwise layers, whatever the KV holds
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(cfg.seed))
-        if self.device.type == "cuda":  # the grammar-mask kernel, so it never compiles mid-run
-            from kernels.token_bitmask import warm_up
+        if self.device.type == "cuda":  # the sampler's kernels, so none compiles mid-run
+            from kernels import argmax, token_bitmask
 
-            warm_up(model_cfg.vocab_size, self.device)
+            token_bitmask.warm_up(model_cfg.vocab_size, self.device)
+            argmax.warm_up(model_cfg.vocab_size, self.device, (self.dtype, torch.float32))
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv(self.num_kv_blocks)
         if self.device.type == "cuda" and self.backend.name == "triton":

@@ -25,7 +25,9 @@ from kernels.pdl import start as pdl_start
 BLOCK = 4096  # columns a program: 32 programs a row for a 128k vocabulary
 
 
-@triton.jit
+# Widths and strides vary with the vocabulary and the tensor parallel padding, row counts per step:
+# none is specialised, so warm_up's launches are every variant (one per dtype).
+@triton.jit(do_not_specialize=["n_cols", "stride_x"])
 def _blocks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_start(PDL)
     r = tl.program_id(0)
@@ -39,7 +41,7 @@ def _blocks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, BLOCK: tl.constexp
     tl.store(idx_ptr + out, c * BLOCK + at)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _rows_kernel(val_ptr, idx_ptr, out_ptr, num_blocks, C_PAD: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     r = tl.program_id(0)
@@ -72,3 +74,11 @@ def argmax_rows(logits: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     c_pad = max(2, triton.next_power_of_2(num_blocks))
     _rows_kernel[(rows,)](vals, idx, out, num_blocks, C_PAD=c_pad, num_warps=1, **opts)
     return out
+
+
+def warm_up(vocab: int, device: torch.device, dtypes=(torch.float32,)) -> None:
+    """Launch both kernels once per logits dtype (CUDA), so none compiles while serving: the
+    model's dtype (greedy rows read the logits as the LM head leaves them) and float32 (rows
+    the sampler copied to change them: penalties, grammars)."""
+    for dtype in dict.fromkeys(dtypes):
+        argmax_rows(torch.zeros(2, vocab, dtype=dtype, device=device))

@@ -300,6 +300,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its paged context.
 
@@ -310,10 +311,11 @@ def paged_decode_attention(
     ``default_num_splits`` of the shapes, capped so that no split is shorter than one tile of
     the longest context the table can hold. The caches may be fp8 (``torch.float8_e4m3fn``)
     with q in any of the three: each element then reads as ``cache * k_scale`` (``v_scale``);
-    the scales are ignored for caches of q's dtype."""
+    the scales are ignored for caches of q's dtype. ``prefetch``: see ``_launch`` (None: where
+    it pays)."""
     config = launch_config(q.shape[-1], q.dtype, k_cache.dtype)
     args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out, num_splits)
-    return _launch(*args, k_scale=k_scale, v_scale=v_scale, **config)
+    return _launch(*args, k_scale=k_scale, v_scale=v_scale, prefetch=prefetch, **config)
 
 
 def pick_num_splits(batch, kv_heads, max_blocks, block_size, block_n, device) -> int:
