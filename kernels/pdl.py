@@ -17,7 +17,10 @@ The rules every kernel launched this way keeps (``PDL`` is its constexpr switch)
 - it calls ``gdc_wait()`` before reading anything an earlier kernel writes and before writing
   anything at all (an earlier kernel may still read the memory it would write: the caching
   allocator reuses buffers in stream order); before the wait it may only read memory no kernel
-  writes (weights);
+  of its own chain writes: weights, the step's inputs copied from the host before its first
+  kernel, and KV cache rows of earlier steps (the decode attention's older tokens; a step's
+  kernels chain only inside its graph, and a graph starts once the stream's earlier work is
+  done);
 - every program reaches the wait (none returns early before it), so the kernel cannot complete
   before the one it waits for: the next kernel's wait then covers both;
 - it calls ``gdc_launch_dependents()`` first, which lets the next kernel's blocks start once
