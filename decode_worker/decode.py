@@ -29,6 +29,7 @@ this role's receiver too (``expect`` with the migration role's ``on_end``).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from engine.messages import Full, Rejected, Reserved, ReserveResult, aborted
 from engine.runtime import EngineWorker, Role
 from engine.sampling_params import SamplingParams
 from engine.tracing import trace
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,26 +122,61 @@ class DecodeRole(Role):
         retrying elsewhere will not help). Outputs go to ``outputs(client)``. With
         ``output_token_ids`` (a resumed request) the KV expected covers them too.
         ``predicted_tokens``: the router's estimate of its whole output (projections)."""
+        args = (request_id, prompt, params, client, predicted_tokens)
+        return await self.worker.call(lambda: self._reserve(*args, **kwargs))
 
-        def reserve() -> ReserveResult:
-            trace(request_id, "decode.reserve")
-            carried = len(kwargs.get("output_token_ids") or ())
-            if not self.staging_room(len(prompt) + carried + 1):
-                return Full(STAGING_FULL)
-            try:
-                table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
-            except ValueError as exc:
-                return Rejected(str(exc))
-            if table is None:
-                return Full()
-            tracked = self.worker.register(request_id, client)
-            if predicted_tokens:  # (its 90th percentile): what projections count, not max_tokens
-                tracked.predicted = int(predicted_tokens)
-            deadline = time.monotonic() + self.transfer_timeout_s
-            self.expect(request_id, table, len(prompt) + carried, deadline)
-            return Reserved(self.receiver.endpoint)
+    async def reserve_many(
+        self, items: list[tuple[str, list[int], SamplingParams, dict[str, Any]]], client: str = ""
+    ) -> list[ReserveResult]:
+        """``reserve`` for several requests, ``(request_id, prompt, params, kwargs)`` each
+        (``kwargs`` with ``predicted_tokens`` and the rest), in one actor call and one hop to
+        the engine thread: the router sends a burst's reservations together (router/dispatch.py
+        ``_Batch``). Each request gets its own answer; one whose reservation raised gets
+        ``Full`` with the error (the router then tries another worker), never the others'."""
 
-        return await self.worker.call(reserve)
+        def reserve_all() -> list[ReserveResult]:
+            out: list[ReserveResult] = []
+            for request_id, prompt, params, kwargs in items:
+                kwargs = dict(kwargs)
+                predicted = kwargs.pop("predicted_tokens", None)
+                try:
+                    out.append(
+                        self._reserve(request_id, prompt, params, client, predicted, **kwargs)
+                    )
+                except Exception as exc:  # noqa: BLE001 - that request's, reported to its caller
+                    logger.exception("reserving %s failed", request_id)
+                    out.append(Full(f"reserve failed: {type(exc).__name__}: {exc}"))
+            return out
+
+        return await self.worker.call(reserve_all)
+
+    def _reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        client: str,
+        predicted_tokens: int | None,
+        **kwargs: Any,
+    ) -> ReserveResult:
+        """(engine thread) One reservation: blocks for the prompt (and carried output), the
+        receiver told to expect its KV, the request registered to ``client``'s stream."""
+        trace(request_id, "decode.reserve")
+        carried = len(kwargs.get("output_token_ids") or ())
+        if not self.staging_room(len(prompt) + carried + 1):
+            return Full(STAGING_FULL)
+        try:
+            table = self.engine.reserve_remote(request_id, prompt, params, **kwargs)
+        except ValueError as exc:
+            return Rejected(str(exc))
+        if table is None:
+            return Full()
+        tracked = self.worker.register(request_id, client)
+        if predicted_tokens:  # (its 90th percentile): what projections count, not max_tokens
+            tracked.predicted = int(predicted_tokens)
+        deadline = time.monotonic() + self.transfer_timeout_s
+        self.expect(request_id, table, len(prompt) + carried, deadline)
+        return Reserved(self.receiver.endpoint)
 
     async def fail_transfer(self, request_id: str, reason: str) -> None:
         """The caller saw the prefill side fail: drop the transfer, end the stream retryably."""

@@ -79,6 +79,7 @@ class DecodeWorker(EngineWorker):
 
     endpoint = delegate("decode_role", DecodeRole.endpoint)
     reserve = delegate("decode_role", DecodeRole.reserve)
+    reserve_many = delegate("decode_role", DecodeRole.reserve_many)
     fail_transfer = delegate("decode_role", DecodeRole.fail_transfer)
     kv_timings = delegate("decode_role", DecodeRole.kv_timings)
     migrate_out = delegate("migration_role", MigrationRole.migrate_out)

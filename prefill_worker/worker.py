@@ -141,6 +141,16 @@ class PrefillRole(Role):
 
     async def release(self, request_id: str) -> None:
         """The decode worker has reserved: a gated request's KV may leave."""
+        self._release(request_id)
+
+    async def release_many(self, request_ids: list[str]) -> list[None]:
+        """``release`` for several requests in one actor call (the router sends a burst's
+        releases together: router/dispatch.py ``_Batch``); None each."""
+        for request_id in request_ids:
+            self._release(request_id)
+        return [None] * len(request_ids)
+
+    def _release(self, request_id: str) -> None:
         trace(request_id, "prefill.release")
         gate = self._gates.pop(request_id, None)
         if gate is None:  # overtook its prefill() call: leave it open for that call
@@ -241,5 +251,6 @@ class PrefillWorker(EngineWorker):
 
     prefill = delegate("prefill_role", PrefillRole.prefill)
     release = delegate("prefill_role", PrefillRole.release)
+    release_many = delegate("prefill_role", PrefillRole.release_many)
     connect_kv = delegate("prefill_role", PrefillRole.connect_kv)
     kv_timings = delegate("prefill_role", PrefillRole.kv_timings)

@@ -11,6 +11,8 @@ One request, disaggregated (``attempt`` below; colocated is steps 1 and 4 on one
          (no answer while D turns suspect or dead: as Full, and D.abort(rid); no call into a
          worker waits on one the router has given up on)
          Rejected -> RequestError (bad input: no retry)
+       (the reservations, releases and colocated starts bound for one worker share actor
+       calls: ``_Batch``; the prefills do not, each answers when its KV has left)
     3. P's result: PrefillFailed -> D.fail_transfer(rid) (D ends the request retryably)
     4. D's deltas arrive on this router's one stream from D (a socket of D's, a batch per
        engine step for every request of this router on D: ``worker_stream``); the request's
@@ -321,7 +323,7 @@ class Dispatcher:
         self.resume_log: deque[dict[str, Any]] = deque(maxlen=256)
         self.migrations = 0  # requests of this router that moved to another worker
         self._orphans: dict[tuple[str, str], None] = {}
-        self._starts: dict[str, _Starts] = {}  # worker -> its colocated starts, batched
+        self._batches: dict[tuple[str, str], _Batch] = {}  # (worker, method) -> its calls
         # (worker, client) -> its batches; a socket of the worker's (worker_stream), a test's
         # fake in unit tests
         self.open_stream = worker_stream
@@ -450,7 +452,7 @@ class Dispatcher:
         kwargs = _for_prefill(kwargs)
         inflight = self._expect(irid, worker, _carried(kwargs))
         try:
-            res = await self._starts_on(worker).start((irid, ids, params, kwargs))
+            res = await self._batch(worker, "generate_many").add((irid, ids, params, kwargs))
         except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
             self._worker_failed(worker, exc)
             raise _Retry(f"worker {worker.name} failed: {brief(exc)}", "worker_died") from None
@@ -463,11 +465,20 @@ class Dispatcher:
             raise _Retry(f"worker {worker.name} could not start it: {message}", "worker_failed")
         return inflight
 
-    def _starts_on(self, worker: WorkerRef) -> _Starts:
-        starts = self._starts.get(worker.name)
-        if starts is None or starts.worker.handle is not worker.handle:
-            starts = self._starts[worker.name] = _Starts(self, worker)
-        return starts
+    def _batch(self, worker: WorkerRef, method: str) -> _Batch:
+        """``worker``'s batch of ``method`` calls (a worker restarted under its name gets a new
+        one). Starts and reservations carry this router's client id."""
+        batch = self._batches.get((worker.name, method))
+        if batch is None or batch.worker.handle is not worker.handle:
+            extra = () if method == "release_many" else (self.client_id,)
+            batch = self._batches[worker.name, method] = _Batch(self, worker, method, *extra)
+        return batch
+
+    def _release(self, p: WorkerRef, irid: str) -> None:
+        """Let a gated prefill's KV leave (its decode worker has reserved); fire and forget,
+        as ``_quietly``: a dead prefill worker fails the prefill, which its watcher reports."""
+        future = self._batch(p, "release_many").add(irid)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _start_disagg(self, irid, ids, params, kwargs, p: WorkerRef, d: WorkerRef, timeline):
         """Reserve on ``d`` while ``p`` computes the prompt (gated), falling back to the other
@@ -479,7 +490,7 @@ class Dispatcher:
         pref = p.handle.prefill.remote(irid, ids, params, d.endpoint, gated=True, **kwargs)
         res = await self._reserve_on(d, irid, ids, params, reserve)
         if isinstance(res, Reserved):
-            _quietly(p.handle.release, irid)
+            self._release(p, irid)
         else:
             _quietly(control(p.handle.abort), irid)
             self._inflight.pop(irid, None)
@@ -495,9 +506,8 @@ class Dispatcher:
     async def _reserve_on(self, d: WorkerRef, irid, ids, params, kwargs):
         """``d``'s answer to a reservation; a dead or unresponsive ``d`` is as if full (the
         caller tries the others), its reservation aborted in case it ever wakes up."""
-        call = d.handle.reserve.remote(irid, ids, params, self.client_id, **kwargs)
         try:
-            res = await self._answer_of(d, call)
+            res = await self._batch(d, "reserve_many").add((irid, ids, params, kwargs))
         except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
             self._worker_failed(d, exc)
             return Full(str(exc))
@@ -660,8 +670,8 @@ class Dispatcher:
 
     async def aclose(self) -> None:
         tasks = [*self._streams.values(), *([self._watchdog] if self._watchdog else [])]
-        tasks += [s.task for s in self._starts.values() if s.task is not None]
-        self._starts.clear()
+        tasks += [b.task for b in self._batches.values() if b.task is not None]
+        self._batches.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -674,24 +684,25 @@ class Dispatcher:
 _UNRESPONSIVE = object()  # _answer_of: the worker went suspect or dead before it answered
 
 
-class _Starts:
-    """The colocated starts bound for one worker, sent together: the first start of a loop
-    turn goes on the next turn with every start queued by then, and the starts that come
-    while a call is in flight go in the next call (at most ``MAX`` a call). A burst of 1000
-    requests then makes a few dozen actor calls instead of 1000; each cost the router's event
-    loop ~0.5 ms of Ray's client work (argument checks, serialisation, submission), a fifth of
-    its time in a burst on CPU (benchmarks/NOTES.md). Each start gets its own answer:
-    ``ColocatedWorker.generate_many``'s per request, or the call's failure (raised) or
-    ``_UNRESPONSIVE``, for every start of the call."""
+class _Batch:
+    """The calls of one kind bound for one worker, sent together: the first of a loop turn goes
+    on the next turn with every call queued by then, and those that come while a call is in
+    flight go in the next one (at most ``MAX`` a call). A burst of 1000 requests then makes a
+    few dozen actor calls of each kind instead of 1000; each cost the router's event loop
+    ~0.5 ms of Ray's client work (argument checks, serialisation, submission), a fifth of its
+    time in a burst on CPU (benchmarks/NOTES.md). Kinds: colocated starts
+    (``generate_many``), reservations (``reserve_many``), a prefill's release
+    (``release_many``). ``method(items, *extra)`` answers one value per item, in order; each
+    item gets its own, or the call's failure (raised) or ``_UNRESPONSIVE``."""
 
     MAX = 256
 
-    def __init__(self, dispatcher: Dispatcher, worker: WorkerRef) -> None:
-        self.dispatcher, self.worker = dispatcher, worker
-        self.pending: list[tuple[tuple, asyncio.Future]] = []
+    def __init__(self, dispatcher: Dispatcher, worker: WorkerRef, method: str, *extra) -> None:
+        self.dispatcher, self.worker, self.method, self.extra = dispatcher, worker, method, extra
+        self.pending: list[tuple[Any, asyncio.Future]] = []
         self.task: asyncio.Task | None = None
 
-    def start(self, item: tuple) -> asyncio.Future:
+    def add(self, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self.pending.append((item, future))
         if self.task is None or self.task.done():
@@ -706,11 +717,10 @@ class _Starts:
             if not batch:
                 continue
             try:
-                call = worker.handle.generate_many.remote(
-                    [item for item, _ in batch], dispatcher.client_id
-                )
+                method = getattr(worker.handle, self.method)
+                call = method.remote([item for item, _ in batch], *self.extra)
                 answers = await dispatcher._answer_of(worker, call)
-            except Exception as exc:  # noqa: BLE001 - the call's failure is each start's
+            except Exception as exc:  # noqa: BLE001 - the call's failure is each item's
                 answers = [exc] * len(batch)
             if answers is _UNRESPONSIVE:
                 answers = [_UNRESPONSIVE] * len(batch)

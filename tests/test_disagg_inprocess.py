@@ -115,6 +115,70 @@ def test_reservation_failures_are_values(workers) -> None:
     assert asyncio.run(d.check_idle()) is None
 
 
+def test_reservations_in_one_call_answer_each_request_and_serve_it(tiny, workers) -> None:
+    """``reserve_many`` (the router's batched reservations): each request its own answer in
+    order, an invalid one Rejected, one whose reservation raises Full with the error, one too
+    big Full; the reserved ones run to the colocated tokens once their gated prefills are
+    released by ``release_many``, and nothing is left held."""
+    p, d = workers
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ok = prompts()[1:3]
+    expected = LLM(tiny, **ENGINE).generate(ok, params)
+    items = [
+        ("m0", ok[0], params, {"predicted_tokens": 5}),
+        ("m1", [1, 2], SamplingParams(n=2), {}),  # invalid here
+        ("m2", [1] * 300, params, {}),  # more blocks than the pool
+        ("m3", [1, 2, 3], params, {"no_such_option": 1}),  # the reservation raises
+        ("m4", ok[1], params, {}),
+    ]
+
+    async def run():
+        answers = await d.reserve_many(items, "batch")
+        served = []
+        for rid, prompt in (("m0", ok[0]), ("m4", ok[1])):
+            endpoint = answers[int(rid[1])].endpoint
+            pre = asyncio.ensure_future(p.prefill(rid, prompt, params, endpoint, gated=True))
+            await asyncio.sleep(0)
+            assert await p.release_many([rid]) == [None]
+            served.append(pre)
+        deltas = await read_all(d, "batch", {"m0", "m4"})
+        for pre in served:
+            assert isinstance(await pre, PrefillDone)
+        return answers, deltas
+
+    answers, deltas = asyncio.run(run())
+    assert [type(a).__name__ for a in answers] == [
+        "Reserved",
+        "Rejected",
+        "Full",
+        "Full",
+        "Reserved",
+    ]
+    assert "n > 1" in answers[1].message and "reserve failed" in answers[3].reason
+    for rid, exp in (("m0", expected[0]), ("m4", expected[1])):
+        assert [t for x in deltas[rid] for t in x.token_ids] == exp.outputs[0].token_ids
+    assert asyncio.run(p.check_idle()) is None
+    assert asyncio.run(d.check_idle()) is None
+
+
+async def read_all(worker, client: str, rids: set[str]) -> dict[str, list[Delta]]:
+    """Every delta of ``client``'s requests ``rids``, up to each one's finish."""
+    out: dict[str, list[Delta]] = {rid: [] for rid in rids}
+    left = set(rids)
+    stream = worker.outputs(client)
+    try:
+        async for batch in stream:
+            for delta in batch.deltas:
+                out[delta.request_id].append(delta)
+                if delta.finished:
+                    left.discard(delta.request_id)
+            if not left:
+                return out
+    finally:
+        await stream.aclose()
+    return out
+
+
 def test_prefill_abort_before_done_fails_the_stream_retryably(workers) -> None:
     p, d = workers
 

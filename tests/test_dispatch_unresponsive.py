@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from engine.messages import Membership, Reserved, WorkerInfo
+from engine.messages import Full, Membership, Rejected, Reserved, WorkerInfo
 from engine.sampling_params import SamplingParams
 from router.dispatch import Dispatcher, _Retry
 from router.membership import MembershipView
@@ -54,10 +54,10 @@ class Handle:
         self.name, self.hung = name, hung
         self.delay_s = 0.0  # how long each call takes to answer
         self.calls: list[tuple[str, tuple]] = []
-        self.reserve = Method(self, "reserve", lambda *a, **k: Reserved(f"ep-{name}"))
+        self.reserve_many = Method(self, "reserve_many", self._reserve_all)
         self.generate_many = Method(self, "generate_many", self._start_all)
         self.prefill = Method(self, "prefill", lambda *a, **k: "prefilled")
-        self.release = Method(self, "release", lambda *a: None)
+        self.release_many = Method(self, "release_many", lambda ids: [None] * len(ids))
         self.abort = Method(self, "abort", lambda *a: None)
         self.fail_transfer = Method(self, "fail_transfer", lambda *a: None)
         self.outputs = _Silent()
@@ -66,8 +66,28 @@ class Handle:
         """Bad input (an empty prompt) is refused; everything else queued."""
         return [("invalid", "prompt is empty") if not ids else None for _, ids, *_ in items]
 
+    def _reserve_all(self, items, client):
+        """Room for everything but an empty prompt (Rejected) and one of ``full`` (Full)."""
+        out = []
+        for rid, ids, *_ in items:
+            if not ids:
+                out.append(Rejected("prompt is empty"))
+            else:
+                out.append(Full() if rid in self.full else Reserved(f"ep-{self.name}"))
+        return out
+
+    full: set = frozenset()
+
     def called(self, method: str) -> list:
-        """The request id of each call of ``method`` (its first argument)."""
+        """The request id of each call of ``method`` (its first argument), a batched call's
+        (``reserve_many``...) each of its items' (``called("reserve")`` names those)."""
+        batched = {"reserve": "reserve_many", "release": "release_many"}
+        if method in batched:
+            ids = []
+            for m, args in self.calls:
+                if m == batched[method]:
+                    ids += [item[0] if isinstance(item, tuple) else item for item in args[0]]
+            return ids
         return [args[0] for m, args in self.calls if m == method]
 
 
@@ -131,6 +151,7 @@ def test_a_reservation_waits_for_a_slow_worker_the_router_still_trusts() -> None
     async def scenario():
         params = SamplingParams()
         _, placed, irid = await dispatcher._start_disagg("r", [1, 2], params, {}, p, d0, None)
+        await asyncio.sleep(0.01)  # the release goes on the next loop turn (batched)
         await dispatcher.aclose()
         return placed, irid
 
@@ -230,3 +251,57 @@ def test_a_batched_start_on_a_worker_that_dies_fails_each_retryably() -> None:
 
     assert _run(scenario()) == ["worker_died"] * 5
     assert len([c for c in w.handle.calls if c[0] == "generate_many"]) == 1
+
+
+def test_reservations_and_releases_of_a_burst_share_actor_calls() -> None:
+    """20 disaggregated starts at once: their reservations go to the decode worker in one
+    call and the prefills' releases in one, each request answered on its own: an empty prompt
+    is a RequestError for it alone, a Full one moves to the other decode worker, and only the
+    gated prefills of reserved requests are released."""
+    from router.errors import RequestError
+
+    view = _view(("prefill-0", "prefill", False), ("decode-0", "decode", False))
+    view.apply(
+        Membership(
+            2,
+            [*view.table.workers, WorkerInfo("decode-1", "decode", Handle("decode-1"))],
+            model_dir="",
+            block_size=4,
+            max_model_len=64,
+        )
+    )
+    p, d0, d1 = view.get("prefill-0"), view.get("decode-0"), view.get("decode-1")
+    d0.handle.full = {"r3"}
+    d0.handle.delay_s = p.handle.delay_s = 0.01
+    dispatcher = _dispatcher(view)
+
+    async def one(i: int):
+        ids = [] if i == 5 else [1, 2, i]
+        try:
+            _, placed, irid = await dispatcher._start_disagg(
+                f"r{i}", ids, SamplingParams(), {"predicted_tokens": 9}, p, d0, None
+            )
+        except RequestError as exc:
+            return str(exc)
+        return placed.name, irid
+
+    async def scenario():
+        answers = await asyncio.gather(*(one(i) for i in range(20)))
+        await asyncio.sleep(0.05)  # the releases' call
+        await dispatcher.aclose()
+        return answers
+
+    answers = _run(scenario())
+    assert answers[5] == "prompt is empty"
+    assert answers[3] == ("decode-1", "r3~r")
+    assert all(answers[i] == ("decode-0", f"r{i}") for i in range(20) if i not in (3, 5))
+    (first,) = [args for m, args in d0.handle.calls if m == "reserve_many"]
+    items, client = first
+    assert [rid for rid, *_ in items] == [f"r{i}" for i in range(20)] and client == "test"
+    assert all(kw == {"predicted_tokens": 9} for *_, kw in items)
+    assert d1.handle.called("reserve") == ["r3~r"]
+    # released: the gated prefills whose reservation held (r3's second prefill, for decode-1,
+    # was sent ungated once decode-1 had reserved)
+    released = p.handle.called("release")
+    assert sorted(released) == sorted(f"r{i}" for i in range(20) if i not in (3, 5))
+    assert len([c for c in p.handle.calls if c[0] == "release_many"]) == 1
