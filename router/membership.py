@@ -44,6 +44,7 @@ class MembershipView:
         self._workers: dict[str, WorkerRef] = {}
         self._forgotten: set[str] = set()
         self._suspects: dict[str, set[str]] = {}  # worker -> why this router suspects it
+        self._given_up: dict[str, asyncio.Future] = {}  # worker -> done when suspect or dead
         self.table = table
         self.apply(table)
 
@@ -67,6 +68,7 @@ class MembershipView:
             ref.max_num_seqs = info.max_num_seqs
             workers[info.name] = ref
         self._workers = workers
+        self._notify()
 
     def _pool(self, role: str) -> list[WorkerRef]:
         return [
@@ -118,6 +120,7 @@ class MembershipView:
         if name in self._forgotten:
             return
         self._forgotten.add(name)
+        self._notify()
         w = self._workers.get(name)
         if w is not None and w.state == WorkerState.DRAINING:  # scaled in: stopped after its drain
             logger.info("worker %s (draining) has stopped, no longer routed to", name)
@@ -134,6 +137,7 @@ class MembershipView:
         if reason in reasons:
             return
         reasons.add(reason)
+        self._notify()
         logger.warning("worker %s is suspect, no new requests: %s", name, why or reason)
         if self.controller is not None:
             with contextlib.suppress(Exception):
@@ -148,6 +152,7 @@ class MembershipView:
         reasons.discard(reason)
         if not reasons:
             del self._suspects[name]
+            self._notify()
             logger.warning("worker %s answers again", name)
 
     def state_of(self, name: str) -> str:
@@ -159,6 +164,28 @@ class MembershipView:
         if name in self._suspects and w.state == WorkerState.ACTIVE:
             return "suspect"
         return w.state.name.lower()
+
+    def given_up(self, name: str) -> asyncio.Future:
+        """A future done once this router holds ``name`` suspect or dead (at once if it does
+        now): a call into it can be left unanswered from then on. One future per worker,
+        shared by every waiter, so none polls (``asyncio.wait`` on it and the call)."""
+        loop = asyncio.get_running_loop()
+        future = self._given_up.get(name)
+        if future is None or future.get_loop() is not loop:
+            future = self._given_up[name] = loop.create_future()
+        if self.state_of(name) in ("suspect", "dead") and not future.done():
+            future.set_result(None)
+        return future
+
+    def _notify(self) -> None:
+        """Complete the ``given_up`` futures of workers now suspect or dead (a cleared
+        suspicion gets a fresh future at its next ``given_up``)."""
+        for name, future in list(self._given_up.items()):
+            if future.done():
+                if self.state_of(name) not in ("suspect", "dead"):
+                    del self._given_up[name]  # answering again: the next wait gets a new one
+            elif self.state_of(name) in ("suspect", "dead"):
+                future.set_result(None)
 
     def routable(self) -> bool:
         """Some request can be placed now: an ACTIVE, unsuspected colocated worker, or such a

@@ -305,3 +305,41 @@ def test_reservations_and_releases_of_a_burst_share_actor_calls() -> None:
     released = p.handle.called("release")
     assert sorted(released) == sorted(f"r{i}" for i in range(20) if i not in (3, 5))
     assert len([c for c in p.handle.calls if c[0] == "release_many"]) == 1
+
+
+def test_given_up_completes_when_the_router_stops_trusting_a_worker() -> None:
+    """``MembershipView.given_up``: pending while the worker is trusted; done at once on this
+    router's suspicion, on ``forget`` and on a table that marks it SUSPECT, DEAD or drops it;
+    a worker heard from again gets a fresh, pending future."""
+    from dataclasses import replace
+
+    from engine.messages import WorkerState
+
+    view = _view(("a", "decode", False), ("b", "decode", False), ("c", "decode", False))
+
+    def table(version: int, **states) -> Membership:
+        workers = [
+            replace(w, state=states.get(w.name, w.state))
+            for w in view.table.workers
+            if states.get(w.name) != "gone"
+        ]
+        return Membership(version, workers, model_dir="", block_size=4, max_model_len=64)
+
+    async def scenario():
+        a, b, c = view.given_up("a"), view.given_up("b"), view.given_up("c")
+        await asyncio.sleep(0)
+        assert not any(f.done() for f in (a, b, c))
+        assert view.given_up("a") is a  # one future per worker, shared
+        view.suspect("a", "stream")
+        assert a.done() and not b.done()
+        view.clear("a", "stream")
+        fresh = view.given_up("a")
+        assert fresh is not a and not fresh.done()
+        view.apply(table(2, b=WorkerState.SUSPECT))
+        assert b.done() and not c.done() and not fresh.done()
+        view.apply(table(3, c="gone"))
+        assert c.done()
+        view.forget("a", "actor died")
+        assert fresh.done() and view.given_up("a").done()
+
+    _run(scenario())
