@@ -109,7 +109,10 @@ def main() -> None:
         err = (run(x, w).float() - gemv_ref(x.float(), ref.float())).abs().max().item()
         cublas = graph_time(lambda w, x=x: F.linear(x, w), ws) if not args.fp8 else float("nan")
         default = graph_time(lambda w, x=x, run=run: run(x, w), ws)
-        best = (default, default_config(n, k, w.element_size()))
+        from kernels import pdl
+
+        pdl_on = pdl.enabled(w.device)
+        best = (default, default_config(n, k, w.element_size(), pdl_on))
         every = []
         for values in itertools.product(*sweep.values()):
             cfg = dict(zip(sweep, values, strict=True))

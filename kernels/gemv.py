@@ -158,7 +158,8 @@ def launch_gemv(
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     # Gated programs stream gate and up rows: half the rows each, the same bytes per program.
-    cfg = default_config(2 * n if gated else n, k, weight.element_size())
+    launch = pdl.launch_options(x.device)
+    cfg = default_config(2 * n if gated else n, k, weight.element_size(), launch["PDL"])
     if gated:
         cfg["block_n"] = max(1, cfg["block_n"] // 2)
     cfg.update(config)
@@ -183,25 +184,38 @@ def launch_gemv(
         BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **pdl.launch_options(x.device),
+        **launch,
     )
 
 
-def default_config(n: int, k: int, weight_bytes: int = 2) -> dict:
-    """Tiles from the H100 sweep in benchmarks/gpu_gemv.py with the weights cold in L2, as a
-    decode step reads them (``--wide``, 2026-11-28; ``weight_bytes`` of an element):
+def default_config(n: int, k: int, weight_bytes: int = 2, pdl_on: bool = True) -> dict:
+    """Tiles from the H100 sweeps of benchmarks/gpu_gemv.py.
+
+    Launched with PDL (``pdl_on``: Hopper and later, kernels/pdl.py), from the sweep with the
+    weights cold in L2, as a decode step reads them (``--wide``, 2026-11-28; ``weight_bytes``
+    of an element):
 
     - bf16 / fp16: 4 rows a program in runs of 2048 columns, 4 warps: the best or within 1 %
-      of it for every Llama-3-8B shape, at 0.98-1.06 of the HBM copy rate (the tiles of the
-      first, L2-warm sweep: 0.81-1.05);
+      of it for every Llama-3-8B shape, at 0.98-1.06 of the HBM copy rate;
     - e4m3 (``--fp8``, the input quantized in the kernel): 8 rows in runs of 1024, 4 warps,
       3 % less time over a layer's four shapes than the bf16 tiles, at 0.72-0.89 of copy.
 
-    A K shorter than a run takes one run of its own length."""
-    del n  # (one tile for every width measured)
-    rows, run = (8, 1024) if weight_bytes == 1 else (4, 2048)
-    block_k = min(run, triton.next_power_of_2(k))
-    return {"block_n": rows, "block_k": block_k, "num_warps": 4, "num_stages": 3}
+    Without PDL these tiles lose: a batch-1 step with PDL off took 7.02 ms with them against
+    6.20 with the first sweep's (benchmarks/NOTES.md), which a GPU without PDL keeps: long K
+    runs (1024), few rows per program (4) and 8 warps for wide outputs. A K shorter than a
+    run takes one run of its own length."""
+    if not pdl_on:
+        if n >= 16384:
+            cfg = {"block_n": 4, "block_k": 1024, "num_warps": 8, "num_stages": 3}
+        elif k > 8192:
+            cfg = {"block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4}
+        else:
+            cfg = {"block_n": 8, "block_k": 1024, "num_warps": 8, "num_stages": 3}
+    else:
+        rows, run = (8, 1024) if weight_bytes == 1 else (4, 2048)
+        cfg = {"block_n": rows, "block_k": run, "num_warps": 4, "num_stages": 3}
+    cfg["block_k"] = min(cfg["block_k"], triton.next_power_of_2(k))
+    return cfg
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config):
