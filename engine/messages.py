@@ -167,18 +167,29 @@ class Delta:
     def merge(self, later: Delta) -> Delta:
         """This delta followed by ``later`` of the same sequence, as one delta (a reader that
         fell behind gets one per sequence, however many steps it missed)."""
-        logprobs = self.logprobs
-        if later.logprobs is not None:
-            logprobs = (logprobs or []) + later.logprobs
+        return Delta.merge_all([self, later])
+
+    @staticmethod
+    def merge_all(deltas: list[Delta]) -> Delta:
+        """``deltas[0].merge(deltas[1]).merge(...)`` in one pass: linear in the tokens, where
+        merging one step at a time copies the tokens so far at every step (quadratic in the
+        steps a reader missed)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        last = deltas[-1]
+        logprobs = None
+        if any(d.logprobs is not None for d in deltas):
+            logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+        start = next((d.start for d in deltas if d.start >= 0), last.start)
         return replace(
-            later,
-            token_ids=self.token_ids + later.token_ids,
+            last,
+            token_ids=[t for d in deltas for t in d.token_ids],
             logprobs=logprobs,
-            text=self.text + later.text,
-            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
-            start=self.start if self.start >= 0 else later.start,
-            moved_to=later.moved_to or self.moved_to,
-            predicted=self.predicted or later.predicted,
+            text="".join(d.text for d in deltas),
+            num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+            start=start,
+            moved_to=next((d.moved_to for d in reversed(deltas) if d.moved_to), last.moved_to),
+            predicted=next((d.predicted for d in deltas if d.predicted), last.predicted),
         )
 
 

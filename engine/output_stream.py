@@ -273,7 +273,8 @@ class Channel:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # the engine thread writes; the event loop too
-        self.pending: dict[tuple[str, int], Delta] = {}
+        # per sequence, its deltas since the last take (merged once, at the take: linear)
+        self.pending: dict[tuple[str, int], list[Delta]] = {}
         self.steps = 0  # puts since the last take
         self.coalesced = 0  # steps merged into an earlier batch, in total
         self.ready = asyncio.Event()  # (event loop only) pending has something: iterate()
@@ -284,15 +285,20 @@ class Channel:
 
     def put(self, deltas: list[Delta]) -> None:
         """(lock held)"""
+        pending = self.pending
         for d in deltas:
             key = (d.request_id, d.index)
-            prev = self.pending.get(key)
-            self.pending[key] = d if prev is None else prev.merge(d)
+            held = pending.get(key)
+            if held is None:
+                pending[key] = [d]
+            else:
+                held.append(d)
         self.steps += 1
 
     def take(self) -> tuple[list[Delta], int]:
         """(lock held)"""
-        deltas, merged = list(self.pending.values()), max(self.steps - 1, 0)
+        deltas = [ds[0] if len(ds) == 1 else Delta.merge_all(ds) for ds in self.pending.values()]
+        merged = max(self.steps - 1, 0)
         self.pending, self.steps = {}, 0
         self.coalesced += merged
         return deltas, merged

@@ -38,6 +38,58 @@ def test_channel_merges_what_a_slow_reader_missed() -> None:
     assert by_id["b"].token_ids == [7] and not by_id["b"].finished
 
 
+def _merge_pair(a: Delta, b: Delta) -> Delta:
+    """The one-step-at-a-time merge (what ``Delta.merge`` did before ``merge_all``)."""
+    from dataclasses import replace
+
+    logprobs = a.logprobs
+    if b.logprobs is not None:
+        logprobs = (logprobs or []) + b.logprobs
+    return replace(
+        b,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=logprobs,
+        text=a.text + b.text,
+        num_cached_tokens=max(a.num_cached_tokens, b.num_cached_tokens),
+        start=a.start if a.start >= 0 else b.start,
+        moved_to=b.moved_to or a.moved_to,
+        predicted=a.predicted or b.predicted,
+    )
+
+
+def test_merging_once_at_the_take_equals_merging_step_by_step() -> None:
+    """A channel merges a sequence's deltas once, when its reader takes them (linear in the
+    tokens); the result is the step-by-step merge's, field by field, over random runs of
+    deltas (logprobs on some steps only, unpositioned ones, texts, a move, a prediction)."""
+    import functools
+    import random
+
+    rng = random.Random(4)
+    for trial in range(200):
+        n = rng.randrange(1, 7)
+        deltas = []
+        for i in range(n):
+            deltas.append(
+                Delta(
+                    "r",
+                    [rng.randrange(100) for _ in range(rng.randrange(0, 3))],
+                    [{1: -0.5}] if rng.random() < 0.4 else None,
+                    text=rng.choice(["", "a", "bc"]),
+                    num_cached_tokens=rng.randrange(3),
+                    start=rng.choice([-1, 4 + i]),
+                    moved_to=rng.choice([None, None, "d1", "d2"]),
+                    predicted=rng.choice([None, None, (1.0, 2.0, float(i))]),
+                    finish_reason="stop" if i == n - 1 and trial % 3 == 0 else None,
+                )
+            )
+        ch = Channel()
+        for d in deltas:
+            ch.put([d])
+        (got,), merged = ch.take()
+        assert got == functools.reduce(_merge_pair, deltas) == Delta.merge_all(deltas)
+        assert merged == n - 1
+
+
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
     return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
