@@ -11,12 +11,13 @@ keep-alive (``connection: close``: a streamed request holds its connection to th
 
 The interface is the part of httpx's the benchmarks call: ``stream(method, url, json=,
 headers=)`` as an async context manager giving a response with ``status_code``, ``headers``
-(names lowercased), ``aiter_bytes()`` and ``aread()``.
+(names lowercased), ``aiter_bytes()``, ``aiter_lines()`` and ``aread()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json as jsonlib
 from collections.abc import AsyncIterator
@@ -76,6 +77,18 @@ class Response:
 
     async def aread(self) -> bytes:
         return b"".join([data async for data in self.aiter_bytes()])
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        """The body's lines as text (UTF-8; a character or a line split between reads is put
+        back together), without their ``\n`` or ``\r\n``, as httpx's ``aiter_lines``."""
+        decoder, rest = codecs.getincrementaldecoder("utf-8")(), ""
+        async for data in self.aiter_bytes():
+            *lines, rest = (rest + decoder.decode(data)).split("\n")
+            for line in lines:
+                yield line.removesuffix("\r")
+        rest += decoder.decode(b"", final=True)
+        if rest:
+            yield rest.removesuffix("\r")
 
 
 class RawStreamClient:

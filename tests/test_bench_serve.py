@@ -431,8 +431,9 @@ def test_steady_capacity_is_the_middle_token_rate_over_a_requests_output() -> No
 
 
 def test_raw_client_decodes_chunks_split_anywhere_and_refuses_bad_heads():
-    """Chunked bodies whose size lines and payloads straddle the reads, a sized body, a body
-    up to EOF; a bad status line or a truncated chunk raises HTTPError."""
+    """Chunked bodies whose size lines and payloads straddle the reads (read whole and as
+    lines), a sized body, a body up to EOF; a bad status line or a truncated chunk raises
+    HTTPError."""
     from benchmarks.http_client import HTTPError, RawStreamClient
 
     payloads = [b"data: a\n\n", b"x" * 70000, b"data: \xe2\x80\xa8b\n\n"]
@@ -463,6 +464,10 @@ def test_raw_client_decodes_chunks_split_anywhere_and_refuses_bad_heads():
             async with client.stream("POST", url + "/chunked", json={"a": 1}) as resp:
                 assert resp.status_code == 200 and resp.headers["x-a"] == "1"
                 assert await resp.aread() == b"".join(payloads)
+            async with client.stream("POST", url + "/chunked") as resp:
+                lines = [line async for line in resp.aiter_lines()]
+            # (a line and the 3-byte U+2028 straddle the 7-byte writes: put back together)
+            assert lines == ["data: a", "", "x" * 70000 + "data: \u2028b", ""]
             async with client.stream("GET", url + "/sized") as resp:
                 assert resp.status_code == 429 and await resp.aread() == b"busy!"
             async with client.stream("GET", url + "/eof") as resp:
