@@ -9,7 +9,11 @@ never holds the next layer's weights. Warm (``--warm``), the small shapes read p
 and come out above the copy rate (o_proj 1.66x in the first sweep). ``--wide`` sweeps more tiles
 (1-2 rows a program, 2048-column runs, 2 stages).
 
-    python benchmarks/gpu_gemv.py [--rows 1] [--out DIR] [--warm] [--wide]
+    python benchmarks/gpu_gemv.py [--rows 1] [--out DIR] [--warm] [--wide] [--fp8]
+    python benchmarks/gpu_gemv.py --replot RESULT.json     # its plot again, no GPU needed
+
+Writes JSON and a plot beside it: each shape's fraction of the copy rate for cuBLAS, the
+default tiles and the best of the sweep, and every tile of the sweep as a dot.
 """
 
 from __future__ import annotations
@@ -74,7 +78,11 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="the wider tile sweep")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights (kernels/fp8_gemv.py)")
+    ap.add_argument("--replot", type=Path, help="draw a saved result's plot and stop")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return
     sweep = WIDE if args.wide else SWEEP
     gpu = torch.cuda.get_device_name()
     bw = hbm_copy_bandwidth()
@@ -84,6 +92,7 @@ def main() -> None:
         "hbm_copy_bytes_per_s": bw,
         "rows": args.rows,
         "cold": not args.warm,
+        "fp8": args.fp8,
         "sweep": sweep,
         "shapes": {},
     }
@@ -142,6 +151,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     name = ("gpu_gemv" + ("_fp8" if args.fp8 else "") + ("" if args.warm else "_cold")) + ".json"
     (args.out / name).write_text(json.dumps(results, indent=2))
+    plot(results, (args.out / name).with_suffix(".png"))
     print(f"\n{gpu}, M={args.rows}, bf16; fraction of HBM copy bandwidth {bw / 1e12:.2f} TB/s")
     print(
         f"{'shape':<9}{'cuBLAS us':>10}{'/copy':>7}{'gemv us':>9}{'/copy':>7}{'best us':>9}"
@@ -159,6 +169,44 @@ def main() -> None:
         for name, r in results["shapes"].items()
     )
     print(f"a batch-1 step of 32 layers with the best tiles: {saved * 1e6:.0f} us less")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Per shape: cuBLAS, the default tiles and the sweep's best as bars (fraction of the HBM
+    copy rate), every swept tile as a grey dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw, shapes = results["hbm_copy_bytes_per_s"], results["shapes"]
+    names = list(shapes)
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2, 3.6))
+    width = 0.26
+    for j, (key, label, color) in enumerate(
+        (
+            ("cublas_over_copy", "cuBLAS", "tab:gray"),
+            ("default_over_copy", "default tiles", "tab:blue"),
+            ("best_over_copy", "best swept", "tab:green"),
+        )
+    ):
+        ax.bar([i + (j - 1) * width for i in range(len(names))],
+               [shapes[n].get(key) or 0.0 for n in names], width, label=label, color=color)  # fmt: skip
+    for i, n in enumerate(names):
+        r = shapes[n]
+        fp8 = results.get("fp8", "fp8" in path.name)  # (results before the key: by name)
+        nbytes = r["n"] * r["k"] * (1 if fp8 else 2)
+        ys = [nbytes / e["s"] / bw for e in r.get("every", [])]
+        ax.scatter([i + width] * len(ys), ys, s=4, color="k", alpha=0.25, zorder=3)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names)), [f"{n}\n{shapes[n]['n']}x{shapes[n]['k']}" for n in names])
+    ax.set_ylabel("weight bytes/s / HBM copy rate")
+    cold = "weights cold in L2" if results.get("cold") else "one weight (L2 may hold it)"
+    ax.set_title(f"Batch-{results['rows']} GEMV, {results['gpu']}, {cold}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
