@@ -272,9 +272,8 @@ class ModelRunner:
         positions = torch.arange(tokens, device=self.device)
         hidden = self.model(ids, positions, kv, meta, self.backend)
         logits = self.model.compute_logits(hidden[:rows])
-        logits_bytes = (
-            logits.numel() * 4
-        )  # the sampler's copies are float32 (the model's may not be)
+        # the sampler's copies are float32 (the model's logits may not be)
+        logits_bytes = logits.numel() * 4
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv, hidden, logits
         torch.cuda.empty_cache()

@@ -112,9 +112,9 @@ class Fp8Linear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where the
         FP8 GEMV runs (CUDA, at most ``gemv_max_rows`` rows of 2-D input); None elsewhere."""
-        if not (x.is_cuda and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows):
+        if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
             return None
-        if not self.fuse_activation:
+        if x.shape[0] > self.gemv_max_rows:  # (cuBLAS's rows: the projection, then the kernel)
             return None
         if x.stride(-1) != 1:
             x = x.contiguous()

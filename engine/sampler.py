@@ -489,10 +489,10 @@ class Sampler:
                 f"logits must be [len(rows)={len(rows)} >= 1, vocab], got {tuple(logits.shape)}."
             )
         n_rows, device = len(rows), logits.device
-        processed = self._processed(logits, rows)
-        tokens = torch.empty(n_rows, dtype=torch.long, device=device)
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        processed = self._processed(logits, rows, greedy_only=not random)
+        tokens = torch.empty(n_rows, dtype=torch.long, device=device)
         if greedy:
             index = _row_index(greedy, n_rows, device)
             picked = _greedy(self._gather(processed, index, "greedy", len(greedy)))
@@ -519,7 +519,7 @@ class Sampler:
         return torch.index_select(source, 0, index, out=out)
 
     def _processed(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], greedy_only: bool | None = None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], greedy_only: bool
     ) -> torch.Tensor:
         """float32 logits after penalties and min_tokens masking.
 
@@ -528,8 +528,6 @@ class Sampler:
         is greedy: the argmax of bf16 logits is the argmax of their exact fp32 values, so
         the copy would change nothing), so it must be treated as read-only.
         """
-        if greedy_only is None:
-            greedy_only = all(row.params.greedy for row in rows)
         vocab_size = logits.shape[-1]
         penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
         banned = {

@@ -450,7 +450,9 @@ class Dispatcher:
         kwargs = _for_prefill(kwargs)
         inflight = self._expect(irid, worker, _carried(kwargs))
         try:
-            res = await self._batch(worker, "generate_many").add((irid, ids, params, kwargs))
+            res = await self._batch(worker, "generate_many", self.client_id).add(
+                (irid, ids, params, kwargs)
+            )
         except Exception as exc:  # noqa: BLE001 - the worker died: another may serve it
             self._worker_failed(worker, exc)
             raise _Retry(f"worker {worker.name} failed: {brief(exc)}", "worker_died") from None
@@ -463,12 +465,11 @@ class Dispatcher:
             raise _Retry(f"worker {worker.name} could not start it: {message}", "worker_failed")
         return inflight
 
-    def _batch(self, worker: WorkerRef, method: str) -> _Batch:
-        """``worker``'s batch of ``method`` calls (a worker restarted under its name gets a new
-        one). Starts and reservations carry this router's client id."""
+    def _batch(self, worker: WorkerRef, method: str, *extra) -> _Batch:
+        """``worker``'s batch of ``method(items, *extra)`` calls (a worker restarted under its
+        name gets a new one)."""
         batch = self._batches.get((worker.name, method))
         if batch is None or batch.worker.handle is not worker.handle:
-            extra = () if method == "release_many" else (self.client_id,)
             batch = self._batches[worker.name, method] = _Batch(self, worker, method, *extra)
         return batch
 
@@ -505,7 +506,9 @@ class Dispatcher:
         """``d``'s answer to a reservation; a dead or unresponsive ``d`` is as if full (the
         caller tries the others), its reservation aborted in case it ever wakes up."""
         try:
-            res = await self._batch(d, "reserve_many").add((irid, ids, params, kwargs))
+            res = await self._batch(d, "reserve_many", self.client_id).add(
+                (irid, ids, params, kwargs)
+            )
         except Exception as exc:  # noqa: BLE001 - a dead decode worker: as if full
             self._worker_failed(d, exc)
             return Full(str(exc))

@@ -113,15 +113,8 @@ def _run(coro):
 
 
 def test_a_reservation_on_a_hung_decode_worker_moves_on_when_it_is_suspected() -> None:
-    view = _view(("prefill-0", "prefill", False), ("decode-0", "decode", True))
-    view.apply(
-        Membership(
-            2,
-            [*view.table.workers, WorkerInfo("decode-1", "decode", Handle("decode-1"))],
-            model_dir="",
-            block_size=4,
-            max_model_len=64,
-        )
+    view = _view(
+        ("prefill-0", "prefill", False), ("decode-0", "decode", True), ("decode-1", "decode", False)
     )
     p, d0, d1 = view.get("prefill-0"), view.get("decode-0"), view.get("decode-1")
     dispatcher = _dispatcher(view)
@@ -260,15 +253,10 @@ def test_reservations_and_releases_of_a_burst_share_actor_calls() -> None:
     gated prefills of reserved requests are released."""
     from router.errors import RequestError
 
-    view = _view(("prefill-0", "prefill", False), ("decode-0", "decode", False))
-    view.apply(
-        Membership(
-            2,
-            [*view.table.workers, WorkerInfo("decode-1", "decode", Handle("decode-1"))],
-            model_dir="",
-            block_size=4,
-            max_model_len=64,
-        )
+    view = _view(
+        ("prefill-0", "prefill", False),
+        ("decode-0", "decode", False),
+        ("decode-1", "decode", False),
     )
     p, d0, d1 = view.get("prefill-0"), view.get("decode-0"), view.get("decode-1")
     d0.handle.full = {"r3"}
