@@ -9,7 +9,13 @@ never holds the next layer's weights. Warm (``--warm``), the small shapes read p
 and come out above the copy rate (o_proj 1.66x in the first sweep). ``--wide`` sweeps more tiles
 (1-2 rows a program, 2048-column runs, 2 stages).
 
+``--fp8`` times the FP8 GEMV with its input as each mode of ``--fp8-input`` gives it, one result
+file each: ``quantizing`` (x in bf16, quantized inside the GEMV: batch-1 decode's path) and
+``e4m3`` (x already quantized, one byte an element: what the GEMV would cost if the kernel that
+writes x quantized it). ``--no-sweep`` times the default tiles alone.
+
     python benchmarks/gpu_gemv.py [--rows 1] [--out DIR] [--warm] [--wide] [--fp8]
+        [--fp8-input quantizing,e4m3] [--no-sweep]
     python benchmarks/gpu_gemv.py --replot RESULT.json     # its plot again, no GPU needed
 
 Writes JSON and a plot beside it: each shape's fraction of the copy rate for cuBLAS, the
@@ -78,43 +84,62 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="the wider tile sweep")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights (kernels/fp8_gemv.py)")
+    ap.add_argument("--fp8-input", default="quantizing", help="quantizing,e4m3 (with --fp8)")
+    ap.add_argument("--no-sweep", action="store_true", help="the default tiles only")
     ap.add_argument("--replot", type=Path, help="draw a saved result's plot and stop")
     args = ap.parse_args()
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
         return
-    sweep = WIDE if args.wide else SWEEP
+    sweep = {} if args.no_sweep else WIDE if args.wide else SWEEP
     gpu = torch.cuda.get_device_name()
     bw = hbm_copy_bandwidth()
     print(f"[{time.strftime('%H:%M:%S')}] {gpu}: copy {bw / 1e12:.2f} TB/s", file=sys.stderr)
+    for mode in args.fp8_input.split(",") if args.fp8 else [None]:
+        run_one(args, sweep, gpu, bw, mode)
+
+
+def fp8_runner(mode: str, x: torch.Tensor, scale: torch.Tensor):
+    """``run(x, w, **cfg)``: the FP8 GEMV fed as ``mode`` gives it (module docstring)."""
+    from kernels.fp8_gemv import fp8_gemv, fp8_gemv_quantizing
+    from kernels.fp8_quant import quantize_per_token
+
+    if mode == "e4m3":
+        xq, xs = quantize_per_token(x)
+        return lambda x, w, **cfg: fp8_gemv(xq, xs, w, scale, None, torch.bfloat16, **cfg)
+    if mode != "quantizing":
+        raise SystemExit(f"--fp8-input: unknown mode {mode!r}")
+    return lambda x, w, **cfg: fp8_gemv_quantizing(x, w, scale, None, torch.bfloat16, **cfg)
+
+
+def run_one(args, sweep: dict, gpu: str, bw: float, mode: str | None) -> None:
+    """Every shape of ``--shapes``: cuBLAS (bf16), the default tiles, the sweep; one file."""
     results = {
         "gpu": gpu,
         "hbm_copy_bytes_per_s": bw,
         "rows": args.rows,
         "cold": not args.warm,
         "fp8": args.fp8,
+        "fp8_input": mode,
         "sweep": sweep,
         "shapes": {},
     }
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
         run, ref = gemv, w
-        if args.fp8:  # e4m3 rows and their scales; the GEMV quantizes x itself, as at batch 1
-            from kernels.fp8_gemv import fp8_gemv_quantizing
+        if mode:  # e4m3 rows and their scales; x as the mode gives it
             from kernels.fp8_quant import FP8
 
             scale = (w.float().abs().amax(dim=1) / 448).reshape(1, -1).contiguous()
             w = (w.float() / scale.reshape(-1, 1)).to(FP8)
             ref = w.float() * scale.reshape(-1, 1)
-
-            def run(x, w, scale=scale, **cfg):
-                return fp8_gemv_quantizing(x, w, scale, None, torch.bfloat16, **cfg)
+            run = fp8_runner(mode, x, scale)
 
         nbytes = w.numel() * w.element_size()
         copies = 1 if args.warm else max(2, -(-COLD_BYTES // nbytes))
         ws = [w] + [w.clone() for _ in range(copies - 1)]
-        x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
         err = (run(x, w).float() - gemv_ref(x.float(), ref.float())).abs().max().item()
         cublas = graph_time(lambda w, x=x: F.linear(x, w), ws) if not args.fp8 else float("nan")
         default = graph_time(lambda w, x=x, run=run: run(x, w), ws)
@@ -123,7 +148,7 @@ def main() -> None:
         pdl_on = pdl.enabled(w.device)
         best = (default, default_config(n, k, w.element_size(), pdl_on))
         every = []
-        for values in itertools.product(*sweep.values()):
+        for values in itertools.product(*sweep.values()) if sweep else ():
             cfg = dict(zip(sweep, values, strict=True))
             try:
                 t = graph_time(lambda w, x=x, cfg=cfg, run=run: run(x, w, **cfg), ws)
@@ -149,10 +174,12 @@ def main() -> None:
         }
         print(f"[{time.strftime('%H:%M:%S')}] {name} done", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = ("gpu_gemv" + ("_fp8" if args.fp8 else "") + ("" if args.warm else "_cold")) + ".json"
+    fp8 = f"_fp8{'' if mode == 'quantizing' else '_' + mode}" if mode else ""
+    name = f"gpu_gemv{fp8}{'' if args.warm else '_cold'}.json"
     (args.out / name).write_text(json.dumps(results, indent=2))
     plot(results, (args.out / name).with_suffix(".png"))
-    print(f"\n{gpu}, M={args.rows}, bf16; fraction of HBM copy bandwidth {bw / 1e12:.2f} TB/s")
+    dtype = f"fp8 weights, x {mode}" if mode else "bf16"
+    print(f"\n{gpu}, M={args.rows}, {dtype}; fraction of HBM copy bandwidth {bw / 1e12:.2f} TB/s")
     print(
         f"{'shape':<9}{'cuBLAS us':>10}{'/copy':>7}{'gemv us':>9}{'/copy':>7}{'best us':>9}"
         f"{'/copy':>7}  best config"
@@ -202,7 +229,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks(range(len(names)), [f"{n}\n{shapes[n]['n']}x{shapes[n]['k']}" for n in names])
     ax.set_ylabel("weight bytes/s / HBM copy rate")
     cold = "weights cold in L2" if results.get("cold") else "one weight (L2 may hold it)"
-    ax.set_title(f"Batch-{results['rows']} GEMV, {results['gpu']}, {cold}", fontsize=9)
+    x_in = f", fp8 x {results['fp8_input']}" if results.get("fp8_input") else ""
+    ax.set_title(f"Batch-{results['rows']} GEMV, {results['gpu']}, {cold}{x_in}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
