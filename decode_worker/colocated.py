@@ -18,7 +18,6 @@ from typing import Any
 
 from engine.runtime import EngineWorker
 from engine.sampling_params import SamplingParams
-from engine.tracing import trace
 
 
 class ColocatedWorker(EngineWorker):
@@ -45,25 +44,7 @@ class ColocatedWorker(EngineWorker):
     ) -> list[tuple[str, str] | None]:
         """``generate`` for several requests, ``(request_id, prompt, params, kwargs)`` each, in
         one actor call and one hop to the engine thread: the router sends the starts of a
-        burst together (router/dispatch.py ``_Starts``), where one call each cost its event
-        loop ~0.5 ms of Ray's client work a request. Per request, None (queued) or why not:
-        ``("invalid", message)`` for bad input, ``("failed", message)`` for anything else, so
-        one request's problem is never another's."""
-        for request_id, *_ in items:
-            trace(request_id, "worker.called")
-
-        def add() -> list[tuple[str, str] | None]:
-            out: list[tuple[str, str] | None] = []
-            for request_id, prompt, params, kwargs in items:
-                try:
-                    self.engine.add_request(request_id, prompt, params, **kwargs)
-                    self.register(request_id, client)
-                except ValueError as exc:
-                    out.append(("invalid", str(exc) or "invalid request"))
-                except Exception as exc:  # noqa: BLE001 - that request's, reported to its caller
-                    out.append(("failed", f"{type(exc).__name__}: {exc}"))
-                else:
-                    out.append(None)
-            return out
-
-        return await self.call(add)
+        burst together (router/dispatch.py ``_Batch``), where one call each cost its event
+        loop ~0.5 ms of Ray's client work a request. Per request, None (queued) or why not
+        (``EngineWorker.add_requests``)."""
+        return await self.add_requests(items, client)

@@ -61,7 +61,7 @@ class DecodeWorker(EngineWorker):
     ) -> None:
         """``kv_limits``: KVLimits fields to change (listener caps, socket and NCCL timeouts);
         ``migration``: MigrationConfig fields to change; ``index``: publish cached blocks to
-        the prefix index (a decode worker computes none; one that can also prefill does)."""
+        the prefix index (its requests' prompts and answers: a next turn may prefill here)."""
         super().__init__(engine_config, name, index)
         self.decode_role, self.migration_role = decode_roles(
             self,
@@ -76,6 +76,16 @@ class DecodeWorker(EngineWorker):
 
     async def ready(self) -> dict[str, Any]:
         return {**await super().ready(), "endpoint": self.decode_role.receiver.endpoint}
+
+    async def generate_many(
+        self, items: list[tuple[str, list[int], Any, dict[str, Any]]], client: str = ""
+    ) -> list[tuple[str, str] | None]:
+        """Whole requests, prefill included, here: a conversation's next turn, when this
+        worker holds all of its prompt but a short suffix (the router's
+        ``local_prefill_tokens``), is prefilled where its history is rather than recomputed
+        or loaded on a prefill worker and streamed back. Answers as the colocated worker's
+        ``generate_many`` (``EngineWorker.add_requests``)."""
+        return await self.add_requests(items, client)
 
     endpoint = delegate("decode_role", DecodeRole.endpoint)
     reserve = delegate("decode_role", DecodeRole.reserve)

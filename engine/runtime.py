@@ -454,6 +454,33 @@ class EngineWorker:
         self.post(run)
         return await fut
 
+    async def add_requests(
+        self, items: list[tuple[str, list[int], Any, dict[str, Any]]], client: str = ""
+    ) -> list[tuple[str, str] | None]:
+        """Queue whole requests here, prefill and decode, ``(request_id, prompt, params,
+        kwargs)`` each, in one hop to the engine thread (the colocated worker's
+        ``generate_many``, and a decode worker's for the short turns it prefills itself). Per
+        request, None (queued) or why not: ``("invalid", message)`` for bad input, ``("failed",
+        message)`` for anything else, so one request's problem is never another's."""
+        for request_id, *_ in items:
+            trace(request_id, "worker.called")
+
+        def add() -> list[tuple[str, str] | None]:
+            out: list[tuple[str, str] | None] = []
+            for request_id, prompt, params, kwargs in items:
+                try:
+                    self.engine.add_request(request_id, prompt, params, **kwargs)
+                    self.register(request_id, client)
+                except ValueError as exc:
+                    out.append(("invalid", str(exc) or "invalid request"))
+                except Exception as exc:  # noqa: BLE001 - that request's, reported to its caller
+                    out.append(("failed", f"{type(exc).__name__}: {exc}"))
+                else:
+                    out.append(None)
+            return out
+
+        return await self.call(add)
+
     # -- the stream of outputs -------------------------------------------------------------------
 
     async def stream_endpoint(self, peer_ip: str = "") -> tuple[str, int, str]:

@@ -72,8 +72,14 @@ class ClusterBackend:
         hang_timeout_s: float = 60.0,
         queue: QueueConfig | None = None,
         predictor: LengthPredictor | str | None = None,
+        local_prefill_tokens: int = 0,
     ) -> None:
+        """``local_prefill_tokens``: in a disaggregated cluster, a prompt a decode worker holds
+        all of but at most this many tokens (a conversation's next turn: its history and the
+        last answer are in that worker's pool or tiers) is prefilled there, not on a prefill
+        worker (0: never; docs/kv-tiers.md has the measurement)."""
         self.members = members
+        self.local_prefill_tokens = local_prefill_tokens
         table = members.table
         self.index = index
         self._lookups = PrefixLookups(index) if index is not None else None
@@ -355,7 +361,10 @@ class ClusterBackend:
         route = req.route
         if route is None:
             route = RouteRequest(len(req.prompt_ids), self.block_size, index_available=False)
-        p, d, _ = self._place(route, not req.colocated, req.avoid)
+        # a turn prefilled on a decode worker (local_prefill) is retried as the cluster runs
+        # requests: disaggregated when it has no colocated workers
+        disagg = not req.colocated or not self.members.colocated
+        p, d, _ = self._place(route, disagg, req.avoid)
         return p, d
 
     def _place(self, req: RouteRequest, disagg: bool, avoid: set[str]):
@@ -368,11 +377,35 @@ class ClusterBackend:
             return self._views([w for w in workers if w.name not in avoid] or workers)
 
         if disagg:
+            local = self._local_prefill(req, avoid)
+            if local is not None:
+                return None, local, "local_prefill"
             p, reason = self.policy.choose_prefill(req, pool(self.members.prefill))
             d, _ = self.policy.choose_decode(req, pool(self.members.decode))
             return p, d, reason
         d, reason = self.policy.choose_prefill(req, pool(self.members.colocated))
         return None, d, reason
+
+    def _local_prefill(self, req: RouteRequest, avoid: set[str]) -> str | None:
+        """The decode worker that holds the most of this prompt (at any tier) when what it
+        lacks is at most ``local_prefill_tokens``; None when none does or the setting is 0."""
+        if self.local_prefill_tokens <= 0 or not req.cached_tiers:
+            return None
+        best, most = None, 0
+        for w in self.members.decode:
+            cached = req.cached_tokens(w.name)
+            if w.name in avoid or cached <= most:
+                continue
+            if req.prompt_len - cached <= self.local_prefill_tokens:
+                best, most = w.name, cached
+        return best
+
+    def _remember_answer(self, req: RoutedRequest, answer: list[int]) -> None:
+        """A finished request's prompt and answer are in its decode worker's pool: a next turn
+        that starts with them finds that worker at once (the index hears of them a publish
+        interval later). The last token has no KV yet."""
+        ids = req.prompt_ids + answer
+        self._remember(prefix_block_hashes(ids[:-1], self.block_size, req.cache_salt), req.decode)
 
     def _views(self, pool) -> list[WorkerView]:
         # One candidate leaves the policy no choice: its load is not worth computing.
@@ -583,11 +616,17 @@ class _Generation:
         self._first: Step | None = None
         self._clean = True  # no choice finished other than by stop or length
         self._closed = False
+        # its tokens, kept when a next turn may be prefilled where they are (local_prefill)
+        self._answer: list[int] | None = (
+            [] if backend.local_prefill_tokens > 0 and req.prefill is not None else None
+        )
 
     def _ending(self, finished: bool) -> None:
         """Once: the request's slot is given back (``finished``: it ran to its end)."""
         if not self._slot_returned:
             self._slot_returned = True
+            if finished and self._answer is not None:
+                self._backend._remember_answer(self._req, self._answer)
             self._backend._ended(self._req.ticket, self._req.hints, finished and self._clean)
 
     def _settle(self) -> None:
@@ -610,6 +649,9 @@ class _Generation:
         except StopAsyncIteration:
             raise ClusterError("the request's stream ended without finishing") from None
         self._backend._progress(self._req.ticket, step)
+        if self._answer is not None:
+            for c in step.choices:
+                self._answer.extend(c.token_ids)
         for c in step.choices:
             if c.finish_reason is not None and c.finish_reason not in ("stop", "length"):
                 self._clean = False

@@ -73,15 +73,23 @@ def serve(smollm2_dir, env, topology: list[str], engine: list[str]) -> tuple[Cli
 
 def complete(client, prompt: list[int], max_tokens: int = 8) -> tuple[str, int]:
     """(greedy text, cached prompt tokens) of one completion."""
-    out = client.completions.create(
+    return complete_routed(client, prompt, max_tokens)[:2]
+
+
+def complete_routed(client, prompt: list[int], max_tokens: int = 8) -> tuple[str, int, str]:
+    """(greedy text, cached prompt tokens, its prefill worker: "none" when one worker
+    prefilled and decoded it) of one completion."""
+    raw = client.completions.with_raw_response.create(
         model=client.model_name,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0.0,
         extra_body={"ignore_eos": True},
     )
+    out = raw.parse()
     details = out.usage.prompt_tokens_details
-    return out.choices[0].text, (details.cached_tokens if details else 0) or 0
+    cached = (details.cached_tokens if details else 0) or 0
+    return out.choices[0].text, cached, raw.headers["x-tandem-prefill"]
 
 
 def make_client(url: str):
@@ -107,7 +115,9 @@ def test_host_tier_and_a_conversation_across_prefill_and_decode(
     from engine.block_manager import prefix_block_hashes
 
     tiers = ["kv_offload_cpu_gb=0.1", f"kv_offload_disk_dir={disk_dir}"]
-    proc, url = serve(smollm2_dir, env, ["--prefill", "1", "--decode", "1"], tiers)
+    # a next turn the decode worker lacks at most 16 tokens of is prefilled there
+    pd = ["--prefill", "1", "--decode", "1", "--local-prefill-tokens", "16"]
+    proc, url = serve(smollm2_dir, env, pd, tiers)
     try:
         client = make_client(url)
         first, cached = complete(client, prompts[0])
@@ -125,10 +135,19 @@ def test_host_tier_and_a_conversation_across_prefill_and_decode(
         hashes = prefix_block_hashes(turn1[:-1], BLOCK)  # the last token has no KV yet
         assert len(hashes) == 14
         wait_for_files(disk_dir, hashes[12:])
-        turn2 = turn1 + prompts[1][:30]
-        text, cached = complete(client, turn2)
+        turn2 = turn1 + prompts[1][:30]  # 46 tokens the decode worker lacks: a prefill worker's
+        text, cached, prefill = complete_routed(client, turn2)
         assert cached == 14 * BLOCK, "prompt blocks from the prefill worker, answer from disk"
-        assert text == hf(turn2)[1]
+        assert prefill != "none"
+        want, text2 = hf(turn2)
+        assert text == text2
+
+        # Turn 3 adds 5 tokens to turn 2 and its answer: the decode worker holds all the rest
+        # (its own 17 blocks), so it prefills and decodes turn 3 itself.
+        turn3 = turn2 + want + prompts[1][30:35]
+        text, cached, prefill = complete_routed(client, turn3)
+        assert (prefill, cached) == ("none", 17 * BLOCK)
+        assert text == hf(turn3)[1]
     finally:
         proc.stop()
     assert proc.proc.returncode == 0, proc.tail()

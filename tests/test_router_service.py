@@ -5,6 +5,7 @@ end-to-end path is tests/test_serve.py."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -380,6 +381,52 @@ def test_a_host_hit_is_priced_by_the_holders_measured_tier_costs(redis, tmp_path
         assert req.prefill_tokens("prefill-0", backend._tier_load("prefill-0")) == pytest.approx(
             1 + 3 * BS * 0.1
         )
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        index.close()
+
+
+def test_a_next_turn_is_prefilled_where_its_history_is(redis, tmp_path) -> None:
+    """``local_prefill_tokens``: a prompt the decode worker holds all of but a short suffix
+    (published by it, or the router's memory of a finished answer) goes to that decode worker
+    whole, no prefill worker; a longer suffix, the setting at 0, or the worker to avoid keep
+    the disaggregated placement. A retry of a local turn is placed disaggregated again."""
+    from engine.prefix_index import PrefixIndex
+    from router.routed import RoutedRequest
+    from router.service import ClusterBackend
+
+    index = PrefixIndex(redis.url, "local-prefill-test")
+    members = table(tmp_path)
+    decode = members.workers[2] = replace(members.workers[2], index_id="c/decode-0")
+    view = MembershipView(members)
+    backend = ClusterBackend(view, index=index, local_prefill_tokens=2 * BS)
+    history = list(range(300, 300 + 6 * BS))  # turn 1's prompt and answer: 6 blocks
+    index.heartbeat(decode.index_id)
+    index.publish(decode.index_id, prefix_block_hashes(history, BS), [])
+
+    async def scenario():
+        short = await backend._route_request(history + [9] * (BS + 1), None)  # 1 block more
+        assert short.cached_tiers == {"decode-0": "000000"}
+        assert backend._place(short, True, set()) == (None, "decode-0", "local_prefill")
+        long = await backend._route_request(history + [9] * (3 * BS), None)
+        assert backend._place(long, True, set())[0] in ("prefill-0", "prefill-1")
+        assert backend._place(short, True, {"decode-0"})[0] in ("prefill-0", "prefill-1")
+        routed = RoutedRequest("r", history + [9] * (BS + 1), SamplingParams(), None, "decode-0")
+        routed.route, routed.avoid = short, {"decode-0"}
+        assert backend.place_again(routed)[0] in ("prefill-0", "prefill-1")
+        backend.local_prefill_tokens = 0
+        assert backend._place(short, True, set())[0] in ("prefill-0", "prefill-1")
+
+        # A finished disaggregated answer: the router remembers it on its decode worker.
+        backend.local_prefill_tokens = 2 * BS
+        prompt, answer = list(range(900, 900 + 3 * BS)), list(range(50, 50 + 2 * BS))
+        done = RoutedRequest("t1", prompt, SamplingParams(), "prefill-0", "decode-0")
+        backend._remember_answer(done, answer)
+        turn2 = await backend._route_request(prompt + answer + [5] * 3, None)
+        assert turn2.cached_blocks == {"decode-0": 4}  # the last answer token has no KV yet
+        assert backend._place(turn2, True, set()) == (None, "decode-0", "local_prefill")
 
     try:
         asyncio.run(scenario())

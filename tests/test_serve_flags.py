@@ -41,6 +41,7 @@ SERVE_FLAGS = {
 }
 GATEWAY_FLAGS = {
     *("--host", "--port", "--api-key", "--api-key-file", "--admin-key-file", "--policy"),
+    "--local-prefill-tokens",
     *("--max-concurrent", "--queue-policy", "--predictor", "--max-queue", "--slots-per-worker"),
     *("--queue-aging", "--max-queue-wait", "--reject-wait", "--max-body-bytes", "--max-resumes"),
     *("--stall-timeout", "--hang-timeout", "--shutdown-timeout", "--body-timeout"),

@@ -30,7 +30,7 @@ from typing import Any
 
 from decode_worker.decode import DecodeRole
 from decode_worker.migration import MigrationConfig, MigrationRole
-from decode_worker.worker import decode_roles
+from decode_worker.worker import DecodeWorker, decode_roles
 from engine.kv_transfer import KVLimits
 from engine.runtime import EngineWorker, delegate
 from prefill_worker.worker import PrefillRole
@@ -113,6 +113,7 @@ class FlexWorker(EngineWorker):
     endpoint = delegate("decode_role", DecodeRole.endpoint)
     reserve = delegate("decode_role", DecodeRole.reserve)
     reserve_many = delegate("decode_role", DecodeRole.reserve_many)
+    generate_many = DecodeWorker.generate_many  # a short next turn, prefilled where its KV is
     fail_transfer = delegate("decode_role", DecodeRole.fail_transfer)
     migrate_out = delegate("migration_role", MigrationRole.migrate_out)
     migrate_in = delegate("migration_role", MigrationRole.migrate_in)

@@ -114,7 +114,9 @@ class Spawner:
         else:
             cls, engine, kwargs = ColocatedWorker, base, {}
         engine = {**engine, **(engine_overrides or {})}
-        if spec.index_url and (role != "decode" or flex):  # decode workers compute no prompts
+        # every worker publishes what it holds: a decode worker's conversations (prompts and
+        # answers) are where the router may prefill their next turns (local_prefill_tokens)
+        if spec.index_url:
             kwargs["index"] = {
                 "url": spec.index_url,
                 "namespace": spec.index_namespace,

@@ -383,6 +383,13 @@ class ServeConfig(BaseModel):
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
         "cache_aware", description="How the router places requests on workers."
     )
+    local_prefill_tokens: int = Field(
+        0,
+        ge=0,
+        description="Disaggregated clusters: a prompt a decode worker holds all of but at most "
+        "this many tokens (a conversation's next turn) is prefilled on that decode worker, not "
+        "on a prefill worker (0: never).",
+    )
     queue_policy: Literal["fcfs", "sjf"] = Field(
         "fcfs",
         description="Order of requests waiting for a slot: `fcfs`, or `sjf` (shortest "

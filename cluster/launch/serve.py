@@ -75,6 +75,7 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "policy": args.policy,
+        "local_prefill_tokens": args.local_prefill_tokens,
         "max_resumes": args.max_resumes,
         "stall_timeout_s": args.stall_timeout,
         "hang_timeout_s": args.hang_timeout,

@@ -65,7 +65,8 @@ GATEWAY_SETTINGS = frozenset(
         *("log_level", "loop", "http", "max_concurrent", "max_body_bytes", "max_header_bytes"),
         *("body_timeout", "write_timeout", "shutdown_timeout"),
         *("tool_call_parser", "reasoning_parser"),
-        *("policy", "queue_policy", "predictor", "max_queue", "slots_per_worker"),
+        *("policy", "local_prefill_tokens", "queue_policy", "predictor", "max_queue"),
+        "slots_per_worker",
         *("queue_aging", "max_queue_wait", "reject_wait"),
         *("max_resumes", "stall_timeout", "hang_timeout"),
     }
