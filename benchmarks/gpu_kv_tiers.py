@@ -134,9 +134,14 @@ def copy_rates(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]]:
-    """One server of ``variant`` (``off``, ``host``): the multi-turn run, then (with
-    ``--miss-conversations``) the first turns of as many other conversations, which find
-    nothing cached: what the tier costs when it never hits."""
+    """One server of ``variant``: ``off`` (no tier), ``host`` (the host tier), ``disk`` (a
+    disk tier the workers share: under ``--topology pd`` the decode worker writes each answer
+    back there for the next turn's prefill worker) or ``local`` (``disk``, and a next turn the
+    decode worker lacks at most ``--local-prefill-tokens`` of is prefilled on it). The
+    multi-turn run, then (with ``--miss-conversations``) the first turns of as many other
+    conversations, which find nothing cached: what the tier costs when it never hits."""
+    import tempfile
+
     from benchmarks.gpu_serve import Server
 
     engine = [
@@ -147,6 +152,13 @@ def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]
     ]
     if variant == "host":
         engine.append(f"kv_offload_cpu_gb={args.host_gb}")
+    serve_flags = []
+    if variant in ("disk", "local"):  # a fresh folder: nothing from an earlier run is found
+        engine.append(f"kv_offload_disk_dir={tempfile.mkdtemp(prefix='kv-disk-')}")
+    if variant == "local":
+        serve_flags = ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+    elif variant not in ("off", "host", "disk"):
+        raise SystemExit(f"unknown variant {variant!r}: off, host, disk, local")
     out = Path(args.out) / variant
     out.mkdir(parents=True, exist_ok=True)
     ns = argparse.Namespace(
@@ -157,8 +169,9 @@ def serve_variant(args: argparse.Namespace, variant: str) -> list[dict[str, Any]
         max_concurrent=max(args.users * 2, 256),
         engine=engine,
         predictor=args.predictor,
+        serve_flags=serve_flags,
     )
-    server = Server(ns, "one")
+    server = Server(ns, args.topology)
     results = []
     try:
         server.wait(600)
@@ -247,7 +260,8 @@ class MetricsSampler:
             g.split(":", 1)[1] + "_mean": (sum(s[g] for s in busy) / len(busy) if busy else 0.0)
             for g in self.GAUGES
         }
-        final = {k: v for k, v in self.last.items() if "preemption" in k or "kv_tier_hits" in k}
+        kept = ("preemption", "kv_tier_hits", "routing_decisions")
+        final = {k: v for k, v in self.last.items() if any(w in k for w in kept)}
         return {**mean, "samples": len(self.samples), "final": final}
 
 
@@ -405,7 +419,7 @@ def plot(runs: dict[str, Any], png: Path) -> None:
     b.bar(list(x), [runs[n]["summary"]["output_tok_per_s"] for n in names])
     b.set_xticks(list(x), names)
     b.set_ylabel("output tokens / s")
-    fig.suptitle("multi-turn ShareGPT through tandem serve: host KV tier vs none")
+    fig.suptitle(f"multi-turn ShareGPT through tandem serve: {', '.join(names)}")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"plot: {png}")
@@ -423,7 +437,14 @@ def main() -> None:
     s = sub.add_parser("serve")
     s.add_argument("--model", required=True)
     s.add_argument("--out", required=True)
-    s.add_argument("--variants", default="off,host")
+    s.add_argument("--variants", default="off,host", help="off, host, disk, local")
+    s.add_argument("--topology", default="one", help="one (a colocated worker) or pd (1P1D)")
+    s.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=256,
+        help="the `local` variant's setting (tandem serve --local-prefill-tokens)",
+    )
     s.add_argument("--miss-conversations", type=int, default=300)
     s.add_argument(
         "--miss-users",

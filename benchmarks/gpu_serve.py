@@ -267,6 +267,7 @@ class Server:
             cmd += ["--engine", pair]
         if getattr(args, "predictor", None):  # (the learned one's artifact may be left home)
             cmd += ["--predictor", args.predictor]
+        cmd += getattr(args, "serve_flags", None) or []  # a caller's own (gpu_kv_tiers.py)
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
         if args.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpus
