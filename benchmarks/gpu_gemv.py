@@ -12,10 +12,11 @@ and come out above the copy rate (o_proj 1.66x in the first sweep). ``--wide`` s
 ``--fp8`` times the FP8 GEMV with its input as each mode of ``--fp8-input`` gives it, one result
 file each: ``quantizing`` (x in bf16, quantized inside the GEMV: batch-1 decode's path) and
 ``e4m3`` (x already quantized, one byte an element: what the GEMV would cost if the kernel that
-writes x quantized it). ``--no-sweep`` times the default tiles alone.
+writes x quantized it) and ``splitk`` (x already quantized, through ``fp8_gemv_splitk``: the
+weights on tensor cores, K split over programs; its own sweep). ``--no-sweep`` times the default tiles alone.
 
     python benchmarks/gpu_gemv.py [--rows 1] [--out DIR] [--warm] [--wide] [--fp8]
-        [--fp8-input quantizing,e4m3] [--no-sweep]
+        [--fp8-input quantizing,e4m3,splitk] [--no-sweep]
     python benchmarks/gpu_gemv.py --replot RESULT.json     # its plot again, no GPU needed
 
 Writes JSON and a plot beside it: each shape's fraction of the copy rate for cuBLAS, the
@@ -61,6 +62,13 @@ WIDE = {
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4),
 }
+SPLITK = {  # --fp8-input splitk: kernels/fp8_gemv.py's tensor-core GEMV
+    "block_n": (64, 128),
+    "block_k": (128, 256, 512),
+    "split_k": (1, 2, 4, 8),
+    "num_warps": (4,),
+    "num_stages": (3, 5),
+}
 COLD_BYTES = 160 * 2**20  # weights the calls go round: over 3x an H100's or H200's L2
 
 
@@ -84,7 +92,7 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="the wider tile sweep")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights (kernels/fp8_gemv.py)")
-    ap.add_argument("--fp8-input", default="quantizing", help="quantizing,e4m3 (with --fp8)")
+    ap.add_argument("--fp8-input", default="quantizing", help="quantizing,e4m3,splitk (--fp8)")
     ap.add_argument("--no-sweep", action="store_true", help="the default tiles only")
     ap.add_argument("--replot", type=Path, help="draw a saved result's plot and stop")
     args = ap.parse_args()
@@ -96,14 +104,17 @@ def main() -> None:
     bw = hbm_copy_bandwidth()
     print(f"[{time.strftime('%H:%M:%S')}] {gpu}: copy {bw / 1e12:.2f} TB/s", file=sys.stderr)
     for mode in args.fp8_input.split(",") if args.fp8 else [None]:
-        run_one(args, sweep, gpu, bw, mode)
+        run_one(args, SPLITK if mode == "splitk" and sweep else sweep, gpu, bw, mode)
 
 
 def fp8_runner(mode: str, x: torch.Tensor, scale: torch.Tensor):
     """``run(x, w, **cfg)``: the FP8 GEMV fed as ``mode`` gives it (module docstring)."""
-    from kernels.fp8_gemv import fp8_gemv, fp8_gemv_quantizing
+    from kernels.fp8_gemv import fp8_gemv, fp8_gemv_quantizing, fp8_gemv_splitk
     from kernels.fp8_quant import quantize_per_token
 
+    if mode == "splitk":
+        xq, xs = quantize_per_token(x)
+        return lambda x, w, **cfg: fp8_gemv_splitk(xq, xs, w, scale, None, torch.bfloat16, **cfg)
     if mode == "e4m3":
         xq, xs = quantize_per_token(x)
         return lambda x, w, **cfg: fp8_gemv(xq, xs, w, scale, None, torch.bfloat16, **cfg)
@@ -147,6 +158,10 @@ def run_one(args, sweep: dict, gpu: str, bw: float, mode: str | None) -> None:
 
         pdl_on = pdl.enabled(w.device)
         best = (default, default_config(n, k, w.element_size(), pdl_on))
+        if mode == "splitk":
+            from kernels.fp8_gemv import splitk_config
+
+            best = (default, splitk_config(args.rows, n, k))
         every = []
         for values in itertools.product(*sweep.values()) if sweep else ():
             cfg = dict(zip(sweep, values, strict=True))

@@ -12,13 +12,23 @@ benchmarks/gpu_gemv.py's sweep):
     reduces it once; the two scales multiply the sum at the end, then the bias, as
     ``Fp8Linear`` does after ``_scaled_mm``: the product rounded to the output dtype, the bias
     added in it.
+
+``fp8_gemv_splitk`` is the same product on tensor cores (the weights as the MMA's 64-row side, K
+split over programs, the partials added in a fixed order): on an H200 it streams 0.59-0.86 of
+the copy rate against this kernel's 0.55-0.75, but wants x already in e4m3, and a kernel
+quantizing x in front of each product costs what it gains on the small shapes, so the engine
+does not use it yet (benchmarks/NOTES.md, "On one H200 ... the FP8 GEMV's limit").
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from kernels import pdl
 from kernels.gemv import launch_gemv
+from kernels.pdl import start as pdl_start
 
 
 def fp8_gemv(
@@ -67,3 +77,178 @@ def fp8_gemv_ref(xq, x_scale, weight, weight_scale, bias, out_dtype):
     y = (xq.float() @ weight.float().T) * x_scale * weight_scale.reshape(1, -1)
     y = y.to(out_dtype)
     return y if bias is None else y + bias
+
+
+# -- the tensor-core GEMV (experimental: benchmarks/gpu_gemv.py --fp8-input splitk) -----------
+
+
+@triton.jit
+def _fp8_splitk_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    K_PER,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (n, s): rows ``n*BLOCK_N..`` of ``Wq`` over K's ``s``-th run of ``K_PER``
+    columns, ``[BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M]`` tensor-core products of e4m3 (the
+    weights as the MMA's 64-row side, x's rows padded to ``BLOCK_M`` as its narrow side: on
+    Hopper ``wgmma`` on e4m3 straight from shared memory, no conversion), float32 sums. Each
+    program writes its partial sums; the last of a row block's ``SPLIT_K`` programs to arrive
+    (a counter, reset by it) adds them in split order, so the sum does not depend on who came
+    last, then scales, rounds and adds the bias as ``fp8_gemv`` does (``GATED``: gate and up
+    rows, then ``silu(gate) * up``)."""
+    pdl_start(PDL)
+    pid_n = tl.program_id(0)
+    ks = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + N * stride_wn  # GATED: the up rows (N = I, the output's width)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # GATED only (else dead)
+    k_lo = ks * K_PER
+    for k0 in range(k_lo, k_lo + K_PER, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        if GATED:
+            u = tl.load(u_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_u = tl.dot(u, tl.trans(x), acc_u)
+    # partial sums: part[s, half, n, m] (half 1: the up rows)
+    slab = rn[:, None] * BLOCK_M + rm[None, :]
+    keep = n_mask[:, None] & m_mask[None, :]
+    halves = 2 if GATED else 1
+    tl.store(part_ptr + (ks * halves) * N * BLOCK_M + slab, acc, mask=keep)
+    if GATED:
+        tl.store(part_ptr + (ks * halves + 1) * N * BLOCK_M + slab, acc_u, mask=keep)
+    arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: the partials above are visible
+    if arrived == SPLIT_K - 1:  # the last: every split's partials are in
+        tl.store(count_ptr + pid_n, 0)
+        tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        tot_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for s in range(SPLIT_K):
+            tot += tl.load(part_ptr + (s * halves) * N * BLOCK_M + slab, mask=keep, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            if GATED:
+                tot_u += tl.load(part_ptr + (s * halves + 1) * N * BLOCK_M + slab, mask=keep,
+                                 other=0.0, cache_modifier=".cg")  # fmt: skip
+        x_scale = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
+        scale = x_scale[None, :] * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[:, None]
+        y = (tot * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            up_scale = x_scale[None, :] * tl.load(ws_ptr + N + rn, mask=n_mask, other=0.0)[:, None]
+            up = (tot_u * up_scale).to(y_ptr.dtype.element_ty).to(tl.float32)
+            if HAS_BIAS:
+                up += tl.load(b_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            y = gate / (1.0 + tl.exp(-gate)) * up
+        y_offs = rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=keep)
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one a row block, kept per device (the kernel resets each one it
+    used, so a CUDA graph replays with them zero)."""
+    key = (str(device), n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def splitk_config(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Tiles of ``fp8_gemv_splitk``: 64-row blocks, 256-column runs, K split so the grid is
+    about two programs an SM. The one sweep (H200, benchmarks/NOTES.md) found better per
+    shape (split 4 for qkv, 512-column runs and split 2 for o_proj and down); not used by the
+    engine, so not tuned further."""
+    block_n, block_k = 64, 256
+    tiles = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(k, block_k), round(2 * sms / tiles)))
+    return {"block_m": max(16, triton.next_power_of_2(m)), "block_n": block_n,
+            "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 4}  # fmt: skip
+
+
+def fp8_gemv_splitk(
+    xq: torch.Tensor,  # [M, K] e4m3, K contiguous
+    x_scale: torch.Tensor,  # [M, 1] float32
+    weight: torch.Tensor,  # [N, K] e4m3 ([2I, K] gated)
+    weight_scale: torch.Tensor,  # [1, N] or [N] float32
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    gated: bool = False,
+    **config,
+) -> torch.Tensor:
+    """``fp8_gemv``'s product (``gated``: ``silu(gate) * up``) on tensor cores, K split over
+    programs: the sums in another order than ``fp8_gemv``'s, the same for every call."""
+    m, k = xq.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if weight.shape[1] != k or xq.stride(1) != 1 or weight.stride(1) != 1 or (gated and
+                                                                              weight.shape[0] % 2):  # fmt: skip
+        raise ValueError(f"fp8_gemv: x {tuple(xq.shape)} and weight {tuple(weight.shape)} mismatch")
+    cfg = splitk_config(m, n, k)
+    cfg.update(config)
+    if m > cfg["block_m"]:
+        raise ValueError(f"fp8_gemv_splitk: {m} rows, at most {cfg['block_m']}")
+    tiles = triton.cdiv(n, cfg["block_n"])
+    k_per = triton.cdiv(triton.cdiv(k, cfg["split_k"]), cfg["block_k"]) * cfg["block_k"]
+    split = triton.cdiv(k, k_per)  # (rounding K's runs up to whole tiles may need fewer)
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    part = torch.empty(split * (2 if gated else 1) * n * cfg["block_m"], dtype=torch.float32,
+                       device=xq.device)  # fmt: skip
+    ws = weight_scale.reshape(-1)
+    _fp8_splitk_kernel[(tiles, split)](
+        xq,
+        x_scale.reshape(-1),
+        weight,
+        ws,
+        bias if bias is not None else ws,
+        y,
+        part,
+        _counters(xq.device, tiles),
+        m,
+        n,
+        k,
+        k_per,
+        xq.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        GATED=gated,
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        SPLIT_K=split,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+        **pdl.launch_options(xq.device),
+    )
+    return y

@@ -98,3 +98,32 @@ def test_the_gated_fp8_gemv_is_the_projection_then_silu_and_mul(m, inter, k, bia
     two = silu_and_mul(fp8_gemv_quantizing(x, wq, ws, b, torch.float16, **cfg))
     assert one.shape == (m, inter)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split"), [(1, 70, 200, 1), (1, 70, 200, 3), (3, 64, 96, 2)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_split_k_tensor_core_gemv_matches_reference(m, n, k, split, gated):
+    """``fp8_gemv_splitk`` (weights on the MMA's wide side, K split over programs, the last
+    program of a row block adding the partials in split order): within fp32 summation error
+    of the float32 product, the same bits on a second call (its counters reset themselves),
+    and gated, ``silu(gate) * up`` of its two halves."""
+    from kernels.activation import silu_and_mul
+    from kernels.fp8_gemv import fp8_gemv_splitk
+
+    g = torch.Generator().manual_seed(n * k + m + split)
+    x = torch.randn(m, k, generator=g)
+    xq, xs = quantize_per_token_ref(x)
+    rows = 2 * n if gated else n
+    wq = torch.randn(rows, k, generator=g).mul(50).clamp(-448, 448).to(FP8)
+    ws = torch.rand(1, rows, generator=g) * 0.01 + 1e-3
+    b = torch.randn(rows, generator=g).to(torch.float16)
+    cfg = {"block_n": 32, "block_k": 32, "split_k": split}
+    got = fp8_gemv_splitk(xq, xs, wq, ws, b, torch.float16, gated=gated, **cfg)
+    again = fp8_gemv_splitk(xq, xs, wq, ws, b, torch.float16, gated=gated, **cfg)
+    assert torch.equal(got, again)
+    want = fp8_gemv_ref(xq, xs, wq, ws, b, torch.float16)
+    tol = {"rtol": 2e-3, "atol": 1e-2}  # an fp16 rounding either side
+    if gated:  # (silu_and_mul of the rounded halves: one more rounding)
+        want, tol = silu_and_mul(want), {"rtol": 1e-2, "atol": 2e-2}
+        assert got.shape == (m, n)
+    assert torch.allclose(got.float(), want.float(), **tol)
