@@ -100,7 +100,9 @@ def test_the_gated_fp8_gemv_is_the_projection_then_silu_and_mul(m, inter, k, bia
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "split"), [(1, 70, 200, 1), (1, 70, 200, 3), (3, 64, 96, 2)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "split"), [(1, 70, 200, 1), (1, 70, 200, 3), (3, 64, 96, 2)]
+)
 @pytest.mark.parametrize("gated", [False, True])
 def test_the_split_k_tensor_core_gemv_matches_reference(m, n, k, split, gated):
     """``fp8_gemv_splitk`` (weights on the MMA's wide side, K split over programs, the last
