@@ -388,7 +388,8 @@ class ClusterBackend:
 
     def _local_prefill(self, req: RouteRequest, avoid: set[str]) -> str | None:
         """The decode worker that holds the most of this prompt (at any tier) when what it
-        lacks is at most ``local_prefill_tokens``; None when none does or the setting is 0."""
+        lacks is at most ``local_prefill_tokens`` and its last stats show room for that and the
+        predicted answer; None when none does or the setting is 0."""
         if self.local_prefill_tokens <= 0 or not req.cached_tiers:
             return None
         best, most = None, 0
@@ -396,8 +397,15 @@ class ClusterBackend:
             cached = req.cached_tokens(w.name)
             if w.name in avoid or cached <= most:
                 continue
-            if req.prompt_len - cached <= self.local_prefill_tokens:
-                best, most = w.name, cached
+            missing = req.prompt_len - cached
+            if missing > self.local_prefill_tokens:
+                continue
+            stats = self._polled.get(w.name)
+            if stats:  # (none yet: its first poll has not answered)
+                need = -(-(missing + (req.predicted_output_tokens or 0)) // req.block_size)
+                if stats.get("free_blocks", 0) + stats.get("cached_blocks", 0) < need:
+                    continue  # full: a prefill worker and a reservation elsewhere
+            best, most = w.name, cached
         return best
 
     def _remember_answer(self, req: RoutedRequest, answer: list[int]) -> None:

@@ -391,7 +391,8 @@ def test_a_host_hit_is_priced_by_the_holders_measured_tier_costs(redis, tmp_path
 def test_a_next_turn_is_prefilled_where_its_history_is(redis, tmp_path) -> None:
     """``local_prefill_tokens``: a prompt the decode worker holds all of but a short suffix
     (published by it, or the router's memory of a finished answer) goes to that decode worker
-    whole, no prefill worker; a longer suffix, the setting at 0, or the worker to avoid keep
+    whole, no prefill worker; a longer suffix, the setting at 0, the worker to avoid or a full
+    one keep
     the disaggregated placement. A retry of a local turn is placed disaggregated again."""
     from engine.prefix_index import PrefixIndex
     from router.routed import RoutedRequest
@@ -418,6 +419,13 @@ def test_a_next_turn_is_prefilled_where_its_history_is(redis, tmp_path) -> None:
         assert backend.place_again(routed)[0] in ("prefill-0", "prefill-1")
         backend.local_prefill_tokens = 0
         assert backend._place(short, True, set())[0] in ("prefill-0", "prefill-1")
+        backend.local_prefill_tokens = 2 * BS
+        decode.handle.extra_stats = {"free_blocks": 0, "cached_blocks": 0}  # full
+        await backend._poll()
+        assert backend._place(short, True, set())[0] in ("prefill-0", "prefill-1")
+        decode.handle.extra_stats = {}
+        await backend._poll()
+        assert backend._place(short, True, set())[0] is None
 
         # A finished disaggregated answer: the router remembers it on its decode worker.
         backend.local_prefill_tokens = 2 * BS
