@@ -392,8 +392,8 @@ def test_a_next_turn_is_prefilled_where_its_history_is(redis, tmp_path) -> None:
     """``local_prefill_tokens``: a prompt the decode worker holds all of but a short suffix
     (published by it, or the router's memory of a finished answer) goes to that decode worker
     whole, no prefill worker; a longer suffix, the setting at 0, the worker to avoid or a full
-    one keep
-    the disaggregated placement. A retry of a local turn is placed disaggregated again."""
+    one keep the disaggregated placement. A retry of a local turn is placed disaggregated
+    again."""
     from engine.prefix_index import PrefixIndex
     from router.routed import RoutedRequest
     from router.service import ClusterBackend
