@@ -7,7 +7,8 @@ context, so one engine's memory cannot shrink the next one's budget):
    floor: the bytes a decode step reads of the weights (every parameter but the input embedding,
    of which a step reads one row) over the HBM copy rate measured in this run (aim: fp8 at most
    1.15x its floor), and the batch-1 decode graph's replay alone; ``--gemv-off`` adds fp8 with
-   its batch-1 products through ``torch._scaled_mm`` instead of kernels/fp8_gemv.py;
+   its batch-1 products through ``torch._scaled_mm`` instead of kernels/fp8_gemv.py, ``--splitk``
+   with them through its tensor-core GEMV behind a quantizing kernel;
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
    least 1.4x bf16), and each engine's KV pool; ``--kv8`` adds fp8 weights with fp8 KV
@@ -25,7 +26,7 @@ context, so one engine's memory cannot shrink the next one's budget):
    part alone on the CPU (fp32 model; torch's CPU ``_scaled_mm`` is the same kernel call).
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
-        [--num-requests 1000] [--kv8] [--gemv-off] [--big [--big-layers 40]] [--ppl-model DIR]
+        [--num-requests 1000] [--kv8] [--gemv-off] [--splitk] [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
         ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-prompt 256 --ppl-max-answer 64 \\
         --out benchmarks/results/fp8_weights_ppl_cpu.json      # 5 min on 2 cores
@@ -95,6 +96,10 @@ def engine_run(args: argparse.Namespace) -> dict:
         from engine.quant import Fp8Linear
 
         Fp8Linear.gemv_max_rows = 0
+    if name == "fp8_splitk":  # batch 1: a quantizing kernel, then the tensor-core GEMV
+        from engine.quant import Fp8Linear
+
+        Fp8Linear.splitk_max_rows = 1
     if name == "big":
         model_dir = Path(tempfile.mkdtemp(prefix="fp8-big-"))
         (model_dir / "config.json").write_text(json.dumps(big_config(args.big_layers)))
@@ -265,7 +270,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gemv-off", action="store_true", help="also fp8 with batch 1 on cuBLAS")
     ap.add_argument("--kv8", action="store_true", help="also fp8 weights with fp8 KV")
     ap.add_argument(
-        "--one", choices=("bf16", "fp8", "fp8_kv8", "fp8_cublas", "big"), help=argparse.SUPPRESS
+        "--splitk", action="store_true", help="also fp8 with batch 1 on fp8_gemv_splitk"
+    )
+    ap.add_argument(
+        "--one",
+        choices=("bf16", "fp8", "fp8_kv8", "fp8_cublas", "fp8_splitk", "big"),
+        help=argparse.SUPPRESS,
     )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -290,6 +300,7 @@ def main(argv=None) -> None:
         log(f"HBM copy {hbm / 1e12:.2f} TB/s")
         result["hbm_copy_bytes_per_s"] = hbm
         names = ["bf16", "fp8"] + ["fp8_kv8"] * args.kv8 + ["fp8_cublas"] * args.gemv_off
+        names += ["fp8_splitk"] * args.splitk
         names += ["big"] * args.big
         result["runs"] = {n: in_child(args, n) for n in names}
         with_floors(result["runs"], hbm)

@@ -52,6 +52,10 @@ class Fp8Linear(nn.Module):
     (as ``SkinnyLinear`` does for bf16)."""
 
     gemv_max_rows = 1  # class-wide: benchmarks set 0 to compare against _scaled_mm alone
+    # class-wide: up to this many rows go to the tensor-core GEMV behind a quantizing kernel
+    # (kernels/fp8_gemv.py fp8_gemv_splitk; 0: never): a benchmark's experiment, 0.12 ms
+    # slower a batch-1 step than the GEMV above on an H200 (benchmarks/NOTES.md)
+    splitk_max_rows = 0
     fuse_activation = True  # class-wide: benchmarks set False to time silu_and_mul apart
 
     def __init__(
@@ -91,6 +95,13 @@ class Fp8Linear(nn.Module):
             from kernels.fp8_gemv import fp8_gemv_quantizing
             from kernels.fp8_quant import quantize_per_token
 
+            if x.shape[0] <= self.splitk_max_rows:
+                from kernels.fp8_gemv import fp8_gemv_splitk
+
+                xq, x_scale = quantize_per_token(x)
+                w, ws = self.weight, self.weight_scale
+                y = fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype)
+                return y.reshape(*shape[:-1], self.out_features)
             if x.shape[0] <= self.gemv_max_rows:  # one kernel quantizes and multiplies
                 w, ws = self.weight, self.weight_scale
                 y = fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype)
@@ -114,13 +125,17 @@ class Fp8Linear(nn.Module):
         FP8 GEMV runs (CUDA, at most ``gemv_max_rows`` rows of 2-D input); None elsewhere."""
         if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
             return None
-        if x.shape[0] > self.gemv_max_rows:  # (cuBLAS's rows: the projection, then the kernel)
+        if x.shape[0] > max(self.gemv_max_rows, self.splitk_max_rows):  # (cuBLAS's rows)
             return None
         if x.stride(-1) != 1:
             x = x.contiguous()
-        from kernels.fp8_gemv import fp8_gemv_quantizing
+        from kernels.fp8_gemv import fp8_gemv_quantizing, fp8_gemv_splitk
+        from kernels.fp8_quant import quantize_per_token
 
         w, ws = self.weight, self.weight_scale
+        if x.shape[0] <= self.splitk_max_rows:
+            xq, x_scale = quantize_per_token(x)
+            return fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype, gated=True)
         return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=True)
 
     def extra_repr(self) -> str:

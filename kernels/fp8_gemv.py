@@ -185,16 +185,26 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def splitk_config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """Tiles of ``fp8_gemv_splitk``: 64-row blocks, 256-column runs, K split so the grid is
-    about two programs an SM. The one sweep (H200, benchmarks/NOTES.md) found better per
-    shape (split 4 for qkv, 512-column runs and split 2 for o_proj and down); not used by the
-    engine, so not tuned further."""
-    block_n, block_k = 64, 256
-    tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(k, block_k), round(2 * sms / tiles)))
-    return {"block_m": max(16, triton.next_power_of_2(m)), "block_n": block_n,
-            "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 4}  # fmt: skip
+SMEM_BYTES = 200 * 1024  # what the pipeline's stages may take of an SM's shared memory
+
+
+def splitk_config(m: int, n: int, k: int, gated: bool = False) -> dict:
+    """Tiles of ``fp8_gemv_splitk`` from its one sweep (H200, benchmarks/NOTES.md): 64-row
+    blocks; a grid of 200 row blocks or more (gate/up) unsplit in 128-column runs; narrow ones
+    split, in 512-column runs over 2 splits when K or N is the model's width (o_proj, down), in
+    256-column runs over 4 otherwise (qkv); as many stages as ``SMEM_BYTES`` holds (a gated
+    stage holds two weight tiles)."""
+    block_m, block_n, tiles = max(16, triton.next_power_of_2(m)), 64, triton.cdiv(n, 64)
+    if tiles >= 200:
+        block_k, split, stages = 128, 1, 3
+    elif k >= 8192 or n <= 4096:
+        block_k, split, stages = 512, 2, 5
+    else:
+        block_k, split, stages = 256, 4, 3
+    stage = (block_n * (2 if gated else 1) + block_m) * block_k
+    stages = max(2, min(stages, SMEM_BYTES // stage))
+    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": split,
+            "num_warps": 4, "num_stages": stages}  # fmt: skip
 
 
 def fp8_gemv_splitk(
@@ -214,7 +224,7 @@ def fp8_gemv_splitk(
     if weight.shape[1] != k or xq.stride(1) != 1 or weight.stride(1) != 1 or (gated and
                                                                               weight.shape[0] % 2):  # fmt: skip
         raise ValueError(f"fp8_gemv: x {tuple(xq.shape)} and weight {tuple(weight.shape)} mismatch")
-    cfg = splitk_config(m, n, k)
+    cfg = splitk_config(m, n, k, gated)
     cfg.update(config)
     if m > cfg["block_m"]:
         raise ValueError(f"fp8_gemv_splitk: {m} rows, at most {cfg['block_m']}")
