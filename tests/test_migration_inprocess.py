@@ -243,8 +243,9 @@ def test_request_that_finishes_during_the_migration(tiny, workers) -> None:
     p, a, b = workers
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
+    rid = "f3"
+
     async def main():
-        rid = "f3"
         await start(p, a, rid, prompt_of(60, seed=2), params)
         client = Client({"a": a, "b": b}, rid)
         reader = asyncio.ensure_future(client.run("a"))
@@ -261,7 +262,10 @@ def test_request_that_finishes_during_the_migration(tiny, workers) -> None:
         client, res = asyncio.run(main())
     finally:
         role.config = old
-    assert res.outcome in ("finished", "migrated"), res
+    # On a loaded machine the last 5 tokens can also land before the migration reaches A's
+    # engine thread: then there is nothing to move, and the same stream ends whole.
+    gone = res.outcome == "not_migratable" and res.reason == f"no request {rid!r} here"
+    assert res.outcome in ("finished", "migrated") or gone, res
     assert len(client.tokens) == 6 and client.finish == "length"
     for w in (p, a, b):
         assert asyncio.run(w.check_idle()) is None
