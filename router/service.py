@@ -624,9 +624,11 @@ class _Generation:
         self._first: Step | None = None
         self._clean = True  # no choice finished other than by stop or length
         self._closed = False
-        # its tokens, kept when a next turn may be prefilled where they are (local_prefill)
+        # its tokens, kept when a next turn may be prefilled where they are (local_prefill):
+        # a disaggregated request's, or one that turn was itself
+        on_decode = req.prefill is not None or placement.reason == "local_prefill"
         self._answer: list[int] | None = (
-            [] if backend.local_prefill_tokens > 0 and req.prefill is not None else None
+            [] if backend.local_prefill_tokens > 0 and on_decode else None
         )
 
     def _ending(self, finished: bool) -> None:

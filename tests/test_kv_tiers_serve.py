@@ -147,7 +147,13 @@ def test_host_tier_and_a_conversation_across_prefill_and_decode(
         turn3 = turn2 + want + prompts[1][30:35]
         text, cached, prefill = complete_routed(client, turn3)
         assert (prefill, cached) == ("none", 17 * BLOCK)
-        assert text == hf(turn3)[1]
+        want, text3 = hf(turn3)
+        assert text == text3
+        # and turn 4 after that local turn: its answer is on the decode worker as well
+        turn4 = turn3 + want + prompts[1][35:40]
+        text, cached, prefill = complete_routed(client, turn4)
+        assert (prefill, cached) == ("none", 18 * BLOCK)
+        assert text == hf(turn4)[1]
     finally:
         proc.stop()
     assert proc.proc.returncode == 0, proc.tail()
