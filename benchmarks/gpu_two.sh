@@ -20,7 +20,8 @@
 # served-gateways: the same and through two gateway processes sharing the port, with CPU per
 # process; 1 GPU),
 # tests-tp, tp-scaling, pd70 and pd70-side (issue 29: tensor parallelism on 2-8 GPUs; pd70-side
-# runs both 70B topologies at once on 4T GPUs).
+# runs both 70B topologies at once on 4T GPUs), local-prefill (issue 25: a conversation's next
+# turn by write-back or prefilled on its decode worker, 1P1D multi-turn).
 # Every section's log and JSON go under OUTDIR/SECTION; each runs under its own time limit
 # (GPU_TWO_LIMIT_<SECTION>, seconds) so one overrun leaves the others their turn. Two runs can
 # share a 4-GPU machine, each on its own CUDA_VISIBLE_DEVICES pair, with GPU_TWO_SHARED=1 (no
@@ -190,6 +191,12 @@ import big_config; json.dump(big_config(80), open('$big/config.json', 'w'))"
                 wait; tail -n 15 "$o/pd.log" "$o/two.log"' _ "$out/pd70-side" "$lo" "$hi" "$t" \
                 "${args70[@]}"
         fi ;;
+    local-prefill)  # issue 25: a disaggregated conversation's next turn, write-back to a shared
+        # disk tier against --local-prefill-tokens (1P1D on GPUs 0,1; LP_VARIANTS, LP_USERS)
+        section local-prefill 590 python benchmarks/gpu_kv_tiers.py serve --model "$model" \
+            --topology pd --variants "${LP_VARIANTS:-disk,local}" --users "${LP_USERS:-64}" \
+            --think-s 4 --max-output 256 --conversations 256 --pool-blocks 8192 \
+            --miss-conversations 0 --predictor none --out "$out/local-prefill" ;;
     *) echo "unknown section $s" ;;
     esac
 done
