@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.gemv import launch_gemv
+from kernels.gemv import launch_gemv, silu_mul_rounded
 from kernels.pdl import start as pdl_start
 
 
@@ -148,29 +148,41 @@ def _fp8_splitk_kernel(
     arrived = tl.atomic_add(count_ptr + pid_n, 1)  # acq_rel: the partials above are visible
     if arrived == SPLIT_K - 1:  # the last: every split's partials are in
         tl.store(count_ptr + pid_n, 0)
-        tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        tot_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for s in range(SPLIT_K):
-            tot += tl.load(part_ptr + (s * halves) * N * BLOCK_M + slab, mask=keep, other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
-            if GATED:
-                tot_u += tl.load(part_ptr + (s * halves + 1) * N * BLOCK_M + slab, mask=keep,
-                                 other=0.0, cache_modifier=".cg")  # fmt: skip
         x_scale = tl.load(xs_ptr + rm, mask=m_mask, other=1.0)
-        scale = x_scale[None, :] * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[:, None]
-        y = (tot * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out = y_ptr.dtype.element_ty
+        tot = _split_sum(part_ptr, 0, halves, N, BLOCK_M, slab, keep, SPLIT_K, BLOCK_N)
+        y = _scaled_rows(tot, rn, n_mask, x_scale, ws_ptr, b_ptr, HAS_BIAS, out)
         if GATED:
-            up_scale = x_scale[None, :] * tl.load(ws_ptr + N + rn, mask=n_mask, other=0.0)[:, None]
-            up = (tot_u * up_scale).to(y_ptr.dtype.element_ty).to(tl.float32)
-            if HAS_BIAS:
-                up += tl.load(b_ptr + N + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-            up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-            y = gate / (1.0 + tl.exp(-gate)) * up
+            tot_u = _split_sum(part_ptr, 1, halves, N, BLOCK_M, slab, keep, SPLIT_K, BLOCK_N)
+            up = _scaled_rows(tot_u, rn + N, n_mask, x_scale, ws_ptr, b_ptr, HAS_BIAS, out)
+            y = silu_mul_rounded(y, up, out)
         y_offs = rm.to(tl.int64)[None, :] * stride_ym + rn[:, None]
-        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=keep)
+        tl.store(y_ptr + y_offs, y.to(out), mask=keep)
+
+
+@triton.jit
+def _split_sum(part_ptr, half, halves, N, BLOCK_M: tl.constexpr, slab, keep,
+               SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_N, BLOCK_M]`` partial sums of every split of ``half`` (1: the up rows),
+    added in split order; read past L1 (other SMs wrote them)."""
+    tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        tot += tl.load(part_ptr + (s * halves + half) * N * BLOCK_M + slab, mask=keep, other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+    return tot
+
+
+@triton.jit
+def _scaled_rows(tot, rn, n_mask, x_scale, ws_ptr, b_ptr, HAS_BIAS: tl.constexpr,
+                 OUT: tl.constexpr):  # fmt: skip
+    """Rows ``rn`` of the product from their sums ``[BLOCK_N, BLOCK_M]``: scaled by x's and
+    W's scales and rounded to ``OUT``, the bias added (fp32, not yet rounded again), as
+    kernels/gemv.py's ``_epilogue``."""
+    scale = x_scale[None, :] * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[:, None]
+    y = (tot * scale).to(OUT).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    return y
 
 
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}

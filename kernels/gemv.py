@@ -118,10 +118,18 @@ def _gemv_kernel(
     if GATED:  # round gate and up as the projection's output, then kernels/activation.py's math
         up = _epilogue(acc_u, rn + N, n_mask, m, x_scale, xs_ptr, ws_ptr, b_ptr, y_ptr, SCALED,
                        QUANT_X, HAS_BIAS)  # fmt: skip
-        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        y = silu_mul_rounded(y, up, y_ptr.dtype.element_ty)
     tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def silu_mul_rounded(gate, up, OUT: tl.constexpr):
+    """``silu(gate) * up`` in fp32 of the two projections' fp32 outputs, each first rounded to
+    ``OUT`` as the projection's output would be (kernels/activation.py's arithmetic); also
+    kernels/fp8_gemv.py's gated epilogue."""
+    gate = gate.to(OUT).to(tl.float32)
+    up = up.to(OUT).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
