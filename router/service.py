@@ -377,34 +377,31 @@ class ClusterBackend:
             return self._views([w for w in workers if w.name not in avoid] or workers)
 
         if disagg:
-            local = self._local_prefill(req, avoid)
+            decode = pool(self.members.decode)
+            local = self._local_prefill(req, [v for v in decode if v.name not in avoid])
             if local is not None:
                 return None, local, "local_prefill"
             p, reason = self.policy.choose_prefill(req, pool(self.members.prefill))
-            d, _ = self.policy.choose_decode(req, pool(self.members.decode))
+            d, _ = self.policy.choose_decode(req, decode)
             return p, d, reason
         d, reason = self.policy.choose_prefill(req, pool(self.members.colocated))
         return None, d, reason
 
-    def _local_prefill(self, req: RouteRequest, avoid: set[str]) -> str | None:
-        """The decode worker that holds the most of this prompt (at any tier) when what it
-        lacks is at most ``local_prefill_tokens`` and its last stats show room for that and the
-        predicted answer; None when none does or the setting is 0."""
+    def _local_prefill(self, req: RouteRequest, decode: list[WorkerView]) -> str | None:
+        """Of ``decode``, the worker that holds the most of this prompt (at any tier) when what
+        it lacks is at most ``local_prefill_tokens`` and its last stats show room for that and
+        the predicted answer; None when none does or the setting is 0."""
         if self.local_prefill_tokens <= 0 or not req.cached_tiers:
             return None
         best, most = None, 0
-        for w in self.members.decode:
+        for w in decode:
             cached = req.cached_tokens(w.name)
-            if w.name in avoid or cached <= most:
-                continue
             missing = req.prompt_len - cached
-            if missing > self.local_prefill_tokens:
+            if cached <= most or missing > self.local_prefill_tokens:
                 continue
-            stats = self._polled.get(w.name)
-            if stats:  # (none yet: its first poll has not answered)
-                need = -(-(missing + (req.predicted_output_tokens or 0)) // req.block_size)
-                if stats.get("free_blocks", 0) + stats.get("cached_blocks", 0) < need:
-                    continue  # full: a prefill worker and a reservation elsewhere
+            need = -(-(missing + (req.predicted_output_tokens or 0)) // req.block_size)
+            if w.free_blocks is not None and w.free_blocks < need:
+                continue  # full: a prefill worker and a reservation elsewhere
             best, most = w.name, cached
         return best
 
