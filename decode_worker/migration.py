@@ -53,6 +53,7 @@ import torch
 
 from decode_worker.decode import STAGING_FULL, DecodeRole
 from decode_worker.migration_config import MigrationConfig
+from engine.aio import within
 from engine.attention import host_to_device, slot_array
 from engine.histogram import Buckets
 from engine.kv_transfer import KVConnector, KVLimits, TransferEvent, TransferOutcome, byte_view
@@ -699,7 +700,7 @@ async def _ask(method: Any, *args: Any, timeout: float, default: Any = _RAISE, *
     """Call another actor's method within ``timeout`` (``default`` given: on any failure,
     return it instead of raising)."""
     try:
-        return await asyncio.wait_for(method.remote(*args, **kwargs), timeout)
+        return await within(method.remote(*args, **kwargs), timeout)
     except Exception:
         if default is _RAISE:
             raise

@@ -37,6 +37,7 @@ from typing import Any
 
 import msgpack
 
+from engine.aio import within
 from engine.messages import Delta, StreamBatch
 
 logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ async def read_stream(
 ) -> AsyncIterator[StreamBatch]:
     """The router's side: ``client``'s batches from the worker listening at ``host:port``,
     until the worker closes the stream (shutdown or death: the caller tells them apart)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout_s)
+    reader, writer = await within(asyncio.open_connection(host, port), connect_timeout_s)
     try:
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -438,7 +439,7 @@ class OutputStreams:
         self._handshakes += 1
         try:
             sock.setblocking(False)
-            client, token = await asyncio.wait_for(read_hello(self.loop, sock), HELLO_TIMEOUT_S)
+            client, token = await within(read_hello(self.loop, sock), HELLO_TIMEOUT_S)
             if not hmac.compare_digest(token.encode(), self.token.encode()):
                 raise StreamError("wrong token")
         except (StreamError, OSError, TimeoutError) as exc:
@@ -546,7 +547,7 @@ class OutputStreams:
                     yield StreamBatch(self.name, deltas, merged)
                     continue
                 try:
-                    await asyncio.wait_for(ch.ready.wait(), self.heartbeat_s)
+                    await within(ch.ready.wait(), self.heartbeat_s)
                 except TimeoutError:
                     yield StreamBatch(self.name, [], 0, self.step_age())
         finally:

@@ -50,6 +50,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.aio import within
 from engine.detokenizer import SequenceText
 from engine.messages import (
     Delta,
@@ -760,7 +761,7 @@ async def _alive(worker: WorkerRef) -> None:
     """Raises the actor's death (RayActorError) when it is dead; returns when it answers or
     is too busy to answer within STREAM_END_PROBE_S."""
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(control(worker.handle.health).remote(), STREAM_END_PROBE_S)
+        await within(control(worker.handle.health).remote(), STREAM_END_PROBE_S)
 
 
 def _node_ip() -> str:

@@ -53,6 +53,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.aio import within
 from engine.grammar import DEFAULT_BACKEND, Grammars, make_backend
 from engine.sampling_params import SamplingParams, StructuredSpec
 from engine.tokenizer import BatchedEncoder
@@ -806,9 +807,7 @@ class _Gateway:
         """200 while a request can be placed, else 503 (also while draining); answered from
         the router's state (no worker is called), with each worker's state."""
         try:
-            ok = not self.draining and await asyncio.wait_for(
-                self.backend.healthy(), HEALTH_TIMEOUT_S
-            )
+            ok = not self.draining and await within(self.backend.healthy(), HEALTH_TIMEOUT_S)
             workers = self.backend.router_stats().worker_states
         except Exception:
             logger.warning("health check failed", exc_info=True)

@@ -18,7 +18,6 @@ gap between outputs divided over the tokens it brought (per sequence, the longes
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -34,6 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from engine.aio import within
 from router.outputs import Step
 
 logger = logging.getLogger("tandem.gateway")
@@ -132,7 +132,7 @@ class GatewayMetrics:
     async def render(self, backend: Any) -> bytes:
         """Prometheus text of the gateway's series plus a snapshot of the backend's."""
         try:
-            workers = await asyncio.wait_for(backend.worker_stats(), WORKER_STATS_TIMEOUT_S)
+            workers = await within(backend.worker_stats(), WORKER_STATS_TIMEOUT_S)
         except Exception:
             logger.warning("worker_stats failed; scraping without worker series", exc_info=True)
             workers = []

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.aio import within
 from engine.block_manager import prefix_block_hashes
 from engine.messages import WorkerState, control
 from engine.prefix_index import DEVICE
@@ -472,7 +473,7 @@ class ClusterBackend:
 
         async def call(method):
             try:
-                return await asyncio.wait_for(control(method).remote(), self.stats_timeout_s)
+                return await within(control(method).remote(), self.stats_timeout_s)
             except Exception as exc:  # noqa: BLE001 - reported per worker below
                 return exc
 
@@ -542,7 +543,7 @@ class ClusterBackend:
         load = {"running": len(self.admission.running), "queued": len(self.admission.queue)}
         try:
             call = controller.report_load.remote(self.router_id, load)
-            self.control = await asyncio.wait_for(call, self.stats_timeout_s)
+            self.control = await within(call, self.stats_timeout_s)
         except Exception as exc:  # noqa: BLE001 - the controller restarting: next round
             logger.debug("load report failed: %s", exc)
 

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from engine.aio import within
+
 EVENTS_KEPT = 4096  # the event log's length (older events are dropped; Watch says how many)
 
 
@@ -49,7 +51,7 @@ class EventLog:
             return {"events": [], "last_seq": self.last_seq, "missed": 0}
         if self.last_seq <= since and timeout_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._added.wait(), timeout_s)
+                await within(self._added.wait(), timeout_s)
         events = [e for e in self._events if e["seq"] > since]
         first = events[0]["seq"] if events else self.last_seq + 1
         return {"events": events, "last_seq": self.last_seq, "missed": max(0, first - since - 1)}

@@ -35,6 +35,7 @@ from typing import Any
 
 from cluster.control.events import EventLog
 from cluster.control.spec import WorkerSpec, tp_group_name
+from engine.aio import within
 from engine.messages import Membership, WorkerInfo, WorkerState, control
 from engine.settings import check, setting
 
@@ -101,7 +102,7 @@ class MembershipTable:
         """The table once it is newer than ``version`` (or after ``timeout_s``, as it is)."""
         if self.version <= version and timeout_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
+                await within(self._changed.wait(), timeout_s)
         return self.table()
 
     def pool(self, role: str) -> list[WorkerInfo]:
@@ -118,7 +119,7 @@ class MembershipTable:
         async def one(w: WorkerInfo) -> dict[str, Any]:
             if w.state == WorkerState.STARTING:
                 raise RuntimeError("starting")
-            return await asyncio.wait_for(control(w.handle.stats).remote(), STATS_TIMEOUT_S)
+            return await within(control(w.handle.stats).remote(), STATS_TIMEOUT_S)
 
         return await asyncio.gather(*(one(w) for w in workers), return_exceptions=True)
 
@@ -163,7 +164,7 @@ class MembershipTable:
         self._suspect_since.pop(name, None)
         self.publish()
         with contextlib.suppress(Exception):  # it is killed next either way
-            await asyncio.wait_for(info.handle.shutdown.remote(), 10.0)
+            await within(info.handle.shutdown.remote(), 10.0)
         await kill_actor(info)
         self._release_ranks(name)
         await self._forget_index(info)
@@ -269,7 +270,7 @@ class MembershipTable:
         if info is None or info.state == WorkerState.DEAD:
             return
         try:
-            await asyncio.wait_for(control(info.handle.ready).remote(), 5.0)
+            await within(control(info.handle.ready).remote(), 5.0)
         except Exception as exc:  # noqa: BLE001 - dead or hung
             await self.mark_dead(name, why or str(exc))
 
@@ -288,7 +289,7 @@ class MembershipTable:
         h = self.health
         name = info.name
         try:
-            report = await asyncio.wait_for(control(info.handle.health).remote(), h.timeout_s)
+            report = await within(control(info.handle.health).remote(), h.timeout_s)
         except RayActorError as exc:
             await self.mark_dead(name, str(exc).splitlines()[0])
             return

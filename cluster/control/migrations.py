@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from cluster.control.events import EventLog
 from cluster.control.membership import MembershipTable
+from engine.aio import within
 from engine.messages import MigrationResult, WorkerState, control
 from engine.settings import check, setting
 
@@ -122,7 +123,7 @@ class Migrator:
 
     async def _loads(self, workers) -> list[_Load]:
         stats = await asyncio.gather(
-            *(asyncio.wait_for(control(w.handle.stats).remote(), 5.0) for w in workers),
+            *(within(control(w.handle.stats).remote(), 5.0) for w in workers),
             return_exceptions=True,
         )
         return [

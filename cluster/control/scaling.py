@@ -32,6 +32,7 @@ from cluster.control.migrations import Migrator
 from cluster.control.operations import DRAIN_DEADLINE_S, Refused, not_moved
 from cluster.control.spawn import Spawner, check_engine_overrides
 from cluster.control.spec import ROLES, WorkerSpec
+from engine.aio import within
 from engine.messages import WorkerInfo, WorkerState, brief, control
 
 logger = logging.getLogger(__name__)
@@ -332,7 +333,7 @@ class Scaler:
 
         async def ready(name: str) -> dict[str, Any]:
             call = control(self.membership.workers[name].handle.ready).remote()
-            return await asyncio.wait_for(call, self.spec.start_timeout_s)
+            return await within(call, self.spec.start_timeout_s)
 
         infos = await asyncio.gather(*(ready(n) for n in names), return_exceptions=True)
         failed = {}

@@ -21,6 +21,7 @@ from typing import Any
 
 from cluster.control.membership import MembershipTable
 from cluster.control.spec import WorkerSpec, tp_group_name
+from engine.aio import within
 from engine.messages import (
     CONTROL_CONCURRENCY,
     CONTROL_GROUP,
@@ -171,7 +172,7 @@ class Spawner:
         t0 = time.monotonic()
 
         async def connect(w: WorkerInfo) -> dict[str, str]:
-            return await asyncio.wait_for(w.handle.connect_kv.remote(endpoints), 90.0)
+            return await within(w.handle.connect_kv.remote(endpoints), 90.0)
 
         outcomes = await asyncio.gather(*(connect(w) for w in prefill), return_exceptions=True)
         for w, out in zip(prefill, outcomes, strict=True):
