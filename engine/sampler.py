@@ -4,7 +4,8 @@ Pipeline per row (vLLM v1 / HF semantics)::
 
     raw logits ──► log_softmax ─────────────────────────────► logprobs (raw distribution)
         │
-        └─► repetition / frequency / presence penalties ─► min_tokens mask ─► grammar mask
+        └─► logit_bias ─► repetition / frequency / presence penalties ─► min_tokens mask
+              ─► grammar mask
               ├─► greedy rows: argmax
               └─► random rows: / temperature ─► top-k ─► top-p ─► min-p ─► draw
 
@@ -133,6 +134,25 @@ def _apply_penalties(row: torch.Tensor, sampling_row: SamplingRow) -> None:
         _apply_repetition_penalty(row, torch.cat((prompt, output)), params.repetition_penalty)
     if output.numel() and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
         _apply_frequency_presence(row, output, params.frequency_penalty, params.presence_penalty)
+
+
+def _apply_logit_bias(work: torch.Tensor, rows: Sequence[SamplingRow], biased: list[int]) -> None:
+    """Add each row's ``logit_bias`` to its logits, first of the processors (as OpenAI and
+    vLLM apply it): one scatter-add for every biased row of the batch."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i in biased:
+        bias = rows[i].params.logit_bias
+        row_ids += [i] * len(bias)
+        token_ids += bias.keys()
+        values += bias.values()
+    device = work.device
+    index = (
+        torch.tensor(row_ids, dtype=torch.long).to(device, non_blocking=True),
+        torch.tensor(token_ids, dtype=torch.long).to(device, non_blocking=True),
+    )
+    work.index_put_(index, torch.tensor(values, dtype=work.dtype).to(device), accumulate=True)
 
 
 def _min_tokens_banned(sampling_row: SamplingRow, vocab_size: int) -> list[int]:
@@ -529,16 +549,19 @@ class Sampler:
         the copy would change nothing), so it must be treated as read-only.
         """
         vocab_size = logits.shape[-1]
+        biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
         penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
         banned = {
             i: ids for i, row in enumerate(rows) if (ids := _min_tokens_banned(row, vocab_size))
         }
         structured = [i for i, row in enumerate(rows) if row.grammar is not None]
-        unchanged = not penalised and not banned and not structured
+        unchanged = not biased and not penalised and not banned and not structured
         if unchanged and (logits.dtype == torch.float32 or greedy_only):
             return logits
         work = self._workspace.take("processed", len(rows), vocab_size, logits.device)
         work.copy_(logits)
+        if biased:
+            _apply_logit_bias(work, rows, biased)
         for i in penalised:
             _apply_penalties(work[i], rows[i])
         for i, ids in banned.items():

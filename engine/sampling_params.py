@@ -105,6 +105,15 @@ class StructuredSpec:
         return json.loads(self.value) if self.kind == "json_schema" else None
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _canonical(obj: Any) -> str:
     """One text per JSON value (keys sorted, no spaces): equal schemas share a cache entry."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -119,7 +128,10 @@ class SamplingParams:
     generated tokens). ``logprobs`` asks for the sampled token's log-probability plus the top-N
     alternatives; ``logprobs=0`` returns only the sampled token's. ``structured`` constrains
     every token to a grammar (``StructuredSpec``); the grammar then decides where the answer
-    ends (``min_tokens`` does not apply to it).
+    ends (``min_tokens`` does not apply to it). ``logit_bias`` adds a value in [-100, 100] to
+    the logits of the token ids it names before any other processing (the OpenAI API's
+    parameter: -100 bans a token in practice, 100 all but forces it); logprobs stay those of the
+    model's own distribution, as vLLM reports them by default.
     """
 
     n: int = 1
@@ -142,6 +154,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Structured outputs: every token is masked by this grammar (engine/grammar.py).
     structured: StructuredSpec | None = None
+    logit_bias: dict[int, float] | None = None
     # Filled by the engine from the tokenizer/generation config; not a user knob.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -151,6 +164,8 @@ class SamplingParams:
     MAX_STOP = 32  # stop strings per request, and their length in characters
     MAX_STOP_LEN = 512
     MAX_STOP_TOKEN_IDS = 256
+    MAX_LOGIT_BIAS = 1024  # token ids one request may bias (each costs the sampler a write)
+    LOGIT_BIAS_LIMIT = 100.0  # the OpenAI API's range, either way
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -161,9 +176,12 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias)  # a copy: the caller's dict may change
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        # values as floats (checked in range first: a huge int does not convert); {}: nothing
+        self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.temperature < _GREEDY_EPS:
             # Greedy: sampling knobs are irrelevant; normalise so the sampler can batch.
             self.temperature = 0.0
@@ -196,6 +214,15 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}."
+            )
+        bias = self.logit_bias
+        if bias is None:
+            self.logit_bias = {}
+        elif not isinstance(bias, dict) or not all(
+            _is_int(k) and (_is_int(v) or isinstance(v, float)) for k, v in bias.items()
+        ):
+            raise ValueError(
+                f"logit_bias must be a map of token ids to numbers, got {_brief(bias)}."
             )
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise ValueError(
@@ -245,6 +272,19 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"a list of at most {self.MAX_STOP_TOKEN_IDS} token ids")
+        bias, limit = self.logit_bias, self.LOGIT_BIAS_LIMIT
+        if len(bias) > self.MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias must be a map of at most {self.MAX_LOGIT_BIAS} token ids, got "
+                f"{len(bias)}."
+            )
+        if any(t < 0 for t in bias):
+            raise ValueError(f"logit_bias must be a map of token ids >= 0, got {min(bias)}.")
+        if any(not -limit <= b <= limit for b in bias.values()):  # (NaN fails both)
+            worst = next(b for b in bias.values() if not -limit <= b <= limit)
+            raise ValueError(
+                f"logit_bias must be a map to values in [-100, 100], got {_brief(worst)}."
+            )
 
     @property
     def greedy(self) -> bool:

@@ -22,8 +22,8 @@ Where the OpenAI API leaves room, this module decides:
   extra but not supported here, a 400 saying so unless its value asks for nothing (null,
   ``false``, an empty list, its default); or unknown, a 400 "Unrecognized request argument
   supplied: NAME" as OpenAI answers (a typo such as ``max_token`` must not run to the context).
-  ``echo``, ``suffix``, ``logit_bias``, ``best_of`` other than ``n``, the legacy ``functions``
-  and ``guided_grammar`` are such unsupported fields, never silently ignored.
+  ``echo``, ``suffix``, ``best_of`` other than ``n``, the legacy ``functions`` and
+  ``guided_grammar`` are such unsupported fields, never silently ignored.
 * Structured outputs (``structured_spec``): one of ``response_format`` (``json_schema``,
   ``json_object``; ``text`` asks for nothing), ``guided_json``, ``guided_regex``,
   ``guided_choice`` or ``structured_outputs`` (``json``, ``regex``, ``choice``,
@@ -710,8 +710,7 @@ def _sampling_params(
     a 400 naming the API parameter (``names`` maps engine names to API names)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    logit_bias = _logit_bias(req.logit_bias)
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", param="n")
     if req.cache_salt is not None and not req.cache_salt:
@@ -747,6 +746,7 @@ def _sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            logit_bias=logit_bias,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             **{k: v for k, v in given.items() if v is not None},
@@ -758,6 +758,23 @@ def _sampling_params(
         if param is not None and param != name:
             message = param + message[len(name) :]
         raise bad_request(message, param=param) from None
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as the JSON object's keys) with int keys; a key that
+    is not a token id is a 400 (the values' range is SamplingParams' to check)."""
+    if not given:
+        return None
+    bias = {}
+    for key, value in given.items():
+        text = key.strip()
+        if not text.isascii() or not text.isdigit():
+            raise bad_request(
+                f"logit_bias keys must be token ids (non-negative integers), got {key[:40]!r}",
+                param="logit_bias",
+            )
+        bias[int(text)] = value
+    return bias
 
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")

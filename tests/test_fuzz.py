@@ -210,7 +210,9 @@ SERVED = {
     "cache_salt": st.text(min_size=1, max_size=8),
     "echo": st.just(False),
     "suffix": st.none(),
-    "logit_bias": st.none(),
+    "logit_bias": st.one_of(
+        st.none(), st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3)
+    ),
     "tools": st.none(),
     "response_format": st.just({"type": "text"}),
     "role": st.sampled_from(["system", "developer", "user", "assistant"]),

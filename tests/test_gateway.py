@@ -546,6 +546,14 @@ async def test_vllm_extras_reach_the_backend(app, backend) -> None:
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [1, 10**9]}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"-3": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100.5}}, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": "up"}},
+            "logit_bias",
+        ),
         (
             "/v1/completions",
             {"prompt": "hi", "stream_options": {"include_usage": True}},
@@ -705,6 +713,18 @@ def test_openai_clients_fields_are_all_known() -> None:
     ]:
         known = set(kind.model_fields) | set(kind.unsupported) | protocol._ACCEPTED_HINTS
         assert set(params.__annotations__) - known == set(), kind.__name__
+
+
+async def test_logit_bias_reaches_the_engine_with_token_id_keys(app, backend) -> None:
+    """OpenAI's logit_bias (token ids as strings, as the official client sends them) reaches
+    the engine as ints; an empty one asks for nothing."""
+    out = await oai(app).chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=3, logit_bias={"5": 10, "17": -100}
+    )
+    assert out.choices[0].message.content is not None
+    await oai(app).completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={})
+    assert backend.opened[0]["params"].logit_bias == {5: 10.0, 17: -100.0}
+    assert backend.opened[1]["params"].logit_bias is None
 
 
 async def test_invalid_parameter_through_the_openai_client(app) -> None:

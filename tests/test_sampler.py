@@ -178,6 +178,44 @@ def test_penalties_steer_greedy() -> None:
     assert token_ids(sampler()(logits, [row])) == [2]
 
 
+# --------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_is_added_first_and_only_to_its_rows() -> None:
+    """Each row's bias is added to its own logits before the penalties (OpenAI's order); rows
+    without one, and the caller's logits, are left alone; a token a bias names twice over the
+    batch gets each row's value, not the sum."""
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    original = logits.clone()
+    rows = [
+        make_row(temperature=0.0, logit_bias={1: -2.0, 3: 0.5}),
+        make_row(temperature=0.0, logit_bias={1: -0.5}, repetition_penalty=2.0, prompt=[1]),
+        make_row(temperature=0.0),
+    ]
+    processed = sampler().process_logits(logits, rows)
+    assert torch.equal(logits, original)
+    assert processed[0].tolist() == [0.0, 3.0, 4.0, 1.5]
+    assert processed[1].tolist() == [0.0, 2.25, 4.0, 1.0]  # (5 - 0.5) / 2: the bias came first
+    assert processed[2].tolist() == logits[2].tolist()
+
+
+def test_logit_bias_steers_greedy_and_random_rows_but_not_logprobs() -> None:
+    logits = flat_logits(4, vocab=64) * 2
+    best = int(logits[0].argmax())
+    second = int(logits[0].topk(2).indices[1])
+    rows = [
+        make_row(temperature=0.0, logit_bias={best: -100}, logprobs=1),
+        make_row(temperature=0.0, logit_bias={7: 100}),
+        make_row(temperature=1.0, logit_bias={9: 100}, seed=1),
+        make_row(temperature=0.8, top_p=0.5, logit_bias={t: -100 for t in range(63)}),
+    ]
+    results = sampler()(logits[[0, 1, 2, 3]], rows)
+    assert token_ids(results) == [second, 7, 9, 63]
+    reference = torch.log_softmax(logits[0].float(), dim=-1)  # the model's own distribution
+    assert results[0].logprob == pytest.approx(reference[second].item(), abs=1e-5)
+    assert results[0].top_logprobs[0][0] == best
+
+
 # --------------------------------------------------------------------------- min_tokens
 
 

@@ -234,3 +234,37 @@ WRONG_TYPES = [
 @pytest.mark.parametrize(("name", "value"), WRONG_TYPES, ids=[f"{n}={v!r}" for n, v in WRONG_TYPES])
 def test_wrong_type_raises_value_error_naming_the_parameter(name: str, value: object) -> None:
     raises_naming(name, **{name: value})
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        {1: 100.5},
+        {1: -101},
+        {1: float("nan")},
+        {1: 10**400},
+        {-1: 1.0},
+        {"1": 1.0},
+        {True: 1.0},
+        {1: "1"},
+        {1: None},
+        [1, 2],
+        {i: 1.0 for i in range(SamplingParams.MAX_LOGIT_BIAS + 1)},
+    ],
+    ids=lambda b: repr(b)[:24],
+)
+def test_logit_bias_out_of_range_or_of_wrong_type_is_refused(bias: object) -> None:
+    error = raises_naming("logit_bias", logit_bias=bias)
+    assert len(str(error)) < 160, "a long bias is not echoed whole"
+
+
+def test_logit_bias_is_a_float_copy_and_empty_asks_for_nothing() -> None:
+    given = {3: 100, 5: -100, 7: 0.25}
+    params = SamplingParams(logit_bias=given)
+    given[3] = 0
+    assert params.logit_bias == {3: 100.0, 5: -100.0, 7: 0.25}
+    assert all(isinstance(v, float) for v in params.logit_bias.values())
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams().logit_bias is None
+    child = SamplingParams(n=2, seed=1, logit_bias={3: 1}).for_child(1)
+    assert child.logit_bias == {3: 1.0} and child.seed == 2

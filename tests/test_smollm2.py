@@ -122,6 +122,45 @@ def test_stop_token_ids_and_min_tokens(llm, prompts, expected):
     assert len(outs[0].outputs[0].token_ids) >= 50
 
 
+def test_logit_bias_matches_transformers_with_the_bias_added(llm, hf, prompts, expected):
+    """Greedy with OpenAI's logit_bias equals transformers' greedy generate with the same
+    values added to its logits at every step: the first greedy token banned (-100) and a
+    small nudge (+2.5) to another, so the answer changes and stays the model's own."""
+    banned, nudged = expected[0][0], expected[1][2]
+    bias = {banned: -100.0, nudged: 2.5}
+
+    class AddBias(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            for token, value in bias.items():
+                scores[:, token] += value
+            return scores
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logit_bias=bias)
+    outs = llm.generate(prompts[:2], params)
+    for prompt, out, unbiased in zip(prompts[:2], outs, expected[:2], strict=True):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                logits_processor=transformers.LogitsProcessorList([AddBias()]),
+            )[0, len(prompt) :].tolist()
+        got = out.outputs[0].token_ids
+        assert got == want and banned not in got
+        assert got != unbiased
+    llm.engine.block_manager.check_invariant(expect_idle=True)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(llm, prompts):
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=r"logit_bias must be .* < the vocabulary size"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    llm.engine.block_manager.check_invariant(expect_idle=True)
+
+
 def test_tensor_parallel_3_matches_transformers(smollm2_dir, prompts, expected):
     """The real weights split over 3 rank processes (one KV head each): the same greedy
     tokens as transformers' (the row-parallel sums reorder fp32 additions; on these prompts
