@@ -1,6 +1,7 @@
 """asyncio helpers every tandem process uses (the router, the controller, the workers).
 
-``within(awaitable, timeout_s)`` is ``asyncio.wait_for`` without its cancellation race. Before
+``within(awaitable, timeout_s)`` is ``asyncio.wait_for`` without its cancellation race
+(``asyncio.timeout`` on 3.11+, ``asyncio.wait`` on 3.10). Before
 Python 3.12, ``wait_for`` returns the inner call's result when the call completes in the same
 loop turn as the caller is cancelled, and the cancellation is lost (CPython gh-86296). A task
 cancelled at that instant then runs on: the router's reader of a worker's output stream,
@@ -26,5 +27,21 @@ async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(timeout_s):
             return await awaitable
-    # 3.10 has no asyncio.timeout: wait_for, with the race above (rare, and fixed upstream)
-    return await asyncio.wait_for(awaitable, timeout_s)
+    return await _within_by_wait(awaitable, timeout_s)  # 3.10 has no asyncio.timeout
+
+
+async def _within_by_wait(awaitable: Awaitable[T], timeout_s: float | None) -> T:
+    """``within`` from ``asyncio.wait``, which never answers a cancellation of its caller with
+    a result: the awaitable runs as a task of its own, cancelled (and waited for) when the
+    caller is cancelled or the time is up."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.wait({task})  # its cleanup runs before the caller goes on, as wait_for's
+        raise TimeoutError
+    return task.result()

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine.aio import within
+from engine.aio import _within_by_wait, within
 from engine.output_stream import read_stream
 
 
@@ -36,8 +36,12 @@ async def _cancelled_as_the_call_completes(bounded) -> str:
     return "returned"
 
 
-def test_a_cancellation_that_meets_the_answer_is_not_lost() -> None:
-    assert asyncio.run(_cancelled_as_the_call_completes(within)) == "cancelled"
+BOUNDED = [within, _within_by_wait]  # (the second is 3.10's; it runs on any version)
+
+
+@pytest.mark.parametrize("bounded", BOUNDED, ids=["within", "by_wait"])
+def test_a_cancellation_that_meets_the_answer_is_not_lost(bounded) -> None:
+    assert asyncio.run(_cancelled_as_the_call_completes(bounded)) == "cancelled"
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="fixed in asyncio.wait_for from 3.12")
@@ -46,14 +50,24 @@ def test_wait_for_loses_it_here() -> None:
     assert asyncio.run(_cancelled_as_the_call_completes(asyncio.wait_for)) == "returned"
 
 
-def test_within_bounds_and_passes_results() -> None:
+@pytest.mark.parametrize("bounded", BOUNDED, ids=["within", "by_wait"])
+def test_within_bounds_and_passes_results(bounded) -> None:
     async def main():
-        assert await within(asyncio.sleep(0, "x"), 5.0) == "x"
-        assert await within(asyncio.sleep(0, "y"), None) == "y"
+        assert await bounded(asyncio.sleep(0, "x"), 5.0) == "x"
+        assert await bounded(asyncio.sleep(0, "y"), None) == "y"
+        cleaned = []
+
+        async def slow():
+            try:
+                await asyncio.sleep(10)
+            finally:
+                cleaned.append(True)
+
         with pytest.raises(TimeoutError):
-            await within(asyncio.sleep(10), 0.01)
+            await bounded(slow(), 0.01)
+        assert cleaned == [True]  # the awaitable was cancelled and its cleanup ran first
         with pytest.raises(ValueError, match="boom"):
-            await within(_raise(ValueError("boom")), 5.0)
+            await bounded(_raise(ValueError("boom")), 5.0)
 
     asyncio.run(main())
 
