@@ -277,10 +277,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if params.top_k > vocab:
             raise ValueError(f"top_k must be <= the vocabulary size ({vocab}), got {params.top_k}.")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
+        top_id = max(params.logit_bias or [-1])  # (None or a non-empty map)
+        if top_id >= vocab:
             raise ValueError(
                 f"logit_bias must be a map of token ids < the vocabulary size ({vocab}), got "
-                f"{max(params.logit_bias)}."
+                f"{top_id}."
             )
         if output_token_ids:
             self._check_continuation(token_ids, output_token_ids, params)

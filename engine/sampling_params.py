@@ -176,7 +176,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = dict(self.logit_bias)  # a copy: the caller's dict may change
+        self.logit_bias = dict(self.logit_bias or {})  # a copy: the caller's dict may change
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -216,10 +216,9 @@ class SamplingParams:
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}."
             )
         bias = self.logit_bias
-        if bias is None:
-            self.logit_bias = {}
-        elif not isinstance(bias, dict) or not all(
-            _is_int(k) and (_is_int(v) or isinstance(v, float)) for k, v in bias.items()
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(_is_int(k) and (_is_int(v) or isinstance(v, float)) for k, v in bias.items())
         ):
             raise ValueError(
                 f"logit_bias must be a map of token ids to numbers, got {_brief(bias)}."
@@ -280,10 +279,11 @@ class SamplingParams:
             )
         if any(t < 0 for t in bias):
             raise ValueError(f"logit_bias must be a map of token ids >= 0, got {min(bias)}.")
-        if any(not -limit <= b <= limit for b in bias.values()):  # (NaN fails both)
-            worst = next(b for b in bias.values() if not -limit <= b <= limit)
+        outside = [b for b in bias.values() if not -limit <= b <= limit]  # (NaN fails both)
+        if outside:
             raise ValueError(
-                f"logit_bias must be a map to values in [-100, 100], got {_brief(worst)}."
+                f"logit_bias must be a map to values in [{-limit:g}, {limit:g}], got "
+                f"{_brief(outside[0])}."
             )
 
     @property
