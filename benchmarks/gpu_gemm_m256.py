@@ -1,0 +1,122 @@
+"""The decode step's GEMMs at batch 256 (Llama-3-8B shapes, bf16): cuBLAS (``F.linear``) against
+a Triton GEMM with K split over programs, each against its floor (max of FLOPs at the measured
+bf16 rate and bytes at the HBM copy rate), weights cold in L2 as in a decode step.
+
+At M = 256 the narrow products (o_proj, down: N = 4096) give cuBLAS 64 output tiles of 128 x 128
+for 132 SMs (benchmarks/NOTES.md: down and o_proj at 1.44x their floor on an H100); splitting K
+multiplies the programs. An experiment: the split sums are added with fp32 atomics (order not
+fixed), which the engine would not take as is.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_gemm_m256.py [--m 256] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_ceilings import bf16_matmul_flops, hbm_copy_bandwidth  # noqa: E402
+from benchmarks.gpu_gemv import COLD_BYTES, SHAPES, graph_time  # noqa: E402
+
+
+@triton.jit
+def _splitk_kernel(a_ptr, w_ptr, c_ptr, M, N, K, K_PER, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_lo = s * K_PER
+    for k0 in range(k_lo, k_lo + K_PER, BK):
+        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
+        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :])
+        acc = tl.dot(a, tl.trans(w), acc)
+    ptrs = c_ptr + rm[:, None] * N + rn[None, :]
+    if SPLIT == 1:
+        tl.store(ptrs, acc)
+    else:
+        tl.atomic_add(ptrs, acc, sem="relaxed")
+
+
+def splitk_gemm(a, w, c, bm, bn, bk, split, warps, stages):
+    m, k = a.shape
+    n = w.shape[0]
+    k_per = k // split
+    _splitk_kernel[(m // bm, n // bn, split)](
+        a, w, c, m, n, k, k_per, BM=bm, BN=bn, BK=bk, SPLIT=split, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+
+
+SWEEP = {
+    "bm": (64, 128),
+    "bn": (64, 128),
+    "bk": (64,),
+    "split": (1, 2, 4),
+    "warps": (4,),
+    "stages": (3, 4),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--m", type=int, default=256)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
+    args = ap.parse_args()
+    bw, flops = hbm_copy_bandwidth(), bf16_matmul_flops()
+    gpu = torch.cuda.get_device_name()
+    res = {"gpu": gpu, "m": args.m, "hbm": bw, "flops": flops, "shapes": {}}
+    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
+    print("| shape | floor us | cuBLAS us | / floor | split-K best us | / floor | config |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        a = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        ws = [w0] + [w0.clone() for _ in range(max(1, -(-COLD_BYTES // w0.nbytes)) - 1)]
+        floor = max(2 * args.m * n * k / flops, (w0.nbytes + a.nbytes + args.m * n * 2) / bw)
+        cublas = graph_time(lambda w, a=a: F.linear(a, w), ws)
+        c = torch.zeros(args.m, n, device="cuda", dtype=torch.float32)
+        ref = a.float() @ w0.float().T
+        best = (float("inf"), None)
+        for vals in itertools.product(*SWEEP.values()):
+            cfg = dict(zip(SWEEP, vals, strict=True))
+            if k % (cfg["split"] * cfg["bk"]) or args.m % cfg["bm"] or n % cfg["bn"]:
+                continue
+            try:
+                c.zero_()
+                splitk_gemm(a, w0, c, **cfg)
+                if not torch.allclose(c, ref, rtol=2e-2, atol=2e-1):
+                    print(f"  {name} {cfg}: wrong", file=sys.stderr)
+                    continue
+                t = graph_time(lambda w, a=a, c=c, cfg=cfg: splitk_gemm(a, w, c, **cfg), ws)
+            except Exception as exc:  # a tile that does not fit
+                print(f"  {name} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            if t < best[0]:
+                best = (t, cfg)
+        res["shapes"][name] = {"floor_s": floor, "cublas_s": cublas, "splitk_s": best[0],
+                               "config": best[1]}  # fmt: skip
+        print(f"| {name} | {floor * 1e6:.1f} | {cublas * 1e6:.1f} | {cublas / floor:.2f} | "
+              f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} |")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"gpu_gemm_m{args.m}.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
