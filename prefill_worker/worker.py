@@ -117,10 +117,15 @@ class PrefillRole(Role):
 
         try:
             await self.worker.call(add)
-        except BaseException as exc:
+            return await fut
+        except asyncio.CancelledError:
+            # The caller went away (a cancelled actor call): nothing of the request may stay.
+            # add() is queued to the engine thread or done; the abort queues behind it.
+            self.worker.post(lambda: self.abort(request_id))
+            raise
+        except Exception as exc:  # noqa: BLE001 - add() refused the request: the caller's answer
             self._waiters.pop(request_id, None)
             return PrefillFailed(str(exc))
-        return await fut
 
     async def connect_kv(self, endpoints: list[str], timeout_s: float = 60.0) -> dict[str, str]:
         """Form the KV channels to these decode workers now rather than on the first request

@@ -196,6 +196,36 @@ def test_prefill_abort_before_done_fails_the_stream_retryably(workers) -> None:
     assert asyncio.run(d.check_idle()) is None
 
 
+@pytest.mark.parametrize("turns", [1, 40])
+def test_a_cancelled_prefill_call_leaves_nothing_behind(workers, turns) -> None:
+    """The caller of ``prefill`` goes away (its task cancelled) ``turns`` loop turns in, before
+    or after its request reached the engine: the cancellation propagates, the request is
+    aborted there and its decode worker told at once (no layer had left: gated), so the decode
+    side's stream ends retryably with the prefill's abort, and both workers end idle."""
+    p, d = workers
+
+    async def scenario():
+        params = SamplingParams(max_tokens=4)
+        prompt = list(range(60))
+        rid = f"cancelled-{turns}"
+        res = await d.reserve(rid, prompt, params, rid)
+        pre = asyncio.ensure_future(p.prefill(rid, prompt, params, res.endpoint, gated=True))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        pre.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pre
+        return await read(d, rid), res
+
+    deltas, res = asyncio.run(scenario())
+    assert isinstance(res, Reserved)
+    assert deltas[-1].error is not None and deltas[-1].retryable
+    assert "prefill aborted the transfer" in deltas[-1].error, deltas[-1].error
+    assert asyncio.run(p.check_idle()) is None
+    assert asyncio.run(p.call(p.prefill_role.holds)) == {"prefills": 0, "KV bytes out": 0}
+    assert asyncio.run(d.check_idle()) is None
+
+
 RESUMED = [
     SamplingParams(temperature=0.0, max_tokens=12, logprobs=1),
     SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=12),

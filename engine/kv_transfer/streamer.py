@@ -106,8 +106,11 @@ class KVStreamer:
         )
 
     def drop(self, request_id: str, reason: str) -> _Outgoing | None:
+        """End ``request_id``'s transfer here and tell its decode worker, whether or not any
+        layer went yet: a reservation that no KV has reached would otherwise wait out its
+        timeout (the decode side ignores an abort of a transfer it does not hold)."""
         t = self.transfers.pop(request_id, None)
-        if t is not None and t.sent_upto > 0:
+        if t is not None:
             self.connector.sender(t.endpoint).send_abort(t.transfer_id, reason)
         return t
 
