@@ -109,6 +109,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _brief(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -199,15 +203,15 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in self._FLOATS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}.")
         for name in ("max_tokens", "logprobs", "seed"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r}.")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
@@ -218,7 +222,7 @@ class SamplingParams:
         bias = self.logit_bias
         if bias is not None and (
             not isinstance(bias, dict)
-            or not all(_is_int(k) and (_is_int(v) or isinstance(v, float)) for k, v in bias.items())
+            or not all(_is_int(k) and _is_number(v) for k, v in bias.items())
         ):
             raise ValueError(
                 f"logit_bias must be a map of token ids to numbers, got {_brief(bias)}."
