@@ -116,18 +116,19 @@ def make_llm(**overrides):
     return LLM(str(CONFIG), **kwargs)
 
 
-def decode_itl(llm, context: int, steps: int) -> list[float]:
-    """Wall time of each engine step (schedule, inputs, forward, sample, outputs) of one
-    request decoding after a ``context``-token prompt."""
+def decode_itl(llm, context: int, steps: int, batch: int = 1) -> list[float]:
+    """Wall time of each engine step (schedule, inputs, forward, sample, outputs) of ``batch``
+    requests decoding together after ``context``-token prompts."""
     from engine import SamplingParams
 
     engine = llm.engine
-    engine.add_request(
-        "itl",
-        random_prompts(1, context, seed=2)[0],
-        SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
-    )
-    engine.step()  # prefill
+    for i, prompt in enumerate(random_prompts(batch, context, seed=2)):
+        engine.add_request(
+            f"itl-{i}",
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
+        )
+    engine.step()  # prefill (a chunked prefill's later steps fall among the warm-up steps)
     times = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()

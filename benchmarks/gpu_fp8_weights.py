@@ -6,9 +6,11 @@ context, so one engine's memory cannot shrink the next one's budget):
 1. decode ITL at batch 1 (512-token context, engine steps, graphs on) over each one's weights
    floor: the bytes a decode step reads of the weights (every parameter but the input embedding,
    of which a step reads one row) over the HBM copy rate measured in this run (aim: fp8 at most
-   1.15x its floor), and the batch-1 decode graph's replay alone; ``--gemv-off`` adds fp8 with
-   its batch-1 products through ``torch._scaled_mm`` instead of kernels/fp8_gemv.py, ``--splitk``
-   with them through its tensor-core GEMV behind a quantizing kernel;
+   1.15x its floor), the batch-1 decode graph's replay alone, and ITL at batch 8; ``--gemv-off``
+   adds fp8 with its small-batch products through ``torch._scaled_mm`` instead of the GEMVs,
+   ``--mma-off`` with batch 1 through the Triton GEMV of kernels/fp8_gemv.py (2-8 through
+   ``_scaled_mm``) instead of the CUDA tensor-core GEMV of kernels/fp8_gemv_mma.py,
+   ``--splitk`` through the Triton tensor-core GEMV behind a quantizing kernel;
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
    least 1.4x bf16), and each engine's KV pool; ``--kv8`` adds fp8 weights with fp8 KV
@@ -26,7 +28,7 @@ context, so one engine's memory cannot shrink the next one's budget):
    part alone on the CPU (fp32 model; torch's CPU ``_scaled_mm`` is the same kernel call).
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
-        [--num-requests 1000] [--kv8] [--gemv-off] [--splitk] [--big [--big-layers 40]] [--ppl-model DIR]
+        [--num-requests 1000] [--kv8] [--gemv-off] [--mma-off] [--splitk] [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
         ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-prompt 256 --ppl-max-answer 64 \\
         --out benchmarks/results/fp8_weights_ppl_cpu.json      # 5 min on 2 cores
@@ -92,14 +94,19 @@ def engine_run(args: argparse.Namespace) -> dict:
 
     name = args.one
     model_dir = CONFIG_8B
-    if name == "fp8_cublas":  # batch 1 through _scaled_mm, not the FP8 GEMV
+    if name == "fp8_cublas":  # batch 1 through _scaled_mm, not the FP8 GEMVs
         from engine.quant import Fp8Linear
 
-        Fp8Linear.gemv_max_rows = 0
-    if name == "fp8_splitk":  # batch 1: a quantizing kernel, then the tensor-core GEMV
+        Fp8Linear.gemv_max_rows = Fp8Linear.mma_max_rows = 0
+    if name == "fp8_triton":  # batch 1 through the Triton GEMV, 2-8 through _scaled_mm
+        from engine.quant import Fp8Linear
+
+        Fp8Linear.mma_max_rows = 0
+    if name == "fp8_splitk":  # batch 1: a quantizing kernel, then the Triton tensor-core GEMV
         from engine.quant import Fp8Linear
 
         Fp8Linear.splitk_max_rows = 1
+        Fp8Linear.mma_max_rows = 0
     if name == "big":
         model_dir = Path(tempfile.mkdtemp(prefix="fp8-big-"))
         (model_dir / "config.json").write_text(json.dumps(big_config(args.big_layers)))
@@ -131,6 +138,7 @@ def engine_run(args: argparse.Namespace) -> dict:
     times = decode_itl(llm, context=CONTEXT, steps=ITL_STEPS)
     out["itl_s"] = statistics.median(times)
     out["graph_replay_s"] = graph_replay_s(llm)
+    out["itl_b8_s"] = statistics.median(decode_itl(llm, context=CONTEXT, steps=ITL_STEPS, batch=8))
     if name in ("bf16", "fp8", "fp8_kv8") and args.num_requests:
         items = read_workload(VLLM_SAMPLE)[: args.num_requests]
         prompts = [list(i.prompt_token_ids) for i in items]
@@ -205,17 +213,18 @@ def print_table(result: dict) -> None:
     hbm = result.get("hbm_copy_bytes_per_s")
     print(f"\n{result['device']}" + (f", HBM copy {hbm / 1e12:.2f} TB/s" if hbm else ""))
     rows = [("run", "weights GiB", "floor ms", "ITL ms", "ITL / floor", "graph / floor",
-             "KV blocks", "out tok/s")]  # fmt: skip
+             "ITL b8 ms", "KV blocks", "out tok/s")]  # fmt: skip
     for r in result.get("runs", {}).values():
         tput = r.get("throughput", {}).get("output_tok_s")
-        replay = r.get("graph_replay_over_floor")
+        replay, b8 = r.get("graph_replay_over_floor"), r.get("itl_b8_s")
         rows.append((f"{r['run']} ({r['model']})", f"{r['weight_bytes'] / 2**30:.2f}",
                      f"{r['floor_s'] * 1e3:.2f}", f"{r['itl_s'] * 1e3:.2f}",
                      f"{r['itl_over_floor']:.3f}x", f"{replay:.3f}x" if replay else "-",
-                     r["num_kv_blocks"], f"{tput:.0f}" if tput else "-"))  # fmt: skip
+                     f"{b8 * 1e3:.2f}" if b8 else "-", r["num_kv_blocks"],
+                     f"{tput:.0f}" if tput else "-"))  # fmt: skip
     for name, p in (result.get("ppl") or {}).items():
         rows.append((f"perplexity {name} ({p['dtype']}, {p['tokens']} tokens)", "-", "-", "-",
-                     f"{p['ppl']:.4f}", "-", "-", "-"))  # fmt: skip
+                     f"{p['ppl']:.4f}", "-", "-", "-", "-"))  # fmt: skip
     print_markdown(rows)
     for key, value in result["fp8_over_bf16"].items():
         print(f"{key}: {value:.4f}")
@@ -270,11 +279,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gemv-off", action="store_true", help="also fp8 with batch 1 on cuBLAS")
     ap.add_argument("--kv8", action="store_true", help="also fp8 weights with fp8 KV")
     ap.add_argument(
+        "--mma-off", action="store_true", help="also fp8 without the CUDA tensor-core GEMV"
+    )
+    ap.add_argument(
         "--splitk", action="store_true", help="also fp8 with batch 1 on fp8_gemv_splitk"
     )
     ap.add_argument(
         "--one",
-        choices=("bf16", "fp8", "fp8_kv8", "fp8_cublas", "fp8_splitk", "big"),
+        choices=("bf16", "fp8", "fp8_kv8", "fp8_cublas", "fp8_triton", "fp8_splitk", "big"),
         help=argparse.SUPPRESS,
     )
     ap.add_argument("--part", help=argparse.SUPPRESS)
@@ -300,7 +312,7 @@ def main(argv=None) -> None:
         log(f"HBM copy {hbm / 1e12:.2f} TB/s")
         result["hbm_copy_bytes_per_s"] = hbm
         names = ["bf16", "fp8"] + ["fp8_kv8"] * args.kv8 + ["fp8_cublas"] * args.gemv_off
-        names += ["fp8_splitk"] * args.splitk
+        names += ["fp8_triton"] * args.mma_off + ["fp8_splitk"] * args.splitk
         names += ["big"] * args.big
         result["runs"] = {n: in_child(args, n) for n in names}
         with_floors(result["runs"], hbm)

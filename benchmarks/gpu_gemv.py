@@ -13,10 +13,11 @@ and come out above the copy rate (o_proj 1.66x in the first sweep). ``--wide`` s
 file each: ``quantizing`` (x in bf16, quantized inside the GEMV: batch-1 decode's path) and
 ``e4m3`` (x already quantized, one byte an element: what the GEMV would cost if the kernel that
 writes x quantized it) and ``splitk`` (x already quantized, through ``fp8_gemv_splitk``: the
-weights on tensor cores, K split over programs; its own sweep). ``--no-sweep`` times the default tiles alone.
+weights on tensor cores, K split over programs; its own sweep) and ``mma`` (x in bf16, the CUDA
+tensor-core GEMV of kernels/fp8_gemv_mma.py, the engine's path for 1-8 rows; its own sweep). ``--no-sweep`` times the default tiles alone.
 
     python benchmarks/gpu_gemv.py [--rows 1] [--out DIR] [--warm] [--wide] [--fp8]
-        [--fp8-input quantizing,e4m3,splitk] [--no-sweep]
+        [--fp8-input quantizing,e4m3,splitk,mma] [--no-sweep]
     python benchmarks/gpu_gemv.py --replot RESULT.json     # its plot again, no GPU needed
 
 Writes JSON and a plot beside it: each shape's fraction of the copy rate for cuBLAS, the
@@ -47,6 +48,11 @@ SHAPES = {  # (N, K) of each decode GEMM in one Llama-3-8B layer, and the LM hea
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
+    # Llama-3-70B's (``--shapes qkv_70b,o_proj_70b,gate_up_70b,down_70b``)
+    "qkv_70b": (10240, 8192),
+    "o_proj_70b": (8192, 8192),
+    "gate_up_70b": (57344, 8192),
+    "down_70b": (8192, 28672),
 }
 SWEEP = {
     "block_n": (4, 8, 16),
@@ -61,6 +67,11 @@ WIDE = {
     "block_k": (512, 1024, 2048, 4096),
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4),
+}
+MMA = {  # --fp8-input mma: kernels/fp8_gemv_mma.py's CUDA tensor-core GEMV
+    "warps": (4, 8, 16),
+    "unroll": (1, 2, 4, 8),
+    "rt": (1, 2),
 }
 SPLITK = {  # --fp8-input splitk: kernels/fp8_gemv.py's tensor-core GEMV
     "block_n": (64, 128),
@@ -90,9 +101,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--warm", action="store_true", help="one weight copy: L2 may hold it")
     ap.add_argument("--wide", action="store_true", help="the wider tile sweep")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down,lm_head")
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights (kernels/fp8_gemv.py)")
-    ap.add_argument("--fp8-input", default="quantizing", help="quantizing,e4m3,splitk (--fp8)")
+    ap.add_argument("--fp8-input", default="quantizing", help="quantizing,e4m3,splitk,mma (--fp8)")
     ap.add_argument("--no-sweep", action="store_true", help="the default tiles only")
     ap.add_argument("--replot", type=Path, help="draw a saved result's plot and stop")
     args = ap.parse_args()
@@ -104,7 +115,8 @@ def main() -> None:
     bw = hbm_copy_bandwidth()
     print(f"[{time.strftime('%H:%M:%S')}] {gpu}: copy {bw / 1e12:.2f} TB/s", file=sys.stderr)
     for mode in args.fp8_input.split(",") if args.fp8 else [None]:
-        run_one(args, SPLITK if mode == "splitk" and sweep else sweep, gpu, bw, mode)
+        own = {"splitk": SPLITK, "mma": MMA}.get(mode)
+        run_one(args, own if own and sweep else sweep, gpu, bw, mode)
 
 
 def fp8_runner(mode: str, x: torch.Tensor, scale: torch.Tensor):
@@ -115,6 +127,10 @@ def fp8_runner(mode: str, x: torch.Tensor, scale: torch.Tensor):
     if mode == "splitk":
         xq, xs = quantize_per_token(x)
         return lambda x, w, **cfg: fp8_gemv_splitk(xq, xs, w, scale, None, torch.bfloat16, **cfg)
+    if mode == "mma":
+        from kernels.fp8_gemv_mma import fp8_gemv_mma
+
+        return lambda x, w, **cfg: fp8_gemv_mma(x, w, scale, None, **cfg)
     if mode == "e4m3":
         xq, xs = quantize_per_token(x)
         return lambda x, w, **cfg: fp8_gemv(xq, xs, w, scale, None, torch.bfloat16, **cfg)
@@ -162,6 +178,10 @@ def run_one(args, sweep: dict, gpu: str, bw: float, mode: str | None) -> None:
             from kernels.fp8_gemv import splitk_config
 
             best = (default, splitk_config(args.rows, n, k))
+        if mode == "mma":
+            from kernels.fp8_gemv_mma import default_config as mma_config
+
+            best = (default, mma_config(n, k, gated=False))
         every = []
         for values in itertools.product(*sweep.values()) if sweep else ():
             cfg = dict(zip(sweep, values, strict=True))

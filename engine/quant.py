@@ -47,11 +47,15 @@ class Fp8Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` stored in e4m3 and a float32 scale per output channel; the
     input is quantized per row (token) at each call and the product runs through
     ``torch._scaled_mm``, its output in ``out_dtype`` (the model's), the bias added after.
-    On CUDA one kernel quantizes the input, and up to ``gemv_max_rows`` rows (decode at batch 1)
-    take the FP8 GEMV, which streams the weight at HBM rate where cuBLAS's M = 1 kernels do not
-    (as ``SkinnyLinear`` does for bf16)."""
+    On CUDA one kernel quantizes the input, and up to ``mma_max_rows`` rows (decode at small
+    batches) take the CUDA tensor-core GEMV (kernels/fp8_gemv_mma.py), which streams the
+    weight where cuBLAS's small-M kernels do not; without it, ``gemv_max_rows`` rows take the
+    Triton FP8 GEMV (as ``SkinnyLinear`` does for bf16)."""
 
     gemv_max_rows = 1  # class-wide: benchmarks set 0 to compare against _scaled_mm alone
+    # class-wide: up to this many rows (bf16 in and out) take the CUDA tensor-core GEMV
+    # (kernels/fp8_gemv_mma.py) where it builds and the shape fits; 0: never (benchmarks)
+    mma_max_rows = 8
     # class-wide: up to this many rows go to the tensor-core GEMV behind a quantizing kernel
     # (kernels/fp8_gemv.py fp8_gemv_splitk; 0: never): a benchmark's experiment, 0.12 ms
     # slower a batch-1 step than the GEMV above on an H200 (benchmarks/NOTES.md)
@@ -95,6 +99,11 @@ class Fp8Linear(nn.Module):
             from kernels.fp8_gemv import fp8_gemv_quantizing
             from kernels.fp8_quant import quantize_per_token
 
+            if self._takes_mma(x, gated=False):
+                from kernels.fp8_gemv_mma import fp8_gemv_mma
+
+                y = fp8_gemv_mma(x, self.weight, self.weight_scale, self.bias)
+                return y.reshape(*shape[:-1], self.out_features)
             if x.shape[0] <= self.splitk_max_rows:
                 from kernels.fp8_gemv import fp8_gemv_splitk
 
@@ -125,10 +134,14 @@ class Fp8Linear(nn.Module):
         FP8 GEMV runs (CUDA, at most ``gemv_max_rows`` rows of 2-D input); None elsewhere."""
         if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
             return None
-        if x.shape[0] > max(self.gemv_max_rows, self.splitk_max_rows):  # (cuBLAS's rows)
-            return None
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if self._takes_mma(x, gated=True):
+            from kernels.fp8_gemv_mma import fp8_gemv_mma
+
+            return fp8_gemv_mma(x, self.weight, self.weight_scale, self.bias, gated=True)
+        if x.shape[0] > max(self.gemv_max_rows, self.splitk_max_rows):  # (cuBLAS's rows)
+            return None
         from kernels.fp8_gemv import fp8_gemv_quantizing, fp8_gemv_splitk
         from kernels.fp8_quant import quantize_per_token
 
@@ -137,6 +150,18 @@ class Fp8Linear(nn.Module):
             xq, x_scale = quantize_per_token(x)
             return fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype, gated=True)
         return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=True)
+
+    def _takes_mma(self, x: torch.Tensor, gated: bool) -> bool:
+        """Whether the CUDA tensor-core GEMV runs this call: at most ``mma_max_rows`` rows, bf16
+        in and out, a shape on its tiles, and the kernel built on this machine (else the
+        Triton GEMV or ``_scaled_mm``; kernels/fp8_gemv_mma.py says why, once)."""
+        if x.shape[0] > self.mma_max_rows or self.out_dtype != torch.bfloat16:
+            return False
+        from kernels import fp8_gemv_mma
+
+        if fp8_gemv_mma.problem(x, self.weight, self.bias, gated) is not None:
+            return False
+        return fp8_gemv_mma.available() is None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"

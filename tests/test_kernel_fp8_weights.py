@@ -12,7 +12,8 @@ from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref
 from kernels.fp8_quant import FP8, quantize_per_token, quantize_per_token_ref
 
 
-def test_quantizer_matches_reference_on_exact_values():
+@pytest.mark.parametrize("block_k", [64, None])  # None: the whole row one tile, read once
+def test_quantizer_matches_reference_on_exact_values(block_k):
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 0x7F, (5, 300), generator=g, dtype=torch.uint8).view(FP8).float()
     codes[:, 7] = 448.0  # every row's amax: the scale is exactly the row's factor
@@ -20,19 +21,20 @@ def test_quantizer_matches_reference_on_exact_values():
     factors = torch.tensor([1.0, 2.0**-5, 2.0**3, 0.5, 2.0**-12])[:, None]
     x = codes * signs * factors
     x[3] = 0.0  # an all-zero row: the smallest scale, zeros out
-    q, scale = quantize_per_token(x[:, :], block_k=64)
+    q, scale = quantize_per_token(x[:, :], block_k=block_k)
     q_ref, scale_ref = quantize_per_token_ref(x)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("block_k", [32, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_quantizer_scales_on_random_rows(dtype):
+def test_quantizer_scales_on_random_rows(dtype, block_k):
     """The scales (amax / 448, read over several tiles of K) equal torch's; the bytes are
     checked on the GPU only (the interpreter rounds -31.05 to -16 in e4m3)."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(4, 130, generator=g) * torch.tensor([[1.0], [30.0], [1e-3], [5.0]])).to(dtype)
-    _, scale = quantize_per_token(x, block_k=32)
+    _, scale = quantize_per_token(x, block_k=block_k)
     _, scale_ref = quantize_per_token_ref(x)
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
 

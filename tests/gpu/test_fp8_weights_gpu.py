@@ -5,8 +5,10 @@ GPU machine; skipped without one).
 
 - the per-token quantizer kernel rounds as torch; the FP8 GEMV (batch 1) and ``_scaled_mm``
   agree;
-- ``Fp8Linear`` (the GEMV at 1 row, ``_scaled_mm`` above) against the float32 product of the same
-  quantized weight and input, at decode and prefill row counts and Llama-3-8B's shapes;
+- ``Fp8Linear`` (the tensor-core GEMV at 1-8 rows, ``_scaled_mm`` above) against the float32
+  product of the same quantized weight and input, at decode and prefill row counts and
+  Llama-3-8B's shapes; the CUDA tensor-core GEMV (kernels/fp8_gemv_mma.py) builds here and is
+  that product within one bf16 step, plain and gated;
 - the layer captured in a CUDA graph replays a new input as eagerly (the per-token scales are
   computed on the device, nothing waits for the host);
 - quantizing a model gives the device back half of its projections' bytes (what the KV pool is
@@ -64,16 +66,26 @@ def test_quantizer_kernel_rounds_as_torch():
     assert steps.max() <= 1
 
 
+def test_the_quantizer_reads_a_row_once_or_in_tiles_to_the_same_bytes():
+    from kernels.fp8_quant import quantize_per_token
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 28672, device="cuda", generator=g, dtype=torch.bfloat16) * 3
+    once, tiles = quantize_per_token(x), quantize_per_token(x, block_k=1024)
+    assert torch.equal(once[1], tiles[1])
+    assert torch.equal(once[0].view(torch.uint8), tiles[0].view(torch.uint8))
+
+
 def test_gemv_and_scaled_mm_agree_at_batch_1():
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(4096, 14336, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     gemv = layer(x)
     try:
-        Fp8Linear.gemv_max_rows = 0
+        Fp8Linear.gemv_max_rows = Fp8Linear.mma_max_rows = 0
         cublas = layer(x)
     finally:
-        Fp8Linear.gemv_max_rows = 1
+        Fp8Linear.gemv_max_rows, Fp8Linear.mma_max_rows = 1, 8
     assert ((gemv.float() - cublas.float()).norm() / cublas.float().norm()).item() < 1e-2
 
 
@@ -90,10 +102,68 @@ def test_the_quantizing_gemv_is_quantize_then_gemv_on_the_gpu():
     assert torch.equal(fp8_gemv_quantizing(x, w, ws, layer.bias, torch.bfloat16), two)
 
 
-def test_fp8_linear_replays_in_a_cuda_graph():
+def _tensor_core_gemv():
+    from kernels import fp8_gemv_mma
+
+    assert fp8_gemv_mma.available() is None, fp8_gemv_mma.available()  # it builds here
+    return fp8_gemv_mma.fp8_gemv_mma
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize(("k", "n", "bias"), [(4096, 6144, False), (14336, 4096, True)])
+def test_the_tensor_core_gemv_is_the_quantized_product(rows, k, n, bias):
+    """kernels/fp8_gemv_mma.py against the float32 product of the same e4m3 values and scales,
+    rounded to bf16 as the Triton GEMV rounds it: within bf16's rounding of a sum added in
+    another order; and the rows are independent (each row alone gives the same row)."""
+    from kernels.fp8_gemv import fp8_gemv_ref
+    from kernels.fp8_quant import quantize_per_token
+
+    gemv = _tensor_core_gemv()
+    torch.manual_seed(rows)
+    layer = Fp8Linear.from_linear(nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 3
+    x[-1, :7] = 40  # an outlier sets the last row's scale
+    w, ws, b = layer.weight, layer.weight_scale, layer.bias
+    y = gemv(x, w, ws, b)
+    ref = fp8_gemv_ref(*quantize_per_token(x), w, ws, b, torch.bfloat16).float()
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    err = (y.float() - ref).abs()
+    assert (err <= ref.abs() * 2**-7 + 1e-3).all(), err.max()  # one bf16 step, at most
+    assert err.norm() / ref.norm() < 2e-3
+    for r in range(rows):
+        assert torch.equal(gemv(x[r : r + 1], w, ws, b), y[r : r + 1])
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_gated_tensor_core_gemv_is_silu_of_gate_times_up(rows):
+    """The gate/up projection ending in ``silu(gate) * up``: against the exact product of the
+    same e4m3 values, each half rounded to bf16 as the projection's output would be, and
+    against the Triton GEMV's gated path (sums in another order: one bf16 step apart at most)."""
+    from kernels.fp8_gemv import fp8_gemv_quantizing, fp8_gemv_ref
+    from kernels.fp8_quant import quantize_per_token
+
+    gemv = _tensor_core_gemv()
+    torch.manual_seed(0)
+    inter = 1024
+    linear = nn.Linear(4096, 2 * inter, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear.from_linear(linear)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w, ws = layer.weight, layer.weight_scale
+    y = gemv(x, w, ws, None, gated=True)
+    both = fp8_gemv_ref(*quantize_per_token(x), w, ws, None, torch.bfloat16).float()
+    ref = torch.nn.functional.silu(both[:, :inter]) * both[:, inter:]
+    assert y.shape == (rows, inter)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 4e-3
+    triton_y = fp8_gemv_quantizing(x, w, ws, None, torch.bfloat16, gated=True).float()
+    assert ((y.float() - triton_y).abs() <= triton_y.abs() * 2**-6 + 1e-3).all()
+    assert torch.equal(layer.silu_mul(x), y)  # what the MLP runs at these rows
+
+
+@pytest.mark.parametrize("rows", [4, 16])  # 4: the tensor-core GEMV, 16: _scaled_mm
+def test_fp8_linear_replays_in_a_cuda_graph(rows):
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(512, 1024, device="cuda", dtype=torch.bfloat16))
-    static = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    static = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -102,7 +172,7 @@ def test_fp8_linear_replays_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layer(static)
-    fresh = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16) * 7
+    fresh = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16) * 7
     static.copy_(fresh)
     graph.replay()
     torch.testing.assert_close(out, layer(fresh), rtol=0, atol=0)
