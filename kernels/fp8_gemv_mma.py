@@ -12,9 +12,9 @@ Measured (H200): level with the Triton GEMV on the 8B's small shapes, where a fi
 launch rules, ahead on large ones (0.88-0.98 of the copy rate) and at 2-8 rows, where
 ``_scaled_mm`` ran before.
 
-Launched with ``cuLaunchKernelEx`` (ctypes) on torch's current stream, with the PDL attribute
-where kernels/pdl.py has it on: the kernel reads its first weight tiles before
-``griddepcontrol.wait``, as the Triton GEMV does. CUDA graphs capture it as any launch; a
+Launched with ``cuLaunchKernelEx`` (ctypes) on torch's current stream; at one row with the PDL
+attribute where kernels/pdl.py has it on (the kernel reads its first weight tiles before
+``griddepcontrol.wait``, as the Triton GEMV does), behind the quantizer (2-8 rows) without it. CUDA graphs capture it as any launch; a
 variant is built and loaded on its first call, which the engine makes in its graphs' warm-ups.
 
 Where it cannot run (no cupy or NVRTC, a GPU before compute capability 8.9, a dtype other than
@@ -121,7 +121,9 @@ def fp8_gemv_mma(
         ctypes.c_longlong(y.stride(0)),
     )
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernel.launch(blocks, warps * 32, smem, stream, args, pdl.enabled(x.device))
+    # PDL at one row only: behind the quantizer (2-8 rows) it measured a third slower on an H200
+    # (Llama-3-70B, batch 8: 32.2 ms a step with it, 21.5 without; benchmarks/NOTES.md)
+    kernel.launch(blocks, warps * 32, smem, stream, args, quant_x and pdl.enabled(x.device))
     return y
 
 
