@@ -130,8 +130,9 @@ class Fp8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where the
-        FP8 GEMV runs (CUDA, at most ``gemv_max_rows`` rows of 2-D input); None elsewhere."""
+        """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where an FP8
+        GEMV runs (CUDA, 2-D input of at most ``mma_max_rows`` rows, or ``gemv_max_rows``
+        without the tensor-core GEMV); None elsewhere."""
         if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
             return None
         if x.stride(-1) != 1:
