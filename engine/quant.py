@@ -160,7 +160,7 @@ class Fp8Linear(nn.Module):
             return False
         from kernels import fp8_gemv_mma
 
-        if fp8_gemv_mma.problem(x, self.weight, self.bias, gated) is not None:
+        if fp8_gemv_mma.problem(x, self.weight, self.bias, gated, self.weight_scale) is not None:
             return False
         return fp8_gemv_mma.available() is None
 

@@ -34,9 +34,8 @@ import torch
 from kernels import pdl
 
 SOURCE = Path(__file__).parent / "cuda" / "fp8_gemv_mma.cu"
-MAX_ROWS = 8  # the MMA's narrow side
+MAX_ROWS = 8  # the MMA's narrow side (the kernel's MAX_M)
 _TILE_K = 128  # columns a warp's loads cover a row tile
-_MAX_M = 8
 
 
 def default_config(n: int, k: int, gated: bool) -> dict:
@@ -48,17 +47,27 @@ def default_config(n: int, k: int, gated: bool) -> dict:
     return {"warps": 16 if n <= 4096 else 8, "unroll": 1, "rt": 2 if gated else 1}
 
 
+def _shape(x: torch.Tensor, weight: torch.Tensor, gated: bool, config: dict):
+    """``(m, k, n, cfg)`` of a call: its rows, K, output width and tiles."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    return m, k, n, {**default_config(n, k, gated), **config}
+
+
 def problem(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, **config
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    weight_scale: torch.Tensor | None = None,
+    **config,
 ) -> str | None:
     """Why ``fp8_gemv_mma`` cannot take this call (None when it can)."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
         return "a 2-D bf16 CUDA input"
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return "compute capability 8.9 or higher"
-    m, k = x.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    cfg = {**default_config(n, k, gated), **config}
+    m, k, n, cfg = _shape(x, weight, gated, config)
     if not 1 <= m <= MAX_ROWS:
         return f"1 to {MAX_ROWS} rows"
     if weight.shape[1] != k or k % _TILE_K or n % (16 * (1 if gated else cfg["rt"])):
@@ -71,6 +80,10 @@ def problem(
         return "weight rows 16-byte aligned"
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return "a contiguous bf16 bias"
+    if weight_scale is not None and (
+        weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+    ):
+        return "contiguous float32 weight scales"
     return None
 
 
@@ -86,18 +99,14 @@ def fp8_gemv_mma(
     cores: the same e4m3 x and scale (up to the division's last bit), sums in another order.
     One row is quantized inside the kernel; 2-8 rows by ``quantize_per_token`` first (a block
     would otherwise quantize every row of x itself)."""
-    why = problem(x, weight, bias, gated, **config)
+    why = problem(x, weight, bias, gated, weight_scale, **config)
     if why is not None:
         raise ValueError(f"fp8_gemv_mma: needs {why}")
-    m, k = x.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
-    cfg = {**default_config(n, k, gated), **config}
+    m, k, n, cfg = _shape(x, weight, gated, config)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     ws = weight_scale.reshape(-1)
-    if ws.dtype != torch.float32 or not ws.is_contiguous():
-        raise ValueError("fp8_gemv_mma: weight_scale must be contiguous float32")
     warps, rt, quant_x = cfg["warps"], cfg["rt"], m == 1
-    smem = 4 * (warps * rt * 128 + _MAX_M * warps + _MAX_M) + (k + 16 if quant_x else 0)
+    smem = 4 * (warps * rt * 128 + MAX_ROWS * warps + MAX_ROWS) + (k + 16 if quant_x else 0)
     kernel = _kernel(x.device.index or 0, warps, cfg["unroll"], rt, gated, quant_x)
     kernel.reserve(smem)
     blocks = n // 16 if gated else n // (16 * rt)
