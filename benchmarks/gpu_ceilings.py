@@ -40,3 +40,18 @@ def bf16_matmul_flops(n: int = 8192, reps: int = 20) -> float:
     a = b = None
     torch.cuda.empty_cache()
     return 2 * n**3 / seconds
+
+
+def fp8_matmul_flops(n: int = 8192, reps: int = 20) -> float:
+    """FLOP/s of an e4m3 ``n x n x n`` ``torch._scaled_mm`` with row-wise scales and bf16 output
+    (what ``quantization="fp8"`` runs), the FP8 compute ceiling of this GPU."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    seconds = time_cuda(
+        lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), reps
+    )
+    a = b = None
+    torch.cuda.empty_cache()
+    return 2 * n**3 / seconds

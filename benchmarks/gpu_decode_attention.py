@@ -130,7 +130,7 @@ def entry(case: Case, seconds: float, bw: float, **config) -> dict:
 
 
 def run_case(case: Case, bw: float, tiles, splits) -> dict:
-    default_tile = launch_config(HEAD_DIM, DTYPE, KV_DTYPE)
+    default_tile = launch_config(HEAD_DIM, DTYPE, KV_DTYPE, case.batch * case.kv_heads)
     default_splits = pick_num_splits(case.batch, case.kv_heads, case.context // BLOCK_SIZE,
                                      BLOCK_SIZE, default_tile["block_n"], "cuda")  # fmt: skip
     default = {**default_tile, "num_splits": default_splits}
@@ -195,6 +195,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="default config and split sweep only")
     ap.add_argument("--cases", nargs="*", default=[c[0] for c in CASES])
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--tiles", nargs="*", metavar="BN,W,ST", help="tiles swept (default: all)")
     args = ap.parse_args()
     global KV_DTYPE
     KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
@@ -203,6 +204,8 @@ def main() -> None:
     bw = hbm_copy_bandwidth()
     log(f"HBM copy {bw / 1e12:.2f} TB/s")
     tiles = [] if args.quick else TILES
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
     results = {}
     for spec in CASES:
         if spec[0] in args.cases:

@@ -1,6 +1,7 @@
 """Every kernel of an engine step against its own floor, on one GPU (issue 23, item 3).
 
-Llama-3-8B shape, dummy bf16 weights, the engine defaults. Three steps built by hand as in
+Llama-3-8B shape, dummy bf16 weights (or FP8 with ``--quantization fp8``, and an FP8 KV cache
+with ``--kv-cache-dtype fp8``: issue 26), the engine defaults. Three steps built by hand as in
 benchmarks/gpu_step.py (disjoint block tables, zeros in the KV cache, which cost the same to
 read):
 
@@ -14,14 +15,16 @@ graphs replay (a graph removes launch gaps, not kernel time). Kernels are summed
 what they compute:
 
 * each linear layer by shape (``aten::linear`` with its input shapes, the cuBLAS kernel under
-  it): floor = max(bytes of weight + activations over the HBM copy rate, FLOPs over the bf16
-  matmul rate), both measured in this run;
+  it; in FP8 ``aten::_scaled_mm``): floor = max(bytes of weight + activations over the HBM
+  copy rate, FLOPs over the bf16 (FP8: ``_scaled_mm``'s) matmul rate), both measured in this
+  run; FP8's quantizing kernels and tensor-core GEMV by name;
 * the Triton kernels by name: decode attention (split + reduce: the KV of every decode row),
   extend attention (causal FLOPs of the chunk over its prefix), the KV write, rms_norm,
   silu_and_mul, rotary: floor = their bytes (or FLOPs) by arithmetic over the same rates;
 * the rest (embedding, sampling, copies) by kernel name, without a floor.
 
     PYTHONPATH=$PWD python benchmarks/gpu_kernels.py --out results/gpu_kernels.json
+    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py --quantization fp8 [--kv-cache-dtype fp8]
 
 Prints one table per step (time per step, share, floor, time / floor) and writes JSON.
 """
@@ -40,7 +43,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_ceilings import bf16_matmul_flops, hbm_copy_bandwidth  # noqa: E402
+from benchmarks.gpu_ceilings import (  # noqa: E402
+    bf16_matmul_flops,
+    fp8_matmul_flops,
+    hbm_copy_bandwidth,
+)
 from benchmarks.gpu_engine import log, make_llm  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402
     StepFactory,
@@ -63,7 +70,9 @@ def _kernel_kind(name: str) -> str:
         ("_rms_norm", "rms_norm"),
         ("_silu_and_mul", "silu_and_mul"),
         ("_rotary", "rotary"),
+        ("_quant_rows", "fp8 quantize"),
         ("_gemv", "gemv"),
+        ("fp8_gemv_mma", "gemv"),
     ):
         if key in name:
             return kind
@@ -77,12 +86,14 @@ class Step:
     context plus one prefill chunk of ``chunk`` tokens (0: none), over a model whose linear
     layers and LM head hold ``weight_bytes``."""
 
-    def __init__(self, cfg, weight_bytes: int, decodes: int, context: int, chunk: int) -> None:
+    def __init__(
+        self, cfg, weight_bytes: int, decodes: int, context: int, chunk: int, kv_bytes: int = 2
+    ) -> None:
         self.cfg, self.weight_bytes = cfg, weight_bytes
         self.decodes, self.context, self.chunk = decodes, context, chunk
-        self.tokens = decodes + chunk
-        # the decode rows' K and V in every layer (bf16)
-        self.decode_kv = 2 * cfg.num_kv_heads * cfg.head_dim * 2 * decodes * (context + 1)
+        self.tokens, self.kv_bytes = decodes + chunk, kv_bytes
+        # the decode rows' K and V in every layer (``kv_bytes`` a value)
+        self.decode_kv = 2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes * decodes * (context + 1)
         self.decode_kv *= cfg.num_layers
 
     def floor(self, bw: float, flops: float) -> float:
@@ -92,7 +103,7 @@ class Step:
 
     def floors(self, bw: float, flops: float) -> dict[str, float]:
         c, t, e = self.cfg, self.tokens, 2  # bf16
-        kv_row = c.num_kv_heads * c.head_dim * e  # one token's K (or V) in one layer
+        kv_row = c.num_kv_heads * c.head_dim * self.kv_bytes  # one token's K (or V), one layer
         q_row = c.num_heads * c.head_dim * e
         extend_flops = attention_flops(c, self.chunk) if self.chunk else 0.0
         extend_bytes = (2 * kv_row + 2 * q_row) * self.chunk * c.num_layers
@@ -106,14 +117,17 @@ class Step:
             "KV write": 2 * 2 * kv_row * t * c.num_layers / bw,
             # in, residual in, out, residual out: 2 norms a layer and the final one
             "rms_norm": 4 * c.hidden_size * e * t * (2 * c.num_layers + 1) / bw,
+            # FP8: bf16 in, e4m3 out, in front of qkv, o, gate_up (2-8 rows, cuBLAS's) and down
+            "fp8 quantize": 4 * c.num_layers * c.hidden_size * (e + 1) * t / bw,
             "silu_and_mul": 3 * inter * e * t * c.num_layers / bw,
             # q and k rotated in place: read and written
             "rotary": 2 * (q_row + kv_row) * t * c.num_layers / bw,
         }
 
 
-def linear_floor(m: int, k: int, n: int, bw: float, flops: float) -> float:
-    return max(2 * (k * n + m * k + m * n) / bw, 2.0 * m * k * n / flops)
+def linear_floor(m: int, k: int, n: int, bw: float, flops: float, in_bytes: int = 2) -> float:
+    """Weight and input of ``in_bytes`` a value (FP8: 1), the output in bf16."""
+    return max((in_bytes * (k * n + m * k) + 2 * m * n) / bw, 2.0 * m * k * n / flops)
 
 
 def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
@@ -135,9 +149,14 @@ def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
     for evt in prof.key_averages(group_by_input_shape=True):
         if evt.key == "aten::linear" and evt.input_shapes:
             (m, k), (n, _) = evt.input_shapes[0][-2:], evt.input_shapes[1]
-            row = linears[(m, k, n)]
-            row[0] += evt.device_time_total / 1e6 / reps
-            row[1] += evt.count / reps
+        elif evt.key == "aten::_scaled_mm" and evt.input_shapes:  # x [m, k] @ w.t() [k, n]
+            (m, k), (_, n) = evt.input_shapes[0][-2:], evt.input_shapes[1]
+            k = -k  # marks FP8 (bytes and FLOP rate) for step_table
+        else:
+            continue
+        row = linears[(m, k, n)]
+        row[0] += evt.device_time_total / 1e6 / reps
+        row[1] += evt.count / reps
     kernels: dict = defaultdict(lambda: [0.0, 0])
     for evt in prof.key_averages():
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.self_device_time_total > 0:
@@ -147,14 +166,20 @@ def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
     return dict(linears), dict(kernels)
 
 
-def step_table(name: str, wall_s: float, linears: dict, kernels: dict, floors: dict, bw, flops):
+def step_table(
+    name: str, wall_s: float, linears: dict, kernels: dict, floors: dict, bw, flops, fp8_flops=None
+):
     """Rows: each linear shape, then each kernel kind that is not a GEMM."""
     rows = []
     for (m, k, n), (sec, calls) in sorted(linears.items(), key=lambda kv: -kv[1][0]):
-        floor = linear_floor(m, k, n, bw, flops) * calls
-        rows.append(
-            {"kernel": f"linear {m}x{k} @ {k}x{n}", "calls": calls, "s": sec, "floor_s": floor}
-        )
+        if k < 0:  # _scaled_mm: e4m3 in, bf16 out
+            k = -k
+            floor = linear_floor(m, k, n, bw, fp8_flops, in_bytes=1) * calls
+            label = f"fp8 linear {m}x{k} @ {k}x{n}"
+        else:
+            floor = linear_floor(m, k, n, bw, flops) * calls
+            label = f"linear {m}x{k} @ {k}x{n}"
+        rows.append({"kernel": label, "calls": calls, "s": sec, "floor_s": floor})
     gemm_in_linears = sum(sec for sec, _ in linears.values())
     for kind, (sec, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
         if kind == "GEMM":
@@ -194,13 +219,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_kernels.json"))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = ap.parse_args()
     from engine.scheduler import SchedulerOutput
 
     bw, flops = hbm_copy_bandwidth(), bf16_matmul_flops()
-    log(f"HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    fp8_flops = fp8_matmul_flops() if args.quantization == "fp8" else None
+    log(f"HBM copy {bw / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s"
+        + (f", fp8 {fp8_flops / 1e12:.0f} TFLOP/s" if fp8_flops else ""))  # fmt: skip
     t0 = time.perf_counter()
     llm = make_llm(
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=BATCH,
         max_num_batched_tokens=CHUNK + BATCH,
         cuda_graph_max_tokens=CHUNK + BATCH,  # the mixed step runs under piecewise graphs
@@ -210,18 +241,19 @@ def main() -> None:
     cfg = runner.model_cfg
     factory = StepFactory(runner.cfg.block_size, runner.num_kv_blocks)
     decodes = [factory.chunk(CONTEXT, 1) for _ in range(BATCH)]
+    kv_bytes = 1 if args.kv_cache_dtype == "fp8" else 2
     weight_bytes = sum(  # what a step reads: the embedding only if it is the LM head too
         p.numel() * p.element_size()
         for name, p in runner.model.named_parameters()
         if "embed_tokens" not in name or cfg.tie_word_embeddings
     )
     steps = (
-        ("decode-256", decodes, Step(cfg, weight_bytes, BATCH, CONTEXT, 0)),
-        ("decode-1", decodes[:1], Step(cfg, weight_bytes, 1, CONTEXT, 0)),
+        ("decode-256", decodes, Step(cfg, weight_bytes, BATCH, CONTEXT, 0, kv_bytes)),
+        ("decode-1", decodes[:1], Step(cfg, weight_bytes, 1, CONTEXT, 0, kv_bytes)),
         (
             "mixed 256 + 2048",
             decodes + [factory.chunk(0, CHUNK)],
-            Step(cfg, weight_bytes, BATCH, CONTEXT, CHUNK),
+            Step(cfg, weight_bytes, BATCH, CONTEXT, CHUNK, kv_bytes),
         ),
     )
     tables = []
@@ -230,7 +262,8 @@ def main() -> None:
         out = SchedulerOutput(scheduled=scheduled)
         wall = time_step(runner, out, 20)
         linears, kernels = profile_step(runner, out, args.reps)
-        t = step_table(name, wall, linears, kernels, arith.floors(bw, flops), bw, flops)
+        floors = arith.floors(bw, flops)
+        t = step_table(name, wall, linears, kernels, floors, bw, flops, fp8_flops)
         t["step_floor_s"] = arith.floor(bw, flops)
         tables.append(t)
         print_table(t)
@@ -244,6 +277,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "hbm_copy_bytes_per_s": bw,
         "bf16_flops": flops,
+        "fp8_flops": fp8_flops,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "weight_bytes_read": weight_bytes,
         "steps": tables,
     }

@@ -171,8 +171,8 @@ def _split_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    if F16_DOT:
-        q = q.to(tl.float16)
+    if F16_DOT:  # saturated: a bf16 q past fp16's range stays finite
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if PREFETCH:
         new = valid & (pos == ctx - 1)
         k_new = _rows(k_head, slot, stride_ks, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
@@ -271,21 +271,35 @@ def default_num_splits(batch: int, num_kv_heads: int, max_blocks: int, device) -
     return max(1, min(want, max_blocks, _MAX_SPLITS))
 
 
-def launch_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> dict:
+def launch_config(
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    programs: int | None = None,
+    device=None,
+) -> dict:
     """Default tile and launch parameters of ``_launch`` for q's ``dtype`` and the cache's
-    (``kv_dtype``, default q's; benchmarks/gpu_decode_attention.py sweeps them)."""
+    (``kv_dtype``, default q's; benchmarks/gpu_decode_attention.py sweeps them). An fp8 cache
+    also looks at ``programs``, the grid before splits (batch x kv heads; None: a full one)."""
     if dtype == torch.float32 or head_dim >= 256:
         return {"block_n": 32, "num_warps": 4, "num_stages": 2}
     if kv_dtype == FP8:
+        if programs is not None and programs < _num_sms(torch.device(device or "cuda")):
+            return dict(FP8_SMALL_GRID_CONFIG)
         return dict(FP8_CONFIG)
     return {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
-# An fp8 cache under a 16-bit q (benchmarks/gpu_decode_attention.py --kv-dtype fp8, H100): a
-# 128-token tile moves the bytes a bf16 cache's 64-token tile does. Against the bf16 config it
-# is 0.85-0.94x the time at batch 256 x 512, 64 x 4k and 8 x 8k; the fp16 products gain another
-# 10 % at 64 x 4k but lose 15 % at 8 x 8k (results/gpu_decode_attention_fp8_h100.json).
-FP8_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "f16_dot": False}
+# An fp8 cache under a 16-bit q (benchmarks/gpu_decode_attention.py --kv-dtype fp8 --tiles ...,
+# H200, benchmarks/NOTES.md): the tile is compute- and latency-bound, not bound by its bytes
+# (at 4 warps a 128-token tile held 2 programs an SM, by shared memory or registers). Two
+# warps a program and the products in fp16 (e4m3 -> fp16 is one conversion a pair, -> bf16
+# three; q and P rounded to fp16 are also the more accurate: 8e-4 relative error against
+# 2.4e-3) took batch 256 x 512 from 121 to 98 us, 64 x 4k from 253 to 174 and 64 x 1k from 68
+# to 49. A grid smaller than the GPU (few sequences: splits fill it) takes 64-token tiles,
+# so a short context still splits: batch 1 x 512 from 9.8 to 7.0 us, 8 x 8k level (74 us).
+FP8_CONFIG = {"block_n": 128, "num_warps": 2, "num_stages": 2, "f16_dot": True}
+FP8_SMALL_GRID_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "f16_dot": True}
 
 
 def paged_decode_attention(
@@ -313,7 +327,8 @@ def paged_decode_attention(
     with q in any of the three: each element then reads as ``cache * k_scale`` (``v_scale``);
     the scales are ignored for caches of q's dtype. ``prefetch``: see ``_launch`` (None: where
     it pays)."""
-    config = launch_config(q.shape[-1], q.dtype, k_cache.dtype)
+    programs = q.shape[0] * k_cache.shape[0]
+    config = launch_config(q.shape[-1], q.dtype, k_cache.dtype, programs, q.device)
     args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out, num_splits)
     return _launch(*args, k_scale=k_scale, v_scale=v_scale, prefetch=prefetch, **config)
 
