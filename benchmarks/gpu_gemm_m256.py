@@ -8,6 +8,12 @@ multiplies the programs. An experiment: the split sums are added with fp32 atomi
 fixed), which the engine would not take as is.
 
     PYTHONPATH=$PWD python benchmarks/gpu_gemm_m256.py [--m 256] [--out DIR]
+    PYTHONPATH=$PWD python benchmarks/gpu_gemm_m256.py --fp8 [--m 256] [--out DIR]
+
+``--fp8`` (issue 26): e4m3 weights and inputs with row-wise scales, ``torch._scaled_mm`` (what
+``Fp8Linear`` runs past 8 rows) against kernels/fp8_gemv.py's ``fp8_gemv_splitk`` (all rows in
+one tile, K split with a fixed-order sum), floor = max(FLOPs at ``_scaled_mm``'s measured rate,
+1-byte weights and inputs at the copy rate); the input's quantization is not timed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import itertools
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +33,11 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_ceilings import bf16_matmul_flops, hbm_copy_bandwidth  # noqa: E402
+from benchmarks.gpu_ceilings import (  # noqa: E402
+    bf16_matmul_flops,
+    fp8_matmul_flops,
+    hbm_copy_bandwidth,
+)
 from benchmarks.gpu_gemv import COLD_BYTES, SHAPES, graph_time  # noqa: E402
 
 
@@ -72,12 +83,79 @@ SWEEP = {
 }
 
 
+# fp8_gemv_splitk's tiles (--fp8): (block_n, warps), block_k, split, stages
+FP8_SWEEP = {
+    "tile": ((64, 4), (64, 8), (128, 8)),
+    "block_k": (128, 256),
+    "split_k": (1, 2, 4),
+    "num_stages": (3, 4),
+}
+
+
+def splitk(w, cfg, xq, xs, wsc):
+    from kernels.fp8_gemv import fp8_gemv_splitk
+
+    return fp8_gemv_splitk(xq, xs, w, wsc, None, torch.bfloat16, **cfg)
+
+
+def fp8_main(args) -> None:
+    from kernels.fp8_gemv import fp8_gemv_splitk
+    from kernels.fp8_quant import quantize_per_token
+
+    bw, flops = hbm_copy_bandwidth(), fp8_matmul_flops()
+    gpu = torch.cuda.get_device_name()
+    res = {"gpu": gpu, "m": args.m, "hbm": bw, "fp8_flops": flops, "shapes": {}}
+    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, fp8 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
+    print("| shape | floor us | _scaled_mm us | / floor | split-K best us | / floor | config |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        xq, xs = quantize_per_token(torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16))
+        w0 = (torch.randn(n, k, device="cuda") * 8).to(torch.float8_e4m3fn)
+        wsc = torch.rand(1, n, device="cuda") * 1e-3 + 1e-3
+        ws = [w0] + [w0.clone() for _ in range(max(1, -(-COLD_BYTES // w0.nbytes)) - 1)]
+        floor = max(2 * args.m * n * k / flops, (w0.nbytes + xq.nbytes + args.m * n * 2) / bw)
+
+        def scaled(w, xq=xq, xs=xs, wsc=wsc):
+            return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=wsc, out_dtype=torch.bfloat16)
+
+        cublas = graph_time(scaled, ws)
+        ref = scaled(w0).float()
+        best = (float("inf"), None)
+        for vals in itertools.product(*FP8_SWEEP.values()):
+            cfg = dict(zip(FP8_SWEEP, vals, strict=True))
+            (block_n, warps) = cfg.pop("tile")
+            cfg.update(block_n=block_n, num_warps=warps)
+            try:
+                got = fp8_gemv_splitk(xq, xs, w0, wsc, None, torch.bfloat16, **cfg).float()
+                if not torch.allclose(got, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item()):
+                    print(f"  {name} {cfg}: wrong", file=sys.stderr)
+                    continue
+                t = graph_time(partial(splitk, cfg=cfg, xq=xq, xs=xs, wsc=wsc), ws)
+            except Exception as exc:  # a tile that does not fit
+                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
+                continue
+            print(f"  {name} {cfg}: {t * 1e6:.1f} us", file=sys.stderr)
+            if t < best[0]:
+                best = (t, cfg)
+        res["shapes"][name] = {"floor_s": floor, "scaled_mm_s": cublas, "splitk_s": best[0],
+                               "config": best[1]}  # fmt: skip
+        print(f"| {name} | {floor * 1e6:.1f} | {cublas * 1e6:.1f} | {cublas / floor:.2f} | "
+              f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} |")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"gpu_gemm_m{args.m}_fp8.json").write_text(json.dumps(res, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--m", type=int, default=256)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
+    ap.add_argument("--fp8", action="store_true", help="_scaled_mm against fp8_gemv_splitk")
     args = ap.parse_args()
+    if args.fp8:
+        fp8_main(args)
+        return
     bw, flops = hbm_copy_bandwidth(), bf16_matmul_flops()
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "m": args.m, "hbm": bw, "flops": flops, "shapes": {}}

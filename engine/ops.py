@@ -58,6 +58,10 @@ class TorchOps:
         """The gated MLP's first half: ``silu_and_mul(gate_up(x))``."""
         return self.silu_and_mul(gate_up(x))
 
+    def gated_mlp(self, gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP on this rank: ``down(silu_and_mul(gate_up(x)))``."""
+        return down(self.gate_up_act(gate_up, x))
+
 
 class TritonOps:
     """The fused kernels; one launch per op, no host work, so a decode step can be graphed."""
@@ -91,6 +95,21 @@ class TritonOps:
         fused = getattr(gate_up, "silu_mul", None)
         y = fused(x) if fused is not None else None
         return y if y is not None else self.silu_and_mul(gate_up(x))
+
+    def gated_mlp(self, gate_up, down, x):
+        """As TorchOps', but where ``down`` takes its input quantized for these rows (an FP8
+        projection past its GEMV's rows) the activation is quantized in the kernel that computes
+        it (kernels/fp8_quant.py ``silu_mul_quant``: the same bytes as the two kernels)."""
+        takes = getattr(down, "takes_quantized", None)
+        if takes is not None and x.dim() == 2 and takes(x.shape[0]):
+            from kernels.fp8_quant import silu_mul_quant
+
+            h = gate_up(x)
+            quantized = silu_mul_quant(h)
+            if quantized is not None:
+                return down.forward_quantized(*quantized)
+            return down(self.silu_and_mul(h))
+        return down(self.gate_up_act(gate_up, x))
 
 
 class CpuOps(TorchOps):

@@ -118,6 +118,17 @@ class Fp8Linear(nn.Module):
             xq, x_scale = quantize_per_token(x)
         else:
             xq, x_scale = quantize_rows(x)
+        return self.forward_quantized(xq, x_scale).reshape(*shape[:-1], self.out_features)
+
+    def takes_quantized(self, rows: int) -> bool:
+        """Whether a CUDA call on ``rows`` rows quantizes its input and runs ``_scaled_mm``
+        (past every GEMV's rows), so a caller may hand it the input quantized instead
+        (``forward_quantized``; engine/ops.py ``TritonOps.gated_mlp``)."""
+        return rows > max(self.mma_max_rows, self.gemv_max_rows, self.splitk_max_rows)
+
+    def forward_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """``forward``'s product from its input already quantized per row: ``xq [M, K]`` e4m3
+        and ``x_scale [M, 1]`` float32, as ``quantize_per_token`` gives them."""
         y = torch._scaled_mm(
             xq,
             self.weight.t(),
@@ -127,7 +138,7 @@ class Fp8Linear(nn.Module):
         )
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where an FP8

@@ -26,6 +26,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def silu_mul_f32(gate, up):
+    """``silu(gate) * up`` of fp32 values, the one expression of every kernel that computes the
+    activation (here, kernels/gemv.py's gated epilogues, kernels/fp8_quant.py's
+    ``silu_mul_quant``), so all of them round the same value."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -36,7 +44,7 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * x_stride
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = silu_mul_f32(gate, up)
     tl.store(out_ptr + t * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,6 +9,11 @@ intermediate tensors; a decode step runs it four times per layer, so under a CUD
 launches alone cost more than the quantization. Here one program per row reads the row (once
 when it fits one tile, else twice: amax, then quantize, the second read hitting L2) and writes
 the e4m3 row and its scale.
+
+``silu_mul_quant`` is the gated MLP's activation and the down projection's quantization in one
+kernel: the same bytes as ``silu_and_mul`` then ``quantize_per_token``, without the bf16
+activation written and read back between them (at a 2304-token step of Llama-3-8B, 66 MB each
+way a layer).
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.activation import silu_mul_f32
 from kernels.pdl import start as pdl_start
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12
+_ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -107,6 +114,66 @@ def quantize_per_token(
             BLOCK_K=block_k,
             ONE_PASS=one_pass,
             num_warps=warps,
+            **pdl.launch_options(x.device),
+        )
+    return q, scale
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    inter,
+    stride_xm,
+    stride_qm,
+    MIN_AMAX_: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program ``m``: row ``m`` of ``silu(gate) * up`` rounded to x's dtype (as
+    ``silu_and_mul`` stores it), then its scale and e4m3 values (as ``_quant_rows_kernel``'s
+    one pass computes them from that stored row)."""
+    pdl_start(PDL)
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inter
+    row = x_ptr + m * stride_xm
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    y = silu_mul_f32(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX_) / FP8_MAX_
+    tl.store(s_ptr + m, scale)
+    q = tl.clamp(y / scale, -FP8_MAX_, FP8_MAX_)
+    tl.store(q_ptr + m * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``quantize_per_token(silu_and_mul(x))`` for ``x [T, 2I]`` (fp32, fp16 or bf16, last dim
+    contiguous) in one kernel, bit for bit; None where a row of ``I`` does not fit one tile
+    (``ONE_PASS_MAX_K``), for the two kernels to run instead."""
+    t, width = x.shape
+    inter = width // 2
+    if width % 2 or x.stride(1) != 1 or x.dtype not in _ACT_DTYPES:
+        raise ValueError(f"silu_mul_quant: x {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    if inter > ONE_PASS_MAX_K:
+        return None
+    q = torch.empty(t, inter, dtype=FP8, device=x.device)
+    scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(inter)
+    if t:
+        _silu_mul_quant_kernel[(t,)](
+            x,
+            q,
+            scale,
+            inter,
+            x.stride(0),
+            q.stride(0),
+            MIN_AMAX,
+            FP8_MAX,
+            BLOCK=block,
+            num_warps=4 if block <= 2048 else min(16, block // 512),
             **pdl.launch_options(x.device),
         )
     return q, scale

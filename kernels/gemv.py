@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import fp8_quant, pdl
+from kernels.activation import silu_mul_f32
 from kernels.fp8_quant import row_scale
 from kernels.pdl import gdc_launch_dependents, gdc_wait
 
@@ -129,7 +130,7 @@ def silu_mul_rounded(gate, up, OUT: tl.constexpr):
     kernels/fp8_gemv.py's gated epilogue."""
     gate = gate.to(OUT).to(tl.float32)
     up = up.to(OUT).to(tl.float32)
-    return gate / (1.0 + tl.exp(-gate)) * up
+    return silu_mul_f32(gate, up)
 
 
 @triton.jit

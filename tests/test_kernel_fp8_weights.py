@@ -131,3 +131,62 @@ def test_the_split_k_tensor_core_gemv_matches_reference(m, n, k, split, gated):
         want, tol = silu_and_mul(want), {"rtol": 1e-2, "atol": 2e-2}
         assert got.shape == (m, n)
     assert torch.allclose(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t, inter", [(1, 40), (9, 300), (3, 512), (0, 64)])
+def test_silu_mul_quant_is_silu_and_mul_then_the_quantizer(dtype, t, inter):
+    """One kernel, the same bytes as the two it replaces (the activation rounded to x's dtype
+    before its amax): scales and e4m3 codes equal, both under the interpreter's rounding."""
+    from kernels.activation import silu_and_mul
+    from kernels.fp8_quant import silu_mul_quant
+
+    g = torch.Generator().manual_seed(t * 1000 + inter)
+    x = (torch.randn(t, 2 * inter, generator=g) * 3).to(dtype)
+    q, scale = silu_mul_quant(x)
+    q_two, scale_two = quantize_per_token(silu_and_mul(x))
+    assert q.shape == (t, inter) and scale.shape == (t, 1)
+    assert torch.equal(scale, scale_two)
+    assert torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
+
+
+def test_silu_mul_quant_declines_a_row_past_one_tile(monkeypatch):
+    from kernels import fp8_quant
+
+    monkeypatch.setattr(fp8_quant, "ONE_PASS_MAX_K", 64)
+    assert fp8_quant.silu_mul_quant(torch.randn(2, 2 * 100)) is None
+    assert fp8_quant.silu_mul_quant(torch.randn(2, 2 * 64)) is not None
+    with pytest.raises(ValueError, match="silu_mul_quant"):
+        fp8_quant.silu_mul_quant(torch.randn(2, 7))  # not [T, 2I]
+
+
+def test_the_gated_mlp_hands_down_its_input_quantized_past_the_gemv_rows(monkeypatch):
+    """``TritonOps.gated_mlp``: past the FP8 GEMVs' rows the down projection gets the activation
+    quantized by ``silu_mul_quant`` (the same bytes: the result equals the projection of
+    ``quantize_per_token(silu_and_mul(.))``); at the GEMV's rows the path is as it was."""
+    from torch import nn
+
+    from engine.ops import TritonOps
+    from engine.quant import Fp8Linear
+    from kernels import fp8_quant
+    from kernels.activation import silu_and_mul
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = Fp8Linear.from_linear(nn.Linear(64, 2 * 96, bias=False))
+    down = Fp8Linear.from_linear(nn.Linear(96, 64, bias=False))
+    for layer in (gate_up, down):
+        layer.weight_scale.data.uniform_(0.01, 0.02, generator=g)
+    calls = []
+    fused = fp8_quant.silu_mul_quant
+    monkeypatch.setattr(fp8_quant, "silu_mul_quant", lambda h: calls.append(len(h)) or fused(h))
+    ops = TritonOps()
+    rows = torch.randn(down.mma_max_rows + 1, 64, generator=g)
+    assert down.takes_quantized(rows.shape[0]) and not down.takes_quantized(down.mma_max_rows)
+    got = ops.gated_mlp(gate_up, down, rows)
+    assert calls == [len(rows)]
+    want = down.forward_quantized(*quantize_per_token(silu_and_mul(gate_up(rows))))
+    assert torch.equal(got, want)
+    few = rows[: down.mma_max_rows]
+    want_few = down(ops.gate_up_act(gate_up, few))
+    assert torch.equal(ops.gated_mlp(gate_up, down, few), want_few)
+    assert calls == [len(rows)]  # the GEMV's rows: not handed over quantized

@@ -175,7 +175,7 @@ class MLP(nn.Module):
 
     def forward(self, step: StepContext, x):
         """Column-parallel gate/up, row-parallel down, summed over the ranks."""
-        return _all_reduce(self.tp, self.down_proj(step.ops.gate_up_act(self.gate_up_proj, x)))
+        return _all_reduce(self.tp, step.ops.gated_mlp(self.gate_up_proj, self.down_proj, x))
 
 
 class DecoderLayer(nn.Module):

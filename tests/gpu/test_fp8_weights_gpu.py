@@ -3,8 +3,8 @@ GPU machine; skipped without one).
 
     python -m pytest -q tests/gpu/test_fp8_weights_gpu.py
 
-- the per-token quantizer kernel rounds as torch; the FP8 GEMV (batch 1) and ``_scaled_mm``
-  agree;
+- the per-token quantizer kernel rounds as torch, and the fused activation + quantizer
+  (``silu_mul_quant``) gives its bytes; the FP8 GEMV (batch 1) and ``_scaled_mm`` agree;
 - ``Fp8Linear`` (the tensor-core GEMV at 1-8 rows, ``_scaled_mm`` above) against the float32
   product of the same quantized weight and input, at decode and prefill row counts and
   Llama-3-8B's shapes; the CUDA tensor-core GEMV (kernels/fp8_gemv_mma.py) builds here and is
@@ -74,6 +74,21 @@ def test_the_quantizer_reads_a_row_once_or_in_tiles_to_the_same_bytes():
     once, tiles = quantize_per_token(x), quantize_per_token(x, block_k=1024)
     assert torch.equal(once[1], tiles[1])
     assert torch.equal(once[0].view(torch.uint8), tiles[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 28672), (9, 1000), (257, 14336)])
+def test_silu_mul_quant_is_the_two_kernels_on_the_gpu(rows, inter):
+    """The fused activation + quantizer: the same scales and e4m3 bytes as ``silu_and_mul`` then
+    ``quantize_per_token``, on the GPU's rounding (bf16 random rows, Llama-3's widths)."""
+    from kernels.activation import silu_and_mul
+    from kernels.fp8_quant import quantize_per_token, silu_mul_quant
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * inter, device="cuda", dtype=torch.bfloat16) * 4
+    q, scale = silu_mul_quant(x)
+    q_two, scale_two = quantize_per_token(silu_and_mul(x))
+    assert torch.equal(scale, scale_two)
+    assert torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
 
 
 def test_gemv_and_scaled_mm_agree_at_batch_1():
