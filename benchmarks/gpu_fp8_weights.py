@@ -10,7 +10,9 @@ context, so one engine's memory cannot shrink the next one's budget):
    adds fp8 with its small-batch products through ``torch._scaled_mm`` instead of the GEMVs,
    ``--mma-off`` with batch 1 through the Triton GEMV of kernels/fp8_gemv.py (2-8 through
    ``_scaled_mm``) instead of the CUDA tensor-core GEMV of kernels/fp8_gemv_mma.py,
-   ``--splitk`` through the Triton tensor-core GEMV behind a quantizing kernel;
+   ``--splitk`` through the Triton tensor-core GEMV behind a quantizing kernel,
+   ``--l2-prefetch MB`` with each batch-1 GEMV prefetching up to MB of its weights into L2
+   before its PDL wait (an experiment: kernels/fp8_gemv_mma.py ``L2_PREFETCH_BYTES``);
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
    least 1.4x bf16), and each engine's KV pool; ``--kv8`` adds fp8 weights with fp8 KV
@@ -28,7 +30,8 @@ context, so one engine's memory cannot shrink the next one's budget):
    part alone on the CPU (fp32 model; torch's CPU ``_scaled_mm`` is the same kernel call).
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
-        [--num-requests 1000] [--kv8] [--gemv-off] [--mma-off] [--splitk] [--big [--big-layers 40]] [--ppl-model DIR]
+        [--num-requests 1000] [--kv8] [--gemv-off] [--mma-off] [--splitk] [--l2-prefetch MB]
+        [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
         ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-prompt 256 --ppl-max-answer 64 \\
         --out benchmarks/results/fp8_weights_ppl_cpu.json      # 5 min on 2 cores
@@ -107,6 +110,10 @@ def engine_run(args: argparse.Namespace) -> dict:
 
         Fp8Linear.splitk_max_rows = 1
         Fp8Linear.mma_max_rows = 0
+    if name == "fp8_l2":  # the batch-1 GEMV prefetching weights into L2 before its PDL wait
+        from kernels import fp8_gemv_mma
+
+        fp8_gemv_mma.L2_PREFETCH_BYTES = int(args.l2_prefetch * 2**20)
     if name == "big":
         model_dir = Path(tempfile.mkdtemp(prefix="fp8-big-"))
         (model_dir / "config.json").write_text(json.dumps(big_config(args.big_layers)))
@@ -178,6 +185,7 @@ def in_child(args: argparse.Namespace, one: str) -> dict:
     from benchmarks.gpu_engine import run_part
 
     extra = ["--num-requests", str(args.num_requests), "--big-layers", str(args.big_layers)]
+    extra += ["--l2-prefetch", str(args.l2_prefetch)]
     return run_part(__file__, ["--one", one, *extra])
 
 
@@ -285,8 +293,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--splitk", action="store_true", help="also fp8 with batch 1 on fp8_gemv_splitk"
     )
     ap.add_argument(
+        "--l2-prefetch",
+        type=float,
+        default=0.0,
+        metavar="MB",
+        help="also fp8 with each batch-1 GEMV prefetching MB of its weights into L2 (experiment)",
+    )
+    ap.add_argument(
         "--one",
-        choices=("bf16", "fp8", "fp8_kv8", "fp8_cublas", "fp8_triton", "fp8_splitk", "big"),
+        choices=(
+            "bf16",
+            "fp8",
+            "fp8_kv8",
+            "fp8_cublas",
+            "fp8_triton",
+            "fp8_splitk",
+            "fp8_l2",
+            "big",
+        ),
         help=argparse.SUPPRESS,
     )
     ap.add_argument("--part", help=argparse.SUPPRESS)
@@ -313,6 +337,7 @@ def main(argv=None) -> None:
         result["hbm_copy_bytes_per_s"] = hbm
         names = ["bf16", "fp8"] + ["fp8_kv8"] * args.kv8 + ["fp8_cublas"] * args.gemv_off
         names += ["fp8_triton"] * args.mma_off + ["fp8_splitk"] * args.splitk
+        names += ["fp8_l2"] * (args.l2_prefetch > 0)
         names += ["big"] * args.big
         result["runs"] = {n: in_child(args, n) for n in names}
         with_floors(result["runs"], hbm)

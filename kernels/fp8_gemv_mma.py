@@ -36,6 +36,10 @@ from kernels import pdl
 SOURCE = Path(__file__).parent / "cuda" / "fp8_gemv_mma.cu"
 MAX_ROWS = 8  # the MMA's narrow side (the kernel's MAX_M)
 _TILE_K = 128  # columns a warp's loads cover a row tile
+# An experiment (benchmarks/gpu_fp8_weights.py --l2-prefetch): bytes of one call's weights that
+# its blocks prefetch into L2 before the PDL wait, spread over the row tiles; 0 (the default):
+# none. Unmeasured as yet (benchmarks/NOTES.md says what it is for).
+L2_PREFETCH_BYTES = 0
 
 
 def default_config(n: int, k: int, gated: bool) -> dict:
@@ -129,11 +133,20 @@ def fp8_gemv_mma(
         ctypes.c_longlong(weight.stride(0)),
         ctypes.c_longlong(y.stride(0)),
     )
+    # (only where PDL launches the call early: the one-row variant)
+    prefetch = _prefetch_bytes(blocks * rt, k, weight.stride(0))
+    args += (ctypes.c_longlong(prefetch if quant_x and pdl.enabled(x.device) else 0),)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     # PDL at one row only: behind the quantizer (2-8 rows) it measured a third slower on an H200
     # (Llama-3-70B, batch 8: 32.2 ms a step with it, 21.5 without; benchmarks/NOTES.md)
     kernel.launch(blocks, warps * 32, smem, stream, args, quant_x and pdl.enabled(x.device))
     return y
+
+
+def _prefetch_bytes(row_tiles: int, k: int, stride_wn: int) -> int:
+    """A row tile's share of ``L2_PREFETCH_BYTES``, whole 128-byte lines, within its 16 rows."""
+    per_tile = min(L2_PREFETCH_BYTES // max(1, row_tiles), 15 * stride_wn + k)
+    return per_tile // 128 * 128
 
 
 # -- building and launching ------------------------------------------------------------------

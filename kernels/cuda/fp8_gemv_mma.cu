@@ -125,7 +125,7 @@ fp8_gemv_mma(const unsigned char* __restrict__ w,  // [N, K] e4m3 (GATED: [2 n_o
              const bf16_t* __restrict__ bias,      // [N] bf16 or null
              bf16_t* __restrict__ y,               // [M, n_out] bf16
              int m_rows, int n_out, int k, long long stride_xm, long long stride_wn,
-             long long stride_ym) {
+             long long stride_ym, long long prefetch_bytes) {
     extern __shared__ __align__(16) unsigned char smem[];
     float* red = reinterpret_cast<float*>(smem);   // [WARPS][RT][128] partial sums
     float* part = red + WARPS * RT * 128;          // [MAX_M][WARPS] partial amax
@@ -144,6 +144,17 @@ fp8_gemv_mma(const unsigned char* __restrict__ w,  // [N, K] e4m3 (GATED: [2 n_o
 #endif
     uint4 a[UNROLL][RT][4];
     load_tiles(a, w, stride_wn, n_out, warp, kts, g, t);
+    // An experiment, off unless the launcher asks (kernels/fp8_gemv_mma.py L2_PREFETCH_BYTES):
+    // the first prefetch_bytes of each of this block's row tiles into L2 while the kernels in
+    // front of this one (launched early by PDL) leave HBM idle
+    if (prefetch_bytes > 0) {
+#pragma unroll
+        for (int j = 0; j < RT; ++j) {
+            const unsigned char* base = w + (long long)tile_row(j, n_out) * stride_wn;
+            for (long long off = 128LL * threadIdx.x; off < prefetch_bytes; off += 128LL * THREADS)
+                asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(base + off));
+        }
+    }
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
