@@ -23,6 +23,11 @@ what they compute:
   silu_and_mul, rotary: floor = their bytes (or FLOPs) by arithmetic over the same rates;
 * the rest (embedding, sampling, copies) by kernel name, without a floor.
 
+Then the same step under its graphs once more, profiled alone a few times: from its first GPU
+activity to its last, the share of that span no kernel or copy runs (``idle_in_step``): the
+time the GPU waits for the host inside a step (piecewise graphs launch attention eagerly
+between the pieces), which the per-kernel table cannot show.
+
     PYTHONPATH=$PWD python benchmarks/gpu_kernels.py --out results/gpu_kernels.json
     PYTHONPATH=$PWD python benchmarks/gpu_kernels.py --quantization fp8 [--kv-cache-dtype fp8]
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -166,6 +172,46 @@ def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
     return dict(linears), dict(kernels)
 
 
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (kernels that overlap count once)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        busy += end - max(start, reach)
+        reach = end
+    return busy
+
+
+def idle_in_step(runner, out, reps: int) -> dict:
+    """The step as the engine runs it (its graphs), each of ``reps`` runs profiled alone: span
+    from its first GPU activity (kernel, copy, memset) to its last, the union of that activity,
+    and the idle share between (medians over the runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        runner.execute(out)
+    torch.cuda.synchronize()
+    spans, busies = [], []
+    for _ in range(reps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(out)
+            torch.cuda.synchronize()
+        acts = [
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+        ]
+        if not acts:
+            continue
+        spans.append((max(b for _, b in acts) - min(a for a, _ in acts)) / 1e6)
+        busies.append(busy_union(acts) / 1e6)
+    if not spans:
+        return {}
+    span, busy = statistics.median(spans), statistics.median(busies)
+    return {"span_s": span, "busy_s": busy, "idle_share": 1.0 - busy / span if span else 0.0}
+
+
 def step_table(
     name: str, wall_s: float, linears: dict, kernels: dict, floors: dict, bw, flops, fp8_flops=None
 ):
@@ -265,8 +311,13 @@ def main() -> None:
         floors = arith.floors(bw, flops)
         t = step_table(name, wall, linears, kernels, floors, bw, flops, fp8_flops)
         t["step_floor_s"] = arith.floor(bw, flops)
+        t["graphs"] = idle_in_step(runner, out, args.reps)
         tables.append(t)
         print_table(t)
+        if t["graphs"]:
+            g = t["graphs"]
+            print(f"\nunder graphs: GPU span {g['span_s'] * 1e3:.2f} ms, busy {g['busy_s'] * 1e3:.2f}"
+                  f" ms, idle {g['idle_share']:.1%} of the span")  # fmt: skip
         kv = arith.decode_kv
         print(f"\nstep floor (weights {weight_bytes / 1e9:.1f} GB + KV {kv / 1e9:.2f} GB over HBM"
               f"{' + the chunk FLOPs' if arith.chunk else ''}): {t['step_floor_s'] * 1e3:.2f} ms;"
