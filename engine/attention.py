@@ -291,7 +291,9 @@ class TritonAttentionBackend(AttentionBackend):
         rotary (up to 64 rows and more: other head blocks), the extend with and without TMA
         loads (chunks of 1024 tokens or more use them), the decode in one split (written
         directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits),
-        each with its first tile read before the PDL wait and after it (kernels/).
+        each with its first tile read before the PDL wait and after it (kernels/), for one
+        sequence and for a batch whose grid fills the GPU (an fp8 cache's tiles follow the
+        grid: kernels/paged_decode_attention.py ``launch_config``).
         Integer arguments that vary per step (table widths, split counts) are not specialised
         on (``do_not_specialize`` in kernels/), so these are all there are. ``dtype``: the
         model's (q, k, v), when the cache holds another (fp8)."""
@@ -313,17 +315,19 @@ class TritonAttentionBackend(AttentionBackend):
             cu = torch.tensor([0, t], dtype=torch.int32, device=device)
             prefix = torch.zeros(1, dtype=torch.int32, device=device)
             self._extend(q, k, k, k_cache, v_cache, table, cu, prefix, t, block_size, 1.0)
-        splits = 1
         # (the first tile read before the PDL wait: small grids only, so both variants serve)
         prefetches = (False, True) if pdl.enabled(device) else (False,)
-        while splits <= _MAX_SPLITS:
-            q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
-            table = torch.zeros(1, splits, dtype=torch.int32, device=device)
-            lens = torch.full((1,), splits * block_size, dtype=torch.int32, device=device)
-            for prefetch in prefetches:
-                self._decode_kernel(q, k_cache, v_cache, table, lens, block_size, 1.0,
-                                    num_splits=splits, prefetch=prefetch)  # fmt: skip
-            splits *= 2
+        full = -(-torch.cuda.get_device_properties(device).multi_processor_count // kv_heads)
+        for batch in (1, full):
+            splits = 1
+            while splits <= _MAX_SPLITS:
+                q = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
+                table = torch.zeros(batch, splits, dtype=torch.int32, device=device)
+                lens = torch.full((batch,), splits * block_size, dtype=torch.int32, device=device)
+                for prefetch in prefetches:
+                    self._decode_kernel(q, k_cache, v_cache, table, lens, block_size, 1.0,
+                                        num_splits=splits, prefetch=prefetch)  # fmt: skip
+                splits *= 2
         torch.cuda.synchronize(device)
 
     def build(
