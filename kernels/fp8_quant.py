@@ -46,6 +46,17 @@ def row_scale(row_ptr, K, MIN_AMAX_: tl.constexpr, FP8_MAX_: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _store_e4m3_row(x, q_row, s_at, cols, mask, MIN_AMAX_: tl.constexpr, FP8_MAX_: tl.constexpr):
+    """A row held whole in registers (fp32 ``x`` at ``cols``) as its scale at ``s_at`` and its
+    e4m3 values at ``q_row``: the one-pass arithmetic of both kernels below, so a row quantized
+    by either has the same bytes."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_) / FP8_MAX_
+    tl.store(s_at, scale)
+    q = tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_)
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,
@@ -67,10 +78,7 @@ def _quant_rows_kernel(
     rk = tl.arange(0, BLOCK_K)
     if ONE_PASS:
         x = tl.load(x_ptr + m * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_) / FP8_MAX_
-        tl.store(s_ptr + m, scale)
-        q = tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_)
-        tl.store(q_ptr + m * stride_qm + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
+        _store_e4m3_row(x, q_ptr + m * stride_qm, s_ptr + m, rk, rk < K, MIN_AMAX_, FP8_MAX_)
     else:
         scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX_, FP8_MAX_, BLOCK_K)
         tl.store(s_ptr + m, scale)
@@ -82,6 +90,11 @@ def _quant_rows_kernel(
 
 
 ONE_PASS_MAX_K = 32768  # rows up to this long are read once (16 warps: 64 values a thread)
+
+
+def _one_pass_warps(block: int) -> int:
+    """Warps for a row of ``block`` values held in registers: 4, up to 16 past 2048."""
+    return 4 if block <= 2048 else min(16, block // 512)
 
 
 def quantize_per_token(
@@ -100,7 +113,7 @@ def quantize_per_token(
     if block_k is None:
         block_k = triton.next_power_of_2(k) if k <= ONE_PASS_MAX_K else 1024
     one_pass = block_k >= k
-    warps = 4 if not one_pass or block_k <= 2048 else min(16, block_k // 512)
+    warps = _one_pass_warps(block_k) if one_pass else 4
     if m:
         _quant_rows_kernel[(m,)](
             x,
@@ -143,10 +156,7 @@ def _silu_mul_quant_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = silu_mul_f32(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), MIN_AMAX_) / FP8_MAX_
-    tl.store(s_ptr + m, scale)
-    q = tl.clamp(y / scale, -FP8_MAX_, FP8_MAX_)
-    tl.store(q_ptr + m * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    _store_e4m3_row(y, q_ptr + m * stride_qm, s_ptr + m, cols, mask, MIN_AMAX_, FP8_MAX_)
 
 
 def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -173,7 +183,7 @@ def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
             MIN_AMAX,
             FP8_MAX,
             BLOCK=block,
-            num_warps=4 if block <= 2048 else min(16, block // 512),
+            num_warps=_one_pass_warps(block),
             **pdl.launch_options(x.device),
         )
     return q, scale
