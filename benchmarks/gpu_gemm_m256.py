@@ -92,10 +92,45 @@ FP8_SWEEP = {
 }
 
 
-def splitk(w, cfg, xq, xs, wsc):
-    from kernels.fp8_gemv import fp8_gemv_splitk
+def best_config(name: str, configs, run, right, weights: list) -> tuple[float, dict | None]:
+    """The fastest of ``configs`` by ``graph_time`` of ``run(w, cfg)`` over ``weights``, each
+    first checked with ``right(cfg)`` on the first weight; a tile that is wrong or does not
+    build is said on stderr and skipped."""
+    best = (float("inf"), None)
+    for cfg in configs:
+        try:
+            if not right(cfg):
+                print(f"  {name} {cfg}: wrong", file=sys.stderr)
+                continue
+            t = graph_time(partial(run, cfg=cfg), weights)
+        except Exception as exc:  # a tile that does not fit
+            print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
+            continue
+        print(f"  {name} {cfg}: {t * 1e6:.1f} us", file=sys.stderr)
+        if t < best[0]:
+            best = (t, cfg)
+    return best
 
-    return fp8_gemv_splitk(xq, xs, w, wsc, None, torch.bfloat16, **cfg)
+
+def bf16_configs(m: int, n: int, k: int):
+    """``SWEEP``'s tiles that divide the shape."""
+    for vals in itertools.product(*SWEEP.values()):
+        cfg = dict(zip(SWEEP, vals, strict=True))
+        if not (k % (cfg["split"] * cfg["bk"]) or m % cfg["bm"] or n % cfg["bn"]):
+            yield cfg
+
+
+def table_row(name: str, floor: float, base: float, best: tuple[float, dict | None]) -> str:
+    """One shape: its floor, the library's time, the best split-K tile's (us, / floor)."""
+    return (f"| {name} | {floor * 1e6:.1f} | {base * 1e6:.1f} | {base / floor:.2f} | "
+            f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} |")  # fmt: skip
+
+
+def fp8_configs():
+    for vals in itertools.product(*FP8_SWEEP.values()):
+        cfg = dict(zip(FP8_SWEEP, vals, strict=True))
+        block_n, warps = cfg.pop("tile")
+        yield {**cfg, "block_n": block_n, "num_warps": warps}
 
 
 def fp8_main(args) -> None:
@@ -119,29 +154,18 @@ def fp8_main(args) -> None:
         def scaled(w, xq=xq, xs=xs, wsc=wsc):
             return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=wsc, out_dtype=torch.bfloat16)
 
+        def splitk(w, cfg, xq=xq, xs=xs, wsc=wsc):
+            return fp8_gemv_splitk(xq, xs, w, wsc, None, torch.bfloat16, **cfg)
+
+        def right(cfg, w0=w0, splitk=splitk, ref=scaled(w0).float()):
+            got = splitk(w0, cfg).float()
+            return torch.allclose(got, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
+
         cublas = graph_time(scaled, ws)
-        ref = scaled(w0).float()
-        best = (float("inf"), None)
-        for vals in itertools.product(*FP8_SWEEP.values()):
-            cfg = dict(zip(FP8_SWEEP, vals, strict=True))
-            (block_n, warps) = cfg.pop("tile")
-            cfg.update(block_n=block_n, num_warps=warps)
-            try:
-                got = fp8_gemv_splitk(xq, xs, w0, wsc, None, torch.bfloat16, **cfg).float()
-                if not torch.allclose(got, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item()):
-                    print(f"  {name} {cfg}: wrong", file=sys.stderr)
-                    continue
-                t = graph_time(partial(splitk, cfg=cfg, xq=xq, xs=xs, wsc=wsc), ws)
-            except Exception as exc:  # a tile that does not fit
-                print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:80]}", file=sys.stderr)
-                continue
-            print(f"  {name} {cfg}: {t * 1e6:.1f} us", file=sys.stderr)
-            if t < best[0]:
-                best = (t, cfg)
+        best = best_config(name, fp8_configs(), splitk, right, ws)
         res["shapes"][name] = {"floor_s": floor, "scaled_mm_s": cublas, "splitk_s": best[0],
                                "config": best[1]}  # fmt: skip
-        print(f"| {name} | {floor * 1e6:.1f} | {cublas * 1e6:.1f} | {cublas / floor:.2f} | "
-              f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} |")  # fmt: skip
+        print(table_row(name, floor, cublas, best))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_gemm_m{args.m}_fp8.json").write_text(json.dumps(res, indent=1))
 
@@ -170,28 +194,19 @@ def main() -> None:
         floor = max(2 * args.m * n * k / flops, (w0.nbytes + a.nbytes + args.m * n * 2) / bw)
         cublas = graph_time(lambda w, a=a: F.linear(a, w), ws)
         c = torch.zeros(args.m, n, device="cuda", dtype=torch.float32)
-        ref = a.float() @ w0.float().T
-        best = (float("inf"), None)
-        for vals in itertools.product(*SWEEP.values()):
-            cfg = dict(zip(SWEEP, vals, strict=True))
-            if k % (cfg["split"] * cfg["bk"]) or args.m % cfg["bm"] or n % cfg["bn"]:
-                continue
-            try:
-                c.zero_()
-                splitk_gemm(a, w0, c, **cfg)
-                if not torch.allclose(c, ref, rtol=2e-2, atol=2e-1):
-                    print(f"  {name} {cfg}: wrong", file=sys.stderr)
-                    continue
-                t = graph_time(lambda w, a=a, c=c, cfg=cfg: splitk_gemm(a, w, c, **cfg), ws)
-            except Exception as exc:  # a tile that does not fit
-                print(f"  {name} {cfg}: {type(exc).__name__}", file=sys.stderr)
-                continue
-            if t < best[0]:
-                best = (t, cfg)
+
+        def run(w, cfg, a=a, c=c):
+            splitk_gemm(a, w, c, **cfg)
+
+        def right(cfg, a=a, c=c, w0=w0, ref=a.float() @ w0.float().T):
+            c.zero_()
+            splitk_gemm(a, w0, c, **cfg)
+            return torch.allclose(c, ref, rtol=2e-2, atol=2e-1)
+
+        best = best_config(name, bf16_configs(args.m, n, k), run, right, ws)
         res["shapes"][name] = {"floor_s": floor, "cublas_s": cublas, "splitk_s": best[0],
                                "config": best[1]}  # fmt: skip
-        print(f"| {name} | {floor * 1e6:.1f} | {cublas * 1e6:.1f} | {cublas / floor:.2f} | "
-              f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} |")  # fmt: skip
+        print(table_row(name, floor, cublas, best))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_gemm_m{args.m}.json").write_text(json.dumps(res, indent=1))
 
