@@ -77,6 +77,7 @@ def _kernel_kind(name: str) -> str:
         ("_silu_and_mul", "silu_and_mul"),
         ("_rotary", "rotary"),
         ("_quant_rows", "fp8 quantize"),
+        ("_silu_mul_quant", "silu_mul_quant"),
         ("_gemv", "gemv"),
         ("fp8_gemv_mma", "gemv"),
     ):
@@ -107,13 +108,16 @@ class Step:
         chunk = linear_flops(self.cfg, self.chunk) / flops if self.chunk else 0.0
         return (self.weight_bytes + self.decode_kv) / bw + chunk
 
-    def floors(self, bw: float, flops: float) -> dict[str, float]:
+    def floors(self, bw: float, flops: float, fused_down: bool = False) -> dict[str, float]:
+        """Each kernel kind's floor; ``fused_down``: FP8's down projection gets its input from
+        ``silu_mul_quant``, not from a quantizer of its own."""
         c, t, e = self.cfg, self.tokens, 2  # bf16
         kv_row = c.num_kv_heads * c.head_dim * self.kv_bytes  # one token's K (or V), one layer
         q_row = c.num_heads * c.head_dim * e
         extend_flops = attention_flops(c, self.chunk) if self.chunk else 0.0
         extend_bytes = (2 * kv_row + 2 * q_row) * self.chunk * c.num_layers
         inter = c.intermediate_size
+        quantized = 3 * c.hidden_size + (0 if fused_down else inter)  # a token's, a layer
         return {
             # decode at batch 1: every linear layer and the LM head as Triton GEMVs
             "gemv": (self.weight_bytes + 2 * c.hidden_size * t * c.num_layers) / bw,
@@ -124,7 +128,10 @@ class Step:
             # in, residual in, out, residual out: 2 norms a layer and the final one
             "rms_norm": 4 * c.hidden_size * e * t * (2 * c.num_layers + 1) / bw,
             # FP8: bf16 in, e4m3 out, in front of qkv, o, gate_up (2-8 rows, cuBLAS's) and down
-            "fp8 quantize": 4 * c.num_layers * c.hidden_size * (e + 1) * t / bw,
+            # (its input I wide) unless silu_mul_quant writes that one
+            "fp8 quantize": quantized * (e + 1) * t * c.num_layers / bw,
+            # gate and up in, e4m3 out
+            "silu_mul_quant": (2 * e + 1) * inter * t * c.num_layers / bw,
             "silu_and_mul": 3 * inter * e * t * c.num_layers / bw,
             # q and k rotated in place: read and written
             "rotary": 2 * (q_row + kv_row) * t * c.num_layers / bw,
@@ -137,8 +144,8 @@ def linear_floor(m: int, k: int, n: int, bw: float, flops: float, in_bytes: int 
 
 
 def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
-    """One eager run profiled ``reps`` times: (linear shapes -> (seconds per step, calls per
-    step)), (kernel kind -> (seconds per step, launches per step))."""
+    """One eager run profiled ``reps`` times: (linear ``(m, k, n, fp8)`` -> (seconds per step,
+    calls per step)), (kernel kind -> (seconds per step, launches per step))."""
     from torch.profiler import ProfilerActivity, profile
 
     with with_graphs(runner, False, False):
@@ -157,10 +164,9 @@ def profile_step(runner, out, reps: int) -> tuple[dict, dict]:
             (m, k), (n, _) = evt.input_shapes[0][-2:], evt.input_shapes[1]
         elif evt.key == "aten::_scaled_mm" and evt.input_shapes:  # x [m, k] @ w.t() [k, n]
             (m, k), (_, n) = evt.input_shapes[0][-2:], evt.input_shapes[1]
-            k = -k  # marks FP8 (bytes and FLOP rate) for step_table
         else:
             continue
-        row = linears[(m, k, n)]
+        row = linears[(m, k, n, evt.key == "aten::_scaled_mm")]
         row[0] += evt.device_time_total / 1e6 / reps
         row[1] += evt.count / reps
     kernels: dict = defaultdict(lambda: [0.0, 0])
@@ -217,14 +223,12 @@ def step_table(
 ):
     """Rows: each linear shape, then each kernel kind that is not a GEMM."""
     rows = []
-    for (m, k, n), (sec, calls) in sorted(linears.items(), key=lambda kv: -kv[1][0]):
-        if k < 0:  # _scaled_mm: e4m3 in, bf16 out
-            k = -k
+    for (m, k, n, fp8), (sec, calls) in sorted(linears.items(), key=lambda kv: -kv[1][0]):
+        if fp8:  # _scaled_mm: e4m3 in, bf16 out
             floor = linear_floor(m, k, n, bw, fp8_flops, in_bytes=1) * calls
-            label = f"fp8 linear {m}x{k} @ {k}x{n}"
         else:
             floor = linear_floor(m, k, n, bw, flops) * calls
-            label = f"linear {m}x{k} @ {k}x{n}"
+        label = f"{'fp8 ' if fp8 else ''}linear {m}x{k} @ {k}x{n}"
         rows.append({"kernel": label, "calls": calls, "s": sec, "floor_s": floor})
     gemm_in_linears = sum(sec for sec, _ in linears.values())
     for kind, (sec, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
@@ -308,7 +312,7 @@ def main() -> None:
         out = SchedulerOutput(scheduled=scheduled)
         wall = time_step(runner, out, 20)
         linears, kernels = profile_step(runner, out, args.reps)
-        floors = arith.floors(bw, flops)
+        floors = arith.floors(bw, flops, fused_down="silu_mul_quant" in kernels)
         t = step_table(name, wall, linears, kernels, floors, bw, flops, fp8_flops)
         t["step_floor_s"] = arith.floor(bw, flops)
         t["graphs"] = idle_in_step(runner, out, args.reps)

@@ -35,3 +35,16 @@ def test_an_fp8_kv_cache_halves_the_decode_attention_floor():
     fp8 = Step(cfg, 10**9, decodes=4, context=100, chunk=0, kv_bytes=1)
     assert fp8.decode_kv * 2 == bf16.decode_kv
     assert fp8.floor(1e12, 1e15) < bf16.floor(1e12, 1e15)
+
+
+def test_the_quantizer_floor_counts_down_inputs_width_unless_fused():
+    cfg = SimpleNamespace(
+        num_kv_heads=8, head_dim=128, num_heads=32, num_layers=2, hidden_size=64,
+        intermediate_size=224,
+    )  # fmt: skip
+    step, bw = Step(cfg, 10**9, decodes=4, context=100, chunk=0), 1e12
+    apart, fused = step.floors(bw, 1e15)["fp8 quantize"], step.floors(bw, 1e15, True)
+    # bf16 in, e4m3 out, a token's row of every quantized input, every layer
+    assert apart == pytest.approx((3 * 64 + 224) * 3 * 4 * 2 / bw)
+    assert fused["fp8 quantize"] == pytest.approx(3 * 64 * 3 * 4 * 2 / bw)
+    assert fused["silu_mul_quant"] == pytest.approx(5 * 224 * 4 * 2 / bw)
