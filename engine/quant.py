@@ -99,10 +99,10 @@ class Fp8Linear(nn.Module):
             from kernels.fp8_gemv import fp8_gemv_quantizing
             from kernels.fp8_quant import quantize_per_token
 
-            if self._takes_mma(x, gated=False):
-                from kernels.fp8_gemv_mma import fp8_gemv_mma
+            if self._takes_mma(x, gated=False):  # (checked: launched without a second check)
+                from kernels import fp8_gemv_mma
 
-                y = fp8_gemv_mma(x, self.weight, self.weight_scale, self.bias)
+                y = fp8_gemv_mma.launch(x, self.weight, self.weight_scale, self.bias)
                 return y.reshape(*shape[:-1], self.out_features)
             if x.shape[0] <= self.splitk_max_rows:
                 from kernels.fp8_gemv import fp8_gemv_splitk
@@ -149,9 +149,9 @@ class Fp8Linear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self._takes_mma(x, gated=True):
-            from kernels.fp8_gemv_mma import fp8_gemv_mma
+            from kernels import fp8_gemv_mma
 
-            return fp8_gemv_mma(x, self.weight, self.weight_scale, self.bias, gated=True)
+            return fp8_gemv_mma.launch(x, self.weight, self.weight_scale, self.bias, gated=True)
         if x.shape[0] > max(self.gemv_max_rows, self.splitk_max_rows):  # (cuBLAS's rows)
             return None
         from kernels.fp8_gemv import fp8_gemv_quantizing, fp8_gemv_splitk

@@ -106,6 +106,12 @@ def fp8_gemv_mma(
     why = problem(x, weight, bias, gated, weight_scale, **config)
     if why is not None:
         raise ValueError(f"fp8_gemv_mma: needs {why}")
+    return launch(x, weight, weight_scale, bias, gated, **config)
+
+
+def launch(x, weight, weight_scale, bias, gated: bool = False, **config) -> torch.Tensor:
+    """``fp8_gemv_mma`` without its checks, for a caller that has had ``problem`` say None for
+    these arguments (``Fp8Linear``, which asks before it chooses this path)."""
     m, k, n, cfg = _shape(x, weight, gated, config)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     ws = weight_scale.reshape(-1)
