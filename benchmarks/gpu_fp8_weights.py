@@ -88,6 +88,15 @@ def weights_read_per_step(model) -> tuple[int, int]:
     return total, total - (0 if tied else embed.numel() * embed.element_size())
 
 
+# the runs that send small batches another way: Fp8Linear's class-wide row limits
+FP8_PATHS = {
+    "fp8_cublas": {"gemv_max_rows": 0, "mma_max_rows": 0},  # batch 1-8 through _scaled_mm
+    "fp8_triton": {"mma_max_rows": 0},  # batch 1 through the Triton GEMV, 2-8 _scaled_mm
+    # batch 1: a quantizing kernel, then the Triton tensor-core GEMV
+    "fp8_splitk": {"splitk_max_rows": 1, "mma_max_rows": 0},
+}
+
+
 def engine_run(args: argparse.Namespace) -> dict:
     """One engine (``args.one``: ``bf16``, ``fp8`` or ``big``): its weights, ITL at batch 1
     against its floor, and (not ``big``) offline throughput on the vLLM ShareGPT sample."""
@@ -97,19 +106,11 @@ def engine_run(args: argparse.Namespace) -> dict:
 
     name = args.one
     model_dir = CONFIG_8B
-    if name == "fp8_cublas":  # batch 1 through _scaled_mm, not the FP8 GEMVs
+    if name in FP8_PATHS:
         from engine.quant import Fp8Linear
 
-        Fp8Linear.gemv_max_rows = Fp8Linear.mma_max_rows = 0
-    if name == "fp8_triton":  # batch 1 through the Triton GEMV, 2-8 through _scaled_mm
-        from engine.quant import Fp8Linear
-
-        Fp8Linear.mma_max_rows = 0
-    if name == "fp8_splitk":  # batch 1: a quantizing kernel, then the Triton tensor-core GEMV
-        from engine.quant import Fp8Linear
-
-        Fp8Linear.splitk_max_rows = 1
-        Fp8Linear.mma_max_rows = 0
+        for attr, value in FP8_PATHS[name].items():
+            setattr(Fp8Linear, attr, value)
     if name == "fp8_l2":  # the batch-1 GEMV prefetching weights into L2 before its PDL wait
         from kernels import fp8_gemv_mma
 
