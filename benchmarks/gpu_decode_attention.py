@@ -50,6 +50,12 @@ CASES = [  # name, batch, context, heads, kv heads
     ("b1_ctx512", 1, 512, 32, 8),
     ("b8_ctx8k", 8, 8192, 32, 8),
     ("b64_ctx1k_mha", 64, 1024, 32, 32),  # G = 1: the padded tl.dot path at one head per row
+    # ShareGPT-like decode batches (contexts of a few hundred tokens, hundreds of sequences)
+    ("b128_ctx512", 128, 512, 32, 8),
+    ("b256_ctx256", 256, 256, 32, 8),
+    ("b256_ctx1k", 256, 1024, 32, 8),
+    ("b512_ctx256", 512, 256, 32, 8),
+    ("b512_ctx512", 512, 512, 32, 8),
 ]
 TILES = list(itertools.product([32, 64, 128], [4, 8], [2, 3, 4]))  # block_n, warps, stages
 SPLITS = [1, 2, 4, 8, 16, 32, 64]

@@ -292,13 +292,13 @@ class TritonAttentionBackend(AttentionBackend):
         loads (chunks of 1024 tokens or more use them), the decode in one split (written
         directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits),
         each with its first tile read before the PDL wait and after it (kernels/), for one
-        sequence and for a batch whose grid fills the GPU (an fp8 cache's tiles follow the
-        grid: kernels/paged_decode_attention.py ``launch_config``).
+        sequence, for a batch whose grid fills the GPU and for one whose grid is large (an fp8
+        cache's tiles follow the grid: kernels/paged_decode_attention.py ``launch_config``).
         Integer arguments that vary per step (table widths, split counts) are not specialised
         on (``do_not_specialize`` in kernels/), so these are all there are. ``dtype``: the
         model's (q, k, v), when the cache holds another (fp8)."""
         from kernels import pdl
-        from kernels.paged_decode_attention import _MAX_SPLITS
+        from kernels.paged_decode_attention import _MAX_SPLITS, FP8_LARGE_GRID_WAVES
 
         kv_heads, _, head_dim = k_cache.shape
         device, dtype = k_cache.device, dtype or k_cache.dtype
@@ -317,10 +317,12 @@ class TritonAttentionBackend(AttentionBackend):
             self._extend(q, k, k, k_cache, v_cache, table, cu, prefix, t, block_size, 1.0)
         # (the first tile read before the PDL wait: small grids only, so both variants serve)
         prefetches = (False, True) if pdl.enabled(device) else (False,)
-        full = -(-torch.cuda.get_device_properties(device).multi_processor_count // kv_heads)
-        for batch in (1, full):
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        full, large = -(-sms // kv_heads), -(-sms * FP8_LARGE_GRID_WAVES // kv_heads)
+        # (a large grid is never split: default_num_splits splits only grids that leave SMs idle)
+        for batch, most_splits in ((1, _MAX_SPLITS), (full, _MAX_SPLITS), (large, 1)):
             splits = 1
-            while splits <= _MAX_SPLITS:
+            while splits <= most_splits:
                 q = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
                 table = torch.zeros(batch, splits, dtype=torch.int32, device=device)
                 lens = torch.full((batch,), splits * block_size, dtype=torch.int32, device=device)

@@ -280,12 +280,16 @@ def launch_config(
 ) -> dict:
     """Default tile and launch parameters of ``_launch`` for q's ``dtype`` and the cache's
     (``kv_dtype``, default q's; benchmarks/gpu_decode_attention.py sweeps them). An fp8 cache
-    also looks at ``programs``, the grid before splits (batch x kv heads; None: a full one)."""
+    also looks at ``programs``, the grid before splits (batch x kv heads; None: a full one):
+    below the SM count, from ``FP8_LARGE_GRID_WAVES`` times it, and between."""
     if dtype == torch.float32 or head_dim >= 256:
         return {"block_n": 32, "num_warps": 4, "num_stages": 2}
     if kv_dtype == FP8:
-        if programs is not None and programs < _num_sms(torch.device(device or "cuda")):
+        sms = _num_sms(torch.device(device or "cuda"))
+        if programs is not None and programs < sms:
             return dict(FP8_SMALL_GRID_CONFIG)
+        if programs is not None and programs >= FP8_LARGE_GRID_WAVES * sms:
+            return dict(FP8_LARGE_GRID_CONFIG)
         return dict(FP8_CONFIG)
     return {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
@@ -298,8 +302,15 @@ def launch_config(
 # 2.4e-3) took batch 256 x 512 from 121 to 98 us, 64 x 4k from 253 to 174 and 64 x 1k from 68
 # to 49. A grid smaller than the GPU (few sequences: splits fill it) takes 64-token tiles,
 # so a short context still splits: batch 1 x 512 from 9.8 to 7.0 us, 8 x 8k level (74 us).
+# A large grid (batch x kv heads of 12 or more programs an SM: batch 256 and up with 8 KV heads
+# on an H200) takes 64-token tiles in 3 stages again: 6-12 % faster there (256 x 256 54.8 ->
+# 49.2 us, 256 x 512 96.6 -> 87.4, 256 x 1k 174 -> 163, 512 x 512 183 -> 166), while at 4-8
+# programs an SM the 128-token tiles stay ahead (64 x 1k 48.2 against 55.9, 128 x 512 51.7
+# against 53.8): benchmarks/NOTES.md, "The fp8-KV decode tiles by grid size".
 FP8_CONFIG = {"block_n": 128, "num_warps": 2, "num_stages": 2, "f16_dot": True}
 FP8_SMALL_GRID_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 2, "f16_dot": True}
+FP8_LARGE_GRID_CONFIG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "f16_dot": True}
+FP8_LARGE_GRID_WAVES = 12  # programs per SM from which a grid is large
 
 
 def paged_decode_attention(

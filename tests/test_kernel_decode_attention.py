@@ -10,8 +10,12 @@ import torch
 
 from kernels.fp8 import quantize_fp8
 from kernels.paged_decode_attention import (
+    FP8_CONFIG,
+    FP8_LARGE_GRID_CONFIG,
+    FP8_SMALL_GRID_CONFIG,
     _launch,
     default_num_splits,
+    launch_config,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -219,6 +223,28 @@ def test_default_num_splits_fills_the_gpu_from_shapes():
     assert default_num_splits(1, 8, 512, "cpu") == 33  # 2 programs per SM of 132
     assert default_num_splits(1, 8, 4, "cpu") == 4  # at most one split per block
     assert default_num_splits(1, 1, 4096, "cpu") == 64  # capped
+
+
+def test_fp8_tiles_follow_the_grid():
+    """An fp8 cache's tiles by batch x kv heads, on the interpreter's 132 SMs: 64-token tiles
+    below the SM count and from 12 programs an SM, 128-token tiles between; other caches keep
+    one tile whatever the grid. A config is a fresh dict (callers may change it)."""
+    fp8 = torch.float8_e4m3fn
+    for programs, want in (
+        (1 * 8, FP8_SMALL_GRID_CONFIG),
+        (131, FP8_SMALL_GRID_CONFIG),
+        (132, FP8_CONFIG),
+        (128 * 8, FP8_CONFIG),  # 7.8 programs an SM: 128-token tiles measured faster
+        (1583, FP8_CONFIG),
+        (1584, FP8_LARGE_GRID_CONFIG),  # 12 an SM
+        (256 * 8, FP8_LARGE_GRID_CONFIG),
+        (None, FP8_CONFIG),
+    ):
+        got = launch_config(128, torch.bfloat16, fp8, programs, "cpu")
+        assert got == want and got is not want, programs
+    assert FP8_LARGE_GRID_CONFIG["block_n"] < FP8_CONFIG["block_n"]
+    bf16 = {launch_config(128, torch.bfloat16, None, p, "cpu")["block_n"] for p in (8, 2048)}
+    assert bf16 == {64}
 
 
 @pytest.mark.parametrize(
