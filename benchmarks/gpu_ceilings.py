@@ -55,3 +55,22 @@ def fp8_matmul_flops(n: int = 8192, reps: int = 20) -> float:
     a = b = None
     torch.cuda.empty_cache()
     return 2 * n**3 / seconds
+
+
+def bf16_matmul_flops_sustained(seconds: float = 3.0, n: int = 8192) -> float:
+    """FLOP/s of the same matmul run back to back for ``seconds``, over the last third of them.
+
+    ``bf16_matmul_flops`` times ~30 ms of work, which a GPU runs at its boost clock. Work that
+    runs for seconds, as serving does, meets the board's power limit, and the clock drops: an
+    H200 (700 W) goes from 1,980 to ~1,450 MHz and from ~790 to ~660 TFLOP/s within half a
+    second (benchmarks/gpu_clocks.py). A floor for a step timed back to back divides by this."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    per_call = time_cuda(lambda: a @ b, 5)
+    calls = max(int(seconds / 3 / per_call), 1)
+    for _ in range(2 * calls):  # two thirds: down to the clock the power limit holds
+        a @ b
+    seconds_last = time_cuda(lambda: a @ b, calls, warmup=0)
+    a = b = None
+    torch.cuda.empty_cache()
+    return 2 * n**3 / seconds_last
