@@ -15,7 +15,9 @@ context, so one engine's memory cannot shrink the next one's budget):
    before its PDL wait (an experiment: kernels/fp8_gemv_mma.py ``L2_PREFETCH_BYTES``);
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
-   least 1.4x bf16), and each engine's KV pool; ``--kv8`` adds fp8 weights with fp8 KV
+   least 1.4x bf16), and each engine's KV pool (``--repeats N``: N runs in the same engine,
+   the median reported with the spread; identical single runs in fresh processes differed by
+   up to 11 % on an H200); ``--kv8`` adds fp8 weights with fp8 KV
    (``kv_cache_dtype="fp8"``): at batch ~256 a step reads as much KV as weights;
    both on the Llama-3-8B shape (benchmarks/configs/llama3-8b, dummy weights);
 3. ``--big``: a model that does not serve from one H100 in bf16, served in fp8: Llama-3-70B's
@@ -30,7 +32,8 @@ context, so one engine's memory cannot shrink the next one's budget):
    part alone on the CPU (fp32 model; torch's CPU ``_scaled_mm`` is the same kernel call).
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --out benchmarks/results/gpu_fp8_weights.json \\
-        [--num-requests 1000] [--kv8] [--gemv-off] [--mma-off] [--splitk] [--l2-prefetch MB]
+        [--num-requests 1000] [--repeats N] [--kv8] [--gemv-off] [--mma-off] [--splitk]
+        [--l2-prefetch MB]
         [--big [--big-layers 40]] [--ppl-model DIR]
     PYTHONPATH=$PWD python benchmarks/gpu_fp8_weights.py --device cpu --ppl-model \\
         ~/.cache/tandem/models/smollm2 --ppl-samples 16 --ppl-max-prompt 256 --ppl-max-answer 64 \\
@@ -150,9 +153,32 @@ def engine_run(args: argparse.Namespace) -> dict:
     if name in ("bf16", "fp8", "fp8_kv8") and args.num_requests:
         items = read_workload(VLLM_SAMPLE)[: args.num_requests]
         prompts = [list(i.prompt_token_ids) for i in items]
-        log(f"{name}: throughput, {len(prompts)} vLLM ShareGPT requests")
-        out["throughput"] = throughput(llm, prompts, [i.output_len for i in items])
+        runs = []
+        for k in range(args.repeats):
+            log(f"{name}: throughput {k + 1}/{args.repeats}, {len(prompts)} vLLM ShareGPT requests")
+            runs.append(throughput(llm, prompts, [i.output_len for i in items]))
+        out["throughput"] = median_run(runs)
+        if len(runs) > 1:
+            out["throughput_runs"] = runs
     return out
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output tokens per second (the lower middle one of an even count):
+    one real run, not an average of several."""
+    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def spread(run: dict) -> str:
+    """``median (min-max)`` output tok/s over a run's repeats, or the one figure."""
+    tput = run.get("throughput", {}).get("output_tok_s")
+    if tput is None:
+        return "-"
+    repeats = [r["output_tok_s"] for r in run.get("throughput_runs", [])]
+    if len(repeats) < 2:
+        return f"{tput:.0f}"
+    return f"{tput:.0f} ({min(repeats):.0f}-{max(repeats):.0f})"
 
 
 # -- perplexity with real weights --------------------------------------------------------------------
@@ -186,7 +212,7 @@ def in_child(args: argparse.Namespace, one: str) -> dict:
     from benchmarks.gpu_engine import run_part
 
     extra = ["--num-requests", str(args.num_requests), "--big-layers", str(args.big_layers)]
-    extra += ["--l2-prefetch", str(args.l2_prefetch)]
+    extra += ["--l2-prefetch", str(args.l2_prefetch), "--repeats", str(args.repeats)]
     return run_part(__file__, ["--one", one, *extra])
 
 
@@ -224,13 +250,11 @@ def print_table(result: dict) -> None:
     rows = [("run", "weights GiB", "floor ms", "ITL ms", "ITL / floor", "graph / floor",
              "ITL b8 ms", "KV blocks", "out tok/s")]  # fmt: skip
     for r in result.get("runs", {}).values():
-        tput = r.get("throughput", {}).get("output_tok_s")
         replay, b8 = r.get("graph_replay_over_floor"), r.get("itl_b8_s")
         rows.append((f"{r['run']} ({r['model']})", f"{r['weight_bytes'] / 2**30:.2f}",
                      f"{r['floor_s'] * 1e3:.2f}", f"{r['itl_s'] * 1e3:.2f}",
                      f"{r['itl_over_floor']:.3f}x", f"{replay:.3f}x" if replay else "-",
-                     f"{b8 * 1e3:.2f}" if b8 else "-", r["num_kv_blocks"],
-                     f"{tput:.0f}" if tput else "-"))  # fmt: skip
+                     f"{b8 * 1e3:.2f}" if b8 else "-", r["num_kv_blocks"], spread(r)))  # fmt: skip
     for name, p in (result.get("ppl") or {}).items():
         rows.append((f"perplexity {name} ({p['dtype']}, {p['tokens']} tokens)", "-", "-", "-",
                      f"{p['ppl']:.4f}", "-", "-", "-", "-"))  # fmt: skip
@@ -270,6 +294,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_fp8_weights.json"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--num-requests", type=int, default=1000, help="0: no throughput run")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="throughput runs per engine: the median is reported, with the spread",
+    )
     ap.add_argument("--skip-speed", action="store_true", help="perplexity only")
     ap.add_argument("--big", action="store_true", help="also the model bf16 cannot serve")
     ap.add_argument("--big-layers", type=int, default=40, help="layers of the --big model")

@@ -13,7 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_fp8_weights import big_config, weights_read_per_step  # noqa: E402
+from benchmarks.gpu_fp8_weights import (  # noqa: E402
+    big_config,
+    median_run,
+    spread,
+    weights_read_per_step,
+)
 from engine.config import ModelConfig  # noqa: E402
 from engine.models import model_class  # noqa: E402
 from engine.quant import quantize_model  # noqa: E402
@@ -27,6 +32,18 @@ def test_help_runs_without_a_gpu():
         check=True,
     ).stdout
     assert "--big" in out and "--ppl-model" in out and "--num-requests" in out
+    assert "--repeats" in out
+
+
+def test_repeated_throughput_reports_the_median_run_and_the_spread():
+    runs = [{"output_tok_s": v, "seconds": i} for i, v in enumerate([13217.0, 11834.0, 12990.0])]
+    assert median_run(runs) is runs[2]  # a real run, not an average
+    assert median_run(runs[:2]) is runs[1]  # even count: the lower middle
+    assert median_run(runs[:1]) is runs[0]
+    r = {"throughput": median_run(runs), "throughput_runs": runs}
+    assert spread(r) == "12990 (11834-13217)"
+    assert spread({"throughput": runs[0]}) == "13217"
+    assert spread({}) == "-"
 
 
 def _params(cfg: ModelConfig) -> tuple[int, int]:
