@@ -16,8 +16,9 @@ context, so one engine's memory cannot shrink the next one's budget):
 2. offline throughput on vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.json
    and its .npz of token ids), all requests at once, engine defaults, ignore_eos (aim: fp8 at
    least 1.4x bf16), and each engine's KV pool (``--repeats N``: N runs in the same engine,
-   the median reported with the spread; identical single runs in fresh processes differed by
-   up to 11 % on an H200); ``--kv8`` adds fp8 weights with fp8 KV
+   the prefix cache reset before each, the median reported with the spread; identical single
+   runs in fresh processes differed by up to 11 % on an H200); ``--kv8`` adds fp8 weights with
+   fp8 KV
    (``kv_cache_dtype="fp8"``): at batch ~256 a step reads as much KV as weights;
    both on the Llama-3-8B shape (benchmarks/configs/llama3-8b, dummy weights);
 3. ``--big``: a model that does not serve from one H100 in bf16, served in fp8: Llama-3-70B's
@@ -156,6 +157,9 @@ def engine_run(args: argparse.Namespace) -> dict:
         runs = []
         for k in range(args.repeats):
             log(f"{name}: throughput {k + 1}/{args.repeats}, {len(prompts)} vLLM ShareGPT requests")
+            # each run prefills its prompts: without this, a repeat hits the last run's prefixes
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("prefix cache not reset: requests still unfinished")
             runs.append(throughput(llm, prompts, [i.output_len for i in items]))
         out["throughput"] = median_run(runs)
         if len(runs) > 1:

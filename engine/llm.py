@@ -71,6 +71,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt prefixes (``LLMEngine.reset_prefix_cache``): a workload
+        run again then prefills again. False while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

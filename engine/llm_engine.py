@@ -504,6 +504,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._ready) or self._inflight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prompt prefix the GPU pool holds, so the next request computes its
+        prompt again (benchmarks that repeat one workload; vLLM's ``reset_prefix_cache``).
+        Only between requests: False, and nothing forgotten, while any is unfinished. The
+        global prefix index hears of it as evictions; a lower KV tier keeps its copies."""
+        if self.has_unfinished_requests():
+            return False
+        return self.block_manager.reset_prefix_cache()
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._groups)

@@ -149,6 +149,28 @@ def test_prefix_hits_give_same_tokens(tiny, async_scheduling):
     llm.engine.block_manager.check_invariant(expect_idle=True)
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny):
+    """A workload run twice hits its own prefixes the second time unless the cache is reset
+    between (as benchmarks that repeat one workload do); a reset while a request is unfinished
+    refuses and forgets nothing."""
+    model, path, prompts, _ = tiny
+    prompt = prompts[-1][:96] + [5, 6]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm = LLM(str(path), block_size=16)
+    first = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 96  # hit: no reset
+    llm.engine.add_request("busy", prompt, params)
+    assert not llm.reset_prefix_cache()  # a request is unfinished
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache()
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(model, prompt)
+    llm.engine.block_manager.check_invariant(expect_idle=True)
+
+
 def test_logprobs_match_hf_log_softmax(tiny):
     model, path, prompts, expected = tiny
     prompt = prompts[3]
