@@ -18,7 +18,8 @@
 # (issue 23: one worker through the gateway against the offline engine; SERVED_PHASES: other
 # gpu_serve.py phases, SERVE_CLIENT=httpx: the client of the runs before 2026-11-28;
 # served-gateways: the same and through two gateway processes sharing the port, with CPU per
-# process; 1 GPU),
+# process; 1 GPU), steps and fp8 (issue 23's step table against both floors, issue 26's ITL and
+# throughput with repeats; 1 GPU),
 # tests-tp, tp-scaling, pd70 and pd70-side (issue 29: tensor parallelism on 2-8 GPUs; pd70-side
 # runs both 70B topologies at once on 4T GPUs), local-prefill (issue 25: a conversation's next
 # turn by write-back or prefilled on its decode worker, 1P1D multi-turn).
@@ -138,6 +139,14 @@ for s in "$@"; do
         section served 420 python benchmarks/gpu_serve.py run --model "$model" \
             --phases "${SERVED_PHASES:-offline,one}" --inf-only --requests-file "$sample" \
             "${dummy[@]}" --client "${SERVE_CLIENT:-raw}" --out "$out/served" ;;
+    steps)  # issue 23's step table: decode-1, decode-256, mixed, pipelined and serial, each
+        # against its floor at the burst and the sustained bf16 rate (1 GPU)
+        section steps 240 python benchmarks/gpu_launch.py --variants small --rounds 2 \
+            --reps 30 --out "$out/steps/gpu_launch.json" ;;
+    fp8)  # issue 26: ITL and ShareGPT throughput, bf16 / fp8 / fp8 + fp8 KV, FP8_REPEATS runs
+        # each (the prefix cache reset before each; the median reported with the spread; 1 GPU)
+        section fp8 540 python benchmarks/gpu_fp8_weights.py --kv8 --repeats "${FP8_REPEATS:-2}" \
+            --out "$out/fp8/gpu_fp8_weights.json" ;;
     served-gateways)  # the same, through one gateway and through two sharing the port
         section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \
