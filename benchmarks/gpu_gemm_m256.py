@@ -14,6 +14,11 @@ fixed), which the engine would not take as is.
 ``Fp8Linear`` runs past 8 rows) against kernels/fp8_gemv.py's ``fp8_gemv_splitk`` (all rows in
 one tile, K split with a fixed-order sum), floor = max(FLOPs at ``_scaled_mm``'s measured rate,
 1-byte weights and inputs at the copy rate); the input's quantization is not timed.
+
+Both also time the library's GEMM **swapped**: ``out.T = W @ x.T``, so the weight's N rows are
+the product's M side and the 256 tokens its narrow N side (cuBLAS then tiles 4096 x 256, not
+256 x 4096), the result read through a transposed view, and with the copy that makes it
+contiguous again (``swapped+copy``). ``--no-splitk`` skips the Triton sweep.
 """
 
 from __future__ import annotations
@@ -120,10 +125,27 @@ def bf16_configs(m: int, n: int, k: int):
             yield cfg
 
 
-def table_row(name: str, floor: float, base: float, best: tuple[float, dict | None]) -> str:
-    """One shape: its floor, the library's time, the best split-K tile's (us, / floor)."""
+def table_row(
+    name: str, floor: float, base: float, best: tuple[float, dict | None], swap: dict
+) -> str:
+    """One shape: its floor, the library's time, the best split-K tile's (us, / floor), the
+    library's swapped product (us, / floor) and with the copy back to row-major."""
     return (f"| {name} | {floor * 1e6:.1f} | {base * 1e6:.1f} | {base / floor:.2f} | "
-            f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} |")  # fmt: skip
+            f"{best[0] * 1e6:.1f} | {best[0] / floor:.2f} | {best[1]} | "
+            f"{swap['swapped_s'] * 1e6:.1f} | {swap['swapped_s'] / floor:.2f} | "
+            f"{swap['swapped_copy_s'] * 1e6:.1f} |")  # fmt: skip
+
+
+def swapped_times(plain, swapped, w0, weights: list) -> dict:
+    """``swapped(w)`` (``[n, m]``, the product transposed) checked against ``plain(w)`` on
+    ``w0``, then timed as it is and with ``.t().contiguous()`` after it."""
+    want, got = plain(w0).float(), swapped(w0).t().float()
+    if not torch.allclose(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item()):
+        raise AssertionError("the swapped product differs from the plain one")
+    return {
+        "swapped_s": graph_time(swapped, weights),
+        "swapped_copy_s": graph_time(lambda w: swapped(w).t().contiguous(), weights),
+    }
 
 
 def fp8_configs():
@@ -141,8 +163,8 @@ def fp8_main(args) -> None:
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "m": args.m, "hbm": bw, "fp8_flops": flops, "shapes": {}}
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, fp8 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
-    print("| shape | floor us | _scaled_mm us | / floor | split-K best us | / floor | config |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | floor us | _scaled_mm us | / floor | split-K best us | / floor | config | "
+          "swapped us | / floor | swapped+copy us |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         xq, xs = quantize_per_token(torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16))
@@ -154,6 +176,13 @@ def fp8_main(args) -> None:
         def scaled(w, xq=xq, xs=xs, wsc=wsc):
             return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=wsc, out_dtype=torch.bfloat16)
 
+        xs_t, wsc_t = xs.flatten().unsqueeze(0), wsc.flatten().unsqueeze(1)  # [1, m], [n, 1]
+
+        def swapped(w, xq=xq, xs_t=xs_t, wsc_t=wsc_t):  # [n, m], read through .t()
+            return torch._scaled_mm(
+                w, xq.t(), scale_a=wsc_t, scale_b=xs_t, out_dtype=torch.bfloat16
+            )
+
         def splitk(w, cfg, xq=xq, xs=xs, wsc=wsc):
             return fp8_gemv_splitk(xq, xs, w, wsc, None, torch.bfloat16, **cfg)
 
@@ -162,10 +191,13 @@ def fp8_main(args) -> None:
             return torch.allclose(got, ref, rtol=2e-2, atol=1e-2 * ref.abs().max().item())
 
         cublas = graph_time(scaled, ws)
-        best = best_config(name, fp8_configs(), splitk, right, ws)
+        swap = swapped_times(scaled, swapped, w0, ws)
+        best = (float("nan"), None)
+        if not args.no_splitk:
+            best = best_config(name, fp8_configs(), splitk, right, ws)
         res["shapes"][name] = {"floor_s": floor, "scaled_mm_s": cublas, "splitk_s": best[0],
-                               "config": best[1]}  # fmt: skip
-        print(table_row(name, floor, cublas, best))
+                               "config": best[1], **swap}  # fmt: skip
+        print(table_row(name, floor, cublas, best, swap))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_gemm_m{args.m}_fp8.json").write_text(json.dumps(res, indent=1))
 
@@ -176,6 +208,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
     ap.add_argument("--fp8", action="store_true", help="_scaled_mm against fp8_gemv_splitk")
+    ap.add_argument("--no-splitk", action="store_true", help="the library's GEMMs only")
     args = ap.parse_args()
     if args.fp8:
         fp8_main(args)
@@ -184,8 +217,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "m": args.m, "hbm": bw, "flops": flops, "shapes": {}}
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
-    print("| shape | floor us | cuBLAS us | / floor | split-K best us | / floor | config |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | floor us | cuBLAS us | / floor | split-K best us | / floor | config | "
+          "swapped us | / floor | swapped+copy us |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         a = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
@@ -193,6 +226,7 @@ def main() -> None:
         ws = [w0] + [w0.clone() for _ in range(max(1, -(-COLD_BYTES // w0.nbytes)) - 1)]
         floor = max(2 * args.m * n * k / flops, (w0.nbytes + a.nbytes + args.m * n * 2) / bw)
         cublas = graph_time(lambda w, a=a: F.linear(a, w), ws)
+        swap = swapped_times(lambda w, a=a: F.linear(a, w), lambda w, a=a: w @ a.t(), w0, ws)
         c = torch.zeros(args.m, n, device="cuda", dtype=torch.float32)
 
         def run(w, cfg, a=a, c=c):
@@ -203,10 +237,12 @@ def main() -> None:
             splitk_gemm(a, w0, c, **cfg)
             return torch.allclose(c, ref, rtol=2e-2, atol=2e-1)
 
-        best = best_config(name, bf16_configs(args.m, n, k), run, right, ws)
+        best = (float("nan"), None)
+        if not args.no_splitk:
+            best = best_config(name, bf16_configs(args.m, n, k), run, right, ws)
         res["shapes"][name] = {"floor_s": floor, "cublas_s": cublas, "splitk_s": best[0],
-                               "config": best[1]}  # fmt: skip
-        print(table_row(name, floor, cublas, best))
+                               "config": best[1], **swap}  # fmt: skip
+        print(table_row(name, floor, cublas, best, swap))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_gemm_m{args.m}.json").write_text(json.dumps(res, indent=1))
 
