@@ -228,6 +228,10 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         # cached. (The CPU path compiles nothing.)
         llm.generate([r.prompt for r in requests[:100]], params[:100])
         torch.cuda.synchronize()
+        # ... and forgets their prompts: the measured run prefills all of them, as the served
+        # phases' fresh servers do (runs before 2026-11-29 found these 100 in the prefix cache)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("the warm-up left requests unfinished")
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in requests], params, use_tqdm=True)
     seconds = time.perf_counter() - t0
@@ -258,6 +262,7 @@ class Server:
             gpus = args.gpus
         flags = flags + VARIANTS[variant]
         self.disaggregated = "--prefill" in flags
+        self.rounds = 0  # prompt rounds sent to it so far (drive)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", args.model]
@@ -401,6 +406,10 @@ def drive(
     cmd += ["--client", args.client]
     cmd += ["--goodput", *(f"{k}:{v:g}" for k, v in SLOS["chat"].items())]
     cmd += ["--rates", *(bench.format_rate(r) for r in rates)]
+    # each run against this server takes rounds of prompts no earlier run took (serve.py's
+    # fresh_round: a repeated prompt would be a prefix hit and flatter every later rate)
+    cmd += ["--prompt-round", str(server.rounds)]
+    server.rounds += len(rates)
     cmd += workload_args(args, workload, num)
     log(f"{name}: {num} {workload} requests at {[bench.format_rate(r) for r in rates]}")
     tail0 = kv_tail(server.url)

@@ -440,7 +440,9 @@ async def discover_model(client: Any, target: Target) -> str:
 
 
 async def warm_up(client: Any, target: Target, req: Request) -> None:
-    """One uncounted request (at most 16 tokens); stops the benchmark if it fails."""
+    """One uncounted request (at most 16 tokens) whose prompt shares no cached prefix with any
+    measured one (``WARMUP_ROUND``); stops the benchmark if it fails."""
+    (req,) = fresh_round([req], WARMUP_ROUND)
     short = Request(req.prompt, req.prompt_len, min(req.output_len, 16))
     rec = await send_request(client, target, short, time.perf_counter())
     if not rec.success:
@@ -448,6 +450,31 @@ async def warm_up(client: Any, target: Target, req: Request) -> None:
 
 
 # -------------------------------------------------------------------------------- workloads
+
+WARMUP_ROUND = 999_999  # the warm-up request's round: no measured run uses it
+
+
+def fresh_round(requests: list[Request], rnd: int) -> list[Request]:
+    """The requests of run ``rnd`` of a workload sent more than once to one server, so that no
+    prompt finds an earlier run's in a prefix cache (a server keeps finished prompts' blocks;
+    a repeated prompt would skip its prefill and flatter every run after the first). Round 0:
+    as they are. Round r: two tokens naming r (from ``SAFE_ID_RANGE``) inserted after every
+    token-id prompt's first token (often BOS), ``prompt_len`` + 2; ``[r] `` before every text
+    prompt. Prompts that share a prefix inside a run still share it."""
+    if rnd == 0:
+        return requests
+    lo, hi = SAFE_ID_RANGE
+    mark = [lo + rnd // (hi - lo), lo + rnd % (hi - lo)]
+    if rnd >= (hi - lo) ** 2:
+        raise ValueError(f"round {rnd} past the {(hi - lo) ** 2} two tokens can name")
+    out = []
+    for r in requests:
+        if isinstance(r.prompt, str):
+            out.append(replace(r, prompt=f"[{rnd}] {r.prompt}"))
+        else:
+            out.append(replace(r, prompt=[*r.prompt[:1], *mark, *r.prompt[1:]],
+                               prompt_len=r.prompt_len + 2))  # fmt: skip
+    return out
 
 
 def load_tokenizer(name: str) -> Any:
@@ -786,6 +813,13 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--prompt-round",
+        type=int,
+        default=0,
+        help="the first rate's round of prompts (fresh_round): a later run against the same "
+        "server passes a higher one, so its prompts are not prefix hits",
+    )
+    ap.add_argument(
         "--goodput",
         nargs="+",
         default=None,
@@ -831,7 +865,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 async def run_sweep(args: argparse.Namespace, requests: list[Request]) -> dict[str, Any]:
-    """Every rate of ``args.rates`` over the same requests; the run's JSON entry."""
+    """Every rate of ``args.rates`` over the same requests, each rate's run a round of its own
+    (``fresh_round``: ``--prompt-round`` + the rate's index); the run's JSON entry."""
     slos = parse_slos(args.goodput)
     target = Target(args.base_url, args.model, args.endpoint, args.api_key, args.ignore_eos)
     results = []
@@ -841,11 +876,10 @@ async def run_sweep(args: argparse.Namespace, requests: list[Request]) -> dict[s
         streams = stream_client(args.client, args.timeout, target.url, client)
         for _ in range(args.warmup):
             await warm_up(streams, target, requests[0])
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
             cpu0, wall0 = client_cpu_s(), time.perf_counter()
-            records = await run_rate(
-                streams, target, requests, rate, args.seed, args.max_concurrency
-            )
+            fresh = fresh_round(requests, args.prompt_round + i)
+            records = await run_rate(streams, target, fresh, rate, args.seed, args.max_concurrency)
             result = rate_result(rate, records, slos, args.save_requests)
             # The client's own CPU over the run: near 100 % of a core, it sets the pace.
             result["client_cpu_s"] = client_cpu_s() - cpu0

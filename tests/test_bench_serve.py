@@ -289,16 +289,23 @@ def test_end_to_end_sweep(fake_server, tmp_path, capsys, client):
     assert all(b["_auth"] is None for b in bodies)
     assert [r["offered_rate"] for r in entry["results"]] == ["inf", 40.0]
     ok = [r for r in requests if r.output_len % 2 == 0 and r.output_len != 4]
-    for res in entry["results"]:
+    for i, res in enumerate(entry["results"]):
         assert res["completed"] == len(ok)
         assert res["failed"] == rejected + errored and res["rejected"] == rejected
         assert res["total_output_tokens"] == sum(r.output_len for r in ok)
-        assert res["total_input_tokens"] == sum(r.prompt_len for r in ok)
+        # the second rate's prompts are a round of their own: two marker tokens each
+        assert res["total_input_tokens"] == sum(r.prompt_len + 2 * i for r in ok)
         assert res["request_goodput"] == pytest.approx(res["request_throughput"])
         # measured per chunk (a value, not None); how large depends on when the client's reads
         # ran, which a busy 2-core machine coalesces; the arithmetic is checked by test_metrics_latency_stats
         assert res["median_itl_ms"] is not None and res["median_itl_ms"] > 0
         assert res["client_cpu_s"] > 0 and 0 < res["client_cpu_share"] <= 1.5
+    # each rate's run sends prompts no other run sent: the first as built, the second with
+    # its round's two tokens after the first one (a server's prefix cache finds no repeat)
+    first, second = ({tuple(b["prompt"]) for b in bodies[k : k + 12]} for k in (0, 12))
+    assert first == {tuple(r.prompt) for r in requests}
+    assert second == {tuple(r.prompt) for r in serve.fresh_round(requests, 1)}
+    assert not first & second
     # the Poisson run cannot end before its last seeded send
     assert entry["results"][1]["duration"] >= serve.arrival_times(12, 40.0, seed=1)[-1]
 
@@ -375,6 +382,33 @@ def test_file_workload_goes_round_without_prefix_hits(tmp_path) -> None:
         heads = {tuple(r.prompt[:16]) for r in (first, again, third)}
         assert len(heads) == 3  # three different first blocks: no prefix-cache hit
         assert sum(a != b for a, b in zip(first.prompt, again.prompt, strict=True)) == 1
+
+
+def test_fresh_rounds_share_no_prefix_across_rounds_and_keep_it_inside_one() -> None:
+    """A workload sent again to one server: round r's prompts share no first block with any
+    other round's, prompts that shared a prefix inside a round still do, lengths grow by the
+    two marker tokens only, and text prompts get the round's tag."""
+    shared = list(range(200, 240))
+    reqs = [
+        serve.Request([7, *shared, 1, 2, 3], 44, 5),
+        serve.Request([7, *shared, 4, 5], 43, 6),
+        serve.Request("hello there", 2, 7),
+    ]
+    assert serve.fresh_round(reqs, 0) is reqs
+    rounds = {r: serve.fresh_round(reqs, r) for r in (1, 2, 29_899, 29_900, 123_456)}
+    heads = {(r, tuple(q[0].prompt[:16])) for r, q in rounds.items()}
+    assert len({h for _, h in heads} | {tuple(reqs[0].prompt[:16])}) == len(rounds) + 1
+    for r, got in rounds.items():
+        a, b, text = got
+        assert a.prompt[0] == 7 and a.prompt[3:] == reqs[0].prompt[1:]  # BOS kept first
+        assert a.prompt[:16] == b.prompt[:16]  # the shared prefix is still shared
+        assert (a.prompt_len, b.prompt_len) == (46, 45)
+        assert (a.output_len, b.output_len, text.output_len) == (5, 6, 7)
+        assert text.prompt == f"[{r}] hello there"
+        assert all(serve.SAFE_ID_RANGE[0] <= t < serve.SAFE_ID_RANGE[1] for t in a.prompt[1:3])
+    span = serve.SAFE_ID_RANGE[1] - serve.SAFE_ID_RANGE[0]
+    with pytest.raises(ValueError, match="round"):
+        serve.fresh_round(reqs, span**2)
 
 
 def test_goodput_frontier_is_the_last_rate_before_attainment_drops() -> None:
