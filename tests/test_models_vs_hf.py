@@ -149,14 +149,22 @@ def test_prefix_hits_give_same_tokens(tiny, async_scheduling):
     llm.engine.block_manager.check_invariant(expect_idle=True)
 
 
-def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny):
+@pytest.fixture(scope="module")
+def one_tiny(tmp_path_factory):
+    """One of the tiny models (for engine behaviour that does not depend on the model)."""
+    return _make_model(tmp_path_factory, "llama")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(one_tiny, async_scheduling):
     """A workload run twice hits its own prefixes the second time unless the cache is reset
     between (as benchmarks that repeat one workload do); a reset while a request is unfinished
-    refuses and forgets nothing."""
-    model, path, prompts, _ = tiny
-    prompt = prompts[-1][:96] + [5, 6]
+    refuses and forgets nothing; after ``generate`` returns, even an asynchronously scheduled
+    engine has nothing in flight that would refuse it."""
+    model, path = one_tiny
+    prompt = [(7 * i + 3) % BASE["vocab_size"] for i in range(98)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    llm = LLM(str(path), block_size=16)
+    llm = LLM(str(path), block_size=16, async_scheduling=async_scheduling)
     first = llm.generate([prompt], params)[0]
     assert first.num_cached_tokens == 0
     assert llm.generate([prompt], params)[0].num_cached_tokens == 96  # hit: no reset
@@ -168,6 +176,7 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_compute_again(tiny):
     again = llm.generate([prompt], params)[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == first.outputs[0].token_ids == hf_greedy(model, prompt)
+    assert llm.reset_prefix_cache()  # straight after generate
     llm.engine.block_manager.check_invariant(expect_idle=True)
 
 
