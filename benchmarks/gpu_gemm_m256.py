@@ -125,6 +125,17 @@ def bf16_configs(m: int, n: int, k: int):
             yield cfg
 
 
+def table_header(library: str) -> str:
+    """The table's head: each shape against the library's product (``library``)."""
+    return (f"| shape | floor us | {library} us | / floor | split-K best us | / floor | config | "
+            "swapped us | / floor | swapped+copy us |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+
+
+def cold_copies(w0: torch.Tensor) -> list[torch.Tensor]:
+    """``w0`` and enough copies of it that, timed in turn, each is read from HBM, not L2."""
+    return [w0] + [w0.clone() for _ in range(max(1, -(-COLD_BYTES // w0.nbytes)) - 1)]
+
+
 def table_row(
     name: str, floor: float, base: float, best: tuple[float, dict | None], swap: dict
 ) -> str:
@@ -163,14 +174,13 @@ def fp8_main(args) -> None:
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "m": args.m, "hbm": bw, "fp8_flops": flops, "shapes": {}}
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, fp8 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
-    print("| shape | floor us | _scaled_mm us | / floor | split-K best us | / floor | config | "
-          "swapped us | / floor | swapped+copy us |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(table_header("_scaled_mm"))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         xq, xs = quantize_per_token(torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16))
         w0 = (torch.randn(n, k, device="cuda") * 8).to(torch.float8_e4m3fn)
         wsc = torch.rand(1, n, device="cuda") * 1e-3 + 1e-3
-        ws = [w0] + [w0.clone() for _ in range(max(1, -(-COLD_BYTES // w0.nbytes)) - 1)]
+        ws = cold_copies(w0)
         floor = max(2 * args.m * n * k / flops, (w0.nbytes + xq.nbytes + args.m * n * 2) / bw)
 
         def scaled(w, xq=xq, xs=xs, wsc=wsc):
@@ -217,13 +227,12 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     res = {"gpu": gpu, "m": args.m, "hbm": bw, "flops": flops, "shapes": {}}
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
-    print("| shape | floor us | cuBLAS us | / floor | split-K best us | / floor | config | "
-          "swapped us | / floor | swapped+copy us |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(table_header("cuBLAS"))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         a = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
         w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        ws = [w0] + [w0.clone() for _ in range(max(1, -(-COLD_BYTES // w0.nbytes)) - 1)]
+        ws = cold_copies(w0)
         floor = max(2 * args.m * n * k / flops, (w0.nbytes + a.nbytes + args.m * n * 2) / bw)
         cublas = graph_time(lambda w, a=a: F.linear(a, w), ws)
         swap = swapped_times(lambda w, a=a: F.linear(a, w), lambda w, a=a: w @ a.t(), w0, ws)

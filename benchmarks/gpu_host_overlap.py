@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_engine import log, make_llm  # noqa: E402
 from benchmarks.gpu_kernels import busy_union  # noqa: E402
-from benchmarks.gpu_step import StepFactory, with_graphs  # noqa: E402
+from benchmarks.gpu_step import StepFactory, run_pipelined, with_graphs  # noqa: E402
 
 CONTEXT, CHUNK, BATCH = 512, 2048, 256
 GAP_S = 10e-6  # gaps shorter than this are a kernel's launch latency, not a wait
@@ -76,23 +76,14 @@ def pipelined(runner, out, reps: int) -> dict:
     }
 
 
-def run_steps(runner, out, n: int) -> None:
-    launched = runner.launch(out)
-    for _ in range(n - 1):
-        following = runner.launch(out)
-        runner.collect(launched)
-        launched = following
-    runner.collect(launched)
-
-
 def traced(runner, out, reps: int, top: int) -> dict:
     """GPU gaps and CUDA runtime calls over ``reps`` pipelined steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    run_steps(runner, out, 3)
+    run_pipelined(runner, out, 3)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_steps(runner, out, reps)
+        run_pipelined(runner, out, reps)
         torch.cuda.synchronize()
     gpu, runtime = [], {}
     for e in prof.events():
@@ -167,10 +158,10 @@ def gpu_summary(gpu: list[tuple[float, float, str]], reps: int, top: int) -> dic
 
 def host_profile(runner, out, reps: int, top: int) -> list[dict]:
     """cProfile of ``reps`` pipelined steps: functions by own time per step."""
-    run_steps(runner, out, 3)
+    run_pipelined(runner, out, 3)
     prof = cProfile.Profile()
     prof.enable()
-    run_steps(runner, out, reps)
+    run_pipelined(runner, out, reps)
     prof.disable()
     stats = pstats.Stats(prof, stream=io.StringIO())
     rows = []

@@ -60,7 +60,12 @@ from benchmarks.gpu_ceilings import (  # noqa: E402
 )
 from benchmarks.gpu_engine import log, make_llm  # noqa: E402
 from benchmarks.gpu_kernels import BATCH, CHUNK, CONTEXT, Step  # noqa: E402
-from benchmarks.gpu_step import StepFactory, time_step, time_step_pipelined  # noqa: E402
+from benchmarks.gpu_step import (  # noqa: E402
+    StepFactory,
+    linear_flops,
+    time_step,
+    time_step_pipelined,
+)
 
 VARIANTS = {  # name: (PDL and the fused rotary, the small-kernel changes)
     "base": (False, False),
@@ -182,8 +187,8 @@ def main() -> None:
                 if arith.chunk and ("decode-256", mode) in times:
                     # the words: the decode step (measured) + the chunk's matmul FLOPs
                     decode = min(times["decode-256", mode][variant])
-                    chunk = arith.floor(bw, flops) - arith.floor(bw, float("inf"))
-                    chunk_sustained = floor_sustained - arith.floor(bw, float("inf"))
+                    chunk_flops = linear_flops(arith.cfg, arith.chunk)
+                    chunk, chunk_sustained = chunk_flops / flops, chunk_flops / sustained
                     row["decode_plus_chunk_ms"] = (decode + chunk) * 1e3
                     row["over_decode_plus_chunk"] = best / (decode + chunk)
                     row["over_decode_plus_chunk_sustained"] = best / (decode + chunk_sustained)

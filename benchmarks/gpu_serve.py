@@ -229,7 +229,7 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate([r.prompt for r in requests[:100]], params[:100])
         torch.cuda.synchronize()
         # ... and forgets their prompts: the measured run prefills all of them, as the served
-        # phases' fresh servers do (runs before 2026-11-29 found these 100 in the prefix cache)
+        # phases' fresh servers do (runs before 2026-11-28, night, found these 100 cached)
         if not llm.reset_prefix_cache():
             raise RuntimeError("the warm-up left requests unfinished")
     t0 = time.perf_counter()
