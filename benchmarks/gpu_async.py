@@ -12,12 +12,18 @@ out) and the ShareGPT-lengths file (110 in / 275 out, fresh token ids). The two 
 alternate (off, on, off, on with ``--repeats 2``) so a drift of the machine hits both.
 
     PYTHONPATH=$PWD python benchmarks/gpu_async.py --out DIR [--repeats 1] [--num-requests 1000]
+        [--settings on] [--quantization fp8] [--kv-cache-dtype fp8]
+
+Each run also breaks its steps down by shape (decode-only or carrying prompt tokens, by the
+number of sequences): the device's time on each step and its wait for the host before the
+next, so a kind of step the host cannot keep up with shows as a wait there.
     python benchmarks/gpu_async.py --replot benchmarks/results/gpu_async.json   # no GPU needed
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -45,20 +51,109 @@ def device_time(timeline) -> tuple[float, float]:
     return busy, idle
 
 
-def run(async_scheduling: bool, prompts: list[list[int]], outputs: list[int]) -> dict:
+SEQ_BUCKETS = (8, 64, 128, 256, 384, 448, 1 << 30)
+
+
+def shape_key(seqs: int, prompt_tokens: int) -> str:
+    """``decode`` or ``mixed`` (the step carries prompt tokens), and its sequences' bucket."""
+    lo = 0
+    for hi in SEQ_BUCKETS:
+        if seqs <= hi:
+            break
+        lo = hi
+    span = f"{lo + 1}-{hi}" if hi < 1 << 30 else f">{lo}"
+    return f"{'mixed' if prompt_tokens else 'decode'} {span}"
+
+
+def by_shape(timeline, shapes: list[tuple[int, int, int]]) -> dict[str, dict]:
+    """Per kind of step (``shape_key``): steps, mean tokens, mean device ms a step and mean ms
+    the device then waited for the host before the next step began."""
+    rows: dict[str, list] = {}
+    for i, ((start, end), (seqs, tokens, prompt)) in enumerate(zip(timeline, shapes, strict=True)):
+        wait = 0.0
+        if i + 1 < len(timeline):
+            wait = max(end.elapsed_time(timeline[i + 1][0]), 0.0)
+        row = rows.setdefault(shape_key(seqs, prompt), [0, 0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += tokens
+        row[2] += start.elapsed_time(end)
+        row[3] += wait
+    return {
+        k: {"steps": n, "tokens": t / n, "device_ms": d / n, "waits_ms": w / n}
+        for k, (n, t, d, w) in sorted(rows.items())
+    }
+
+
+class GcPauses:
+    """``gc.callbacks`` hook: the garbage collector's pauses by generation while installed."""
+
+    def __init__(self):
+        self.started = 0.0
+        self.seconds = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
+        self.longest = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self.started
+        self.seconds[info["generation"]] += pause
+        self.count[info["generation"]] += 1
+        self.longest = max(self.longest, pause)
+
+    def summary(self) -> dict:
+        return {"seconds": sum(self.seconds), "by_generation_s": self.seconds,
+                "collections": self.count, "longest_s": self.longest}  # fmt: skip
+
+
+class ShapeRecorder:
+    """Wraps ``ModelRunner.launch``: each launched step's (sequences, tokens, prompt tokens)."""
+
+    def __init__(self, launch):
+        self.launch = launch
+        self.shapes: list[tuple[int, int, int]] = []
+
+    def __call__(self, out, *args, **kwargs):
+        prompt = sum(c.num_tokens for c in out.scheduled if c.start < c.request.num_prompt_tokens)
+        self.shapes.append((len(out.scheduled), out.num_tokens, prompt))
+        return self.launch(out, *args, **kwargs)
+
+
+def run(
+    async_scheduling: bool,
+    prompts: list[list[int]],
+    outputs: list[int],
+    gc_freeze: bool = False,
+    **engine_args,
+) -> dict:
     t0 = time.perf_counter()
     llm = make_llm(
         max_num_seqs=None,
         max_num_batched_tokens=None,
         cuda_graph_max_batch=None,
         async_scheduling=async_scheduling,
+        **engine_args,
     )
     start_s = time.perf_counter() - t0
     runner = llm.engine.runner
     runner.timeline = []
-    r = throughput(llm, prompts, outputs)
+    recorder = ShapeRecorder(runner.launch)
+    runner.launch = recorder
+    if gc_freeze:  # what a long-running server does after start-up: the heap so far not scanned
+        gc.collect()
+        gc.freeze()
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
+    try:
+        r = throughput(llm, prompts, outputs)
+    finally:
+        gc.callbacks.remove(pauses)
+        gc.unfreeze()
     torch.cuda.synchronize()
     busy, idle = device_time(runner.timeline)
+    shapes = recorder.shapes
+    steps = by_shape(runner.timeline, shapes) if len(shapes) == len(runner.timeline) else {}
     r |= {
         "async_scheduling": async_scheduling,
         "max_num_seqs": llm.engine.cfg.max_num_seqs,
@@ -69,13 +164,21 @@ def run(async_scheduling: bool, prompts: list[list[int]], outputs: list[int]) ->
         "device_waits_for_host_s": idle,
         "host_exposed_share": idle / r["seconds"],
         "ms_per_step": 1e3 * r["seconds"] / len(runner.timeline),
+        "by_shape": steps,
+        "gc": pauses.summary(),
+        "gc_freeze": gc_freeze,
+        **{k: v for k, v in engine_args.items() if v is not None},
     }
     runner.timeline = None
+    del runner.launch  # the class's method again
+    recorder.launch = None  # it held the runner
     del llm, runner
     check_freed()
     log(
         f"async={async_scheduling}: {r['req_s']:.1f} req/s, {r['output_tok_s']:.0f} out tok/s, "
-        f"{r['steps']} steps, device waited {idle:.2f} of {r['seconds']:.1f} s"
+        f"{r['steps']} steps, device waited {idle:.2f} of {r['seconds']:.1f} s; gc paused "
+        f"{r['gc']['seconds']:.2f} s over {sum(r['gc']['collections'])} collections "
+        f"(longest {r['gc']['longest_s'] * 1e3:.0f} ms, gc.freeze {gc_freeze})"
     )
     return r
 
@@ -103,6 +206,21 @@ def print_table(result: dict) -> None:
             f"{r['device_busy_s']:.1f} s | {r['device_waits_for_host_s']:.2f} s "
             f"({100 * r['host_exposed_share']:.1f} %) |"
         )
+    for r in result["runs"]:
+        if not r.get("by_shape"):
+            continue
+        print(
+            f"\n{r['workload']}, async {'on' if r['async_scheduling'] else 'off'}: "
+            "steps by kind and sequences"
+        )
+        print(
+            "| step | steps | tokens | device ms | device waits for host, ms |\n|---|---|---|---|---|"
+        )
+        for k, v in r["by_shape"].items():
+            print(
+                f"| {k} | {v['steps']} | {v['tokens']:.0f} | {v['device_ms']:.2f} | "
+                f"{v['waits_ms']:.2f} |"
+            )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -139,6 +257,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--workloads", default="vllm_sharegpt,sharegpt_lengths")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--settings", default="off,on", help="async scheduling: off and/or on")
+    ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
+    ap.add_argument("--kv-cache-dtype", default=None, choices=(None, "auto", "fp8"))
+    ap.add_argument("--gc-freeze", default="off", help="gc.freeze() after start-up: off and/or on")
     ap.add_argument("--replot", type=Path, default=None, help="table and plot of a saved JSON")
     args = ap.parse_args()
     if args.replot is not None:
@@ -153,17 +275,22 @@ def main() -> None:
         "requests": args.num_requests,
         "runs": [],
     }
+    engine_args = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
+    engine_args = {k: v for k, v in engine_args.items() if v is not None}
+    settings = [{"off": False, "on": True}[s] for s in args.settings.split(",")]
     if not args.no_warmup:
         log(f"{result['gpu']}: warm-up (Triton compiles), 100 requests")
         prompts, outputs = loads["vllm_sharegpt"]
-        run(True, prompts[:100], outputs[:100])
+        run(True, prompts[:100], outputs[:100], **engine_args)
     for name in args.workloads.split(","):
         prompts, outputs = loads[name]
         for _ in range(args.repeats):
-            for on in (False, True):
-                log(f"{name}, async_scheduling={on}")
-                result["runs"].append(run(on, prompts, outputs) | {"workload": name})
-                (args.out / "gpu_async.json").write_text(json.dumps(result, indent=2))
+            for on in settings:
+                for freeze in [{"off": False, "on": True}[f] for f in args.gc_freeze.split(",")]:
+                    log(f"{name}, async_scheduling={on}, gc.freeze {freeze}")
+                    r = run(on, prompts, outputs, freeze, **engine_args)
+                    result["runs"].append(r | {"workload": name})
+                    (args.out / "gpu_async.json").write_text(json.dumps(result, indent=2))
     print_table(result)
     plot(result, args.out / "gpu_async.png")
 

@@ -202,11 +202,13 @@ def fp8_main(args) -> None:
 
         cublas = graph_time(scaled, ws)
         swap = swapped_times(scaled, swapped, w0, ws)
-        best = (float("nan"), None)
+        best, default = (float("nan"), None), float("nan")
         if not args.no_splitk:
-            best = best_config(name, fp8_configs(), splitk, right, ws)
+            default = best_config(name, [{}], splitk, right, ws)[0]  # splitk_config's tiles
+            sweep = [{}] if args.splitk_default else fp8_configs()
+            best = best_config(name, sweep, splitk, right, ws)
         res["shapes"][name] = {"floor_s": floor, "scaled_mm_s": cublas, "splitk_s": best[0],
-                               "config": best[1], **swap}  # fmt: skip
+                               "config": best[1], "splitk_default_s": default, **swap}  # fmt: skip
         print(table_row(name, floor, cublas, best, swap))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_gemm_m{args.m}_fp8.json").write_text(json.dumps(res, indent=1))
@@ -219,14 +221,28 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
     ap.add_argument("--fp8", action="store_true", help="_scaled_mm against fp8_gemv_splitk")
     ap.add_argument("--no-splitk", action="store_true", help="the library's GEMMs only")
+    ap.add_argument(
+        "--splitk-default",
+        action="store_true",
+        help="--fp8: the split-K kernel's default tiles only",
+    )
+    ap.add_argument(
+        "--blas",
+        choices=("default", "cublas", "cublaslt"),
+        default="default",
+        help="torch.backends.cuda.preferred_blas_library for the bf16 GEMMs",
+    )
     args = ap.parse_args()
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     if args.fp8:
         fp8_main(args)
         return
     bw, flops = hbm_copy_bandwidth(), bf16_matmul_flops()
     gpu = torch.cuda.get_device_name()
-    res = {"gpu": gpu, "m": args.m, "hbm": bw, "flops": flops, "shapes": {}}
-    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, M={args.m}")
+    res = {"gpu": gpu, "m": args.m, "hbm": bw, "flops": flops, "blas": args.blas, "shapes": {}}
+    print(f"{gpu}: copy {bw / 1e12:.2f} TB/s, bf16 {flops / 1e12:.0f} TFLOP/s, M={args.m}, "
+          f"BLAS {args.blas}")  # fmt: skip
     print(table_header("cuBLAS"))
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

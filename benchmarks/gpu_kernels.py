@@ -8,6 +8,7 @@ read):
     decode-256   256 decodes, 512 tokens of context each
     decode-1     one decode, 512 tokens of context (the ITL case)
     mixed        the 256 decodes + one 2048-token prefill chunk
+    decode-N     with ``--decode-batches N,...``: N decodes (N <= 256), 512 tokens of context
 
 For each step: its wall time under the engine's graphs (``ModelRunner.execute``, decode graphs
 or piecewise), then one eager run under torch.profiler, whose kernels are the same kernels the
@@ -271,6 +272,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument(
+        "--decode-batches",
+        default="",
+        help="more decode steps to profile, e.g. 8,32,64 (decode-N: N decodes at 512 context)",
+    )
+    ap.add_argument("--only-extra", action="store_true", help="skip the three standard steps")
     args = ap.parse_args()
     from engine.scheduler import SchedulerOutput
 
@@ -306,6 +313,11 @@ def main() -> None:
             Step(cfg, weight_bytes, BATCH, CONTEXT, CHUNK, kv_bytes),
         ),
     )
+    extra = tuple(
+        (f"decode-{n}", decodes[:n], Step(cfg, weight_bytes, n, CONTEXT, 0, kv_bytes))
+        for n in (int(b) for b in args.decode_batches.split(",") if b)
+    )
+    steps = extra if args.only_extra else steps + extra
     tables = []
     for name, scheduled, arith in steps:
         log(f"{name}: timing under graphs, then profiling eagerly")

@@ -10,7 +10,7 @@ FLOPs count only useful work: ``4 * D * H`` per visible (query, key) pair, i.e. 
 (QK^T and PV) of 2 FLOPs per multiply-add; a chunk of n new tokens over p cached ones has
 ``n * p + n * (n + 1) / 2`` visible pairs. The figure of merit is TFLOP/s over the matmul rate.
 
-    python benchmarks/gpu_prefill_attention.py [--out DIR]
+    python benchmarks/gpu_prefill_attention.py [--out DIR] [--tma-only] [--cases ...]
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def host_overhead(reps: int = 300) -> dict:
     return result
 
 
-def sweep_case(name: str, new: int, prefix: int) -> dict:
+def sweep_case(name: str, new: int, prefix: int, loads=(False, True)) -> dict:
     torch.manual_seed(0)
     case = make_case(new, prefix)
     flash, unpack = sdpa_flash(case)
@@ -194,7 +194,7 @@ def sweep_case(name: str, new: int, prefix: int) -> dict:
     t_flash = gpu_seconds(flash, reps=30 if new > 4096 else 100)
     rows = [measure_default(case, want)]
     for cfg in SWEEP:
-        for tma in (False, True):
+        for tma in loads:
             rows.append(measure(case, cfg, tma, want))
             r = rows[-1]
             log(
@@ -217,14 +217,22 @@ def sweep_case(name: str, new: int, prefix: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument(
+        "--tma-only",
+        action="store_true",
+        help="sweep only TMA loads of q and the new k, v (the faster path on Hopper)",
+    )
+    ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     log(f"{gpu}: measuring the bf16 matmul rate")
     matmul = bf16_matmul_flops()
     log(f"bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
     results = {}
-    for name, (new, prefix) in CASES.items():
-        results[name] = sweep_case(name, new, prefix)
+    loads = (True,) if args.tma_only else (False, True)
+    for name in args.cases:
+        new, prefix = CASES[name]
+        results[name] = sweep_case(name, new, prefix, loads)
         torch.cuda.empty_cache()
     host = host_overhead()
     report = {

@@ -50,16 +50,19 @@ class Fp8Linear(nn.Module):
     On CUDA one kernel quantizes the input, and up to ``mma_max_rows`` rows (decode at small
     batches) take the CUDA tensor-core GEMV (kernels/fp8_gemv_mma.py), which streams the
     weight where cuBLAS's small-M kernels do not; without it, ``gemv_max_rows`` rows take the
-    Triton FP8 GEMV (as ``SkinnyLinear`` does for bf16)."""
+    Triton FP8 GEMV (as ``SkinnyLinear`` does for bf16). Past those and up to
+    ``splitk_max_rows`` rows, the input is quantized and the split-K tensor-core GEMM
+    (kernels/fp8_gemv.py) streams the weight; more rows go to ``_scaled_mm``."""
 
     gemv_max_rows = 1  # class-wide: benchmarks set 0 to compare against _scaled_mm alone
     # class-wide: up to this many rows (bf16 in and out) take the CUDA tensor-core GEMV
     # (kernels/fp8_gemv_mma.py) where it builds and the shape fits; 0: never (benchmarks)
     mma_max_rows = 8
-    # class-wide: up to this many rows go to the tensor-core GEMV behind a quantizing kernel
-    # (kernels/fp8_gemv.py fp8_gemv_splitk; 0: never): a benchmark's experiment, 0.12 ms
-    # slower a batch-1 step than the GEMV above on an H200 (benchmarks/NOTES.md)
-    splitk_max_rows = 0
+    # class-wide: past mma_max_rows, up to this many rows go to the split-K tensor-core GEMM
+    # behind the quantizing kernel (kernels/fp8_gemv.py fp8_gemv_splitk; 0: never).
+    # _scaled_mm's small-M kernels run at 2.2-3.7x their floor at 16-64 rows on an H200,
+    # split-K at 1.15-2.35x: 64-80 us a layer against 110-116 (benchmarks/NOTES.md)
+    splitk_max_rows = 64
     fuse_activation = True  # class-wide: benchmarks set False to time silu_and_mul apart
 
     def __init__(
@@ -104,16 +107,16 @@ class Fp8Linear(nn.Module):
 
                 y = fp8_gemv_mma.launch(x, self.weight, self.weight_scale, self.bias)
                 return y.reshape(*shape[:-1], self.out_features)
+            if x.shape[0] <= self.gemv_max_rows:  # one kernel quantizes and multiplies
+                w, ws = self.weight, self.weight_scale
+                y = fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype)
+                return y.reshape(*shape[:-1], self.out_features)
             if x.shape[0] <= self.splitk_max_rows:
                 from kernels.fp8_gemv import fp8_gemv_splitk
 
                 xq, x_scale = quantize_per_token(x)
                 w, ws = self.weight, self.weight_scale
                 y = fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype)
-                return y.reshape(*shape[:-1], self.out_features)
-            if x.shape[0] <= self.gemv_max_rows:  # one kernel quantizes and multiplies
-                w, ws = self.weight, self.weight_scale
-                y = fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype)
                 return y.reshape(*shape[:-1], self.out_features)
             xq, x_scale = quantize_per_token(x)
         else:
@@ -143,7 +146,8 @@ class Fp8Linear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where an FP8
         GEMV runs (CUDA, 2-D input of at most ``mma_max_rows`` rows, or ``gemv_max_rows``
-        without the tensor-core GEMV); None elsewhere."""
+        without the tensor-core GEMV, or ``splitk_max_rows`` behind the quantizer); None
+        elsewhere."""
         if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
             return None
         if x.stride(-1) != 1:
@@ -158,10 +162,10 @@ class Fp8Linear(nn.Module):
         from kernels.fp8_quant import quantize_per_token
 
         w, ws = self.weight, self.weight_scale
-        if x.shape[0] <= self.splitk_max_rows:
-            xq, x_scale = quantize_per_token(x)
-            return fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype, gated=True)
-        return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=True)
+        if x.shape[0] <= self.gemv_max_rows:
+            return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=True)
+        xq, x_scale = quantize_per_token(x)
+        return fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype, gated=True)
 
     def _takes_mma(self, x: torch.Tensor, gated: bool) -> bool:
         """Whether the CUDA tensor-core GEMV runs this call: at most ``mma_max_rows`` rows, bf16

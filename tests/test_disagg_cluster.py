@@ -152,6 +152,23 @@ def test_kv_channels_are_formed_when_the_cluster_starts(cluster) -> None:
     run(check())
 
 
+def test_worker_processes_freeze_their_start_up_heap(cluster) -> None:
+    """Each worker actor froze its start-up heap before its engine loop began, so the
+    collector's full collections stop scanning the model, torch and Ray
+    (engine/runtime.py freeze_startup_heap); the driver, which builds and drops engines, did
+    not freeze its own."""
+    import gc
+
+    async def check():
+        for w in cluster.workers:
+            s = await stats(cluster, w.name)
+            assert s["gc_frozen_objects"] > 10_000, (w.name, s["gc_frozen_objects"])
+            assert s["gc_full_collections"] >= 1  # freeze_startup_heap's own gc.collect()
+
+    run(check())
+    assert gc.get_freeze_count() == 0
+
+
 def test_greedy_matches_colocated_and_transformers(cluster, prompts, hf) -> None:
     assert max(len(p) for p in prompts) > 2 * CHUNK  # several prefill chunks
     expected = [hf_greedy_ids(hf, p, MAX_TOKENS, stop_at_eos=True) for p in prompts]

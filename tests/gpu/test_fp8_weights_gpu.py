@@ -5,7 +5,8 @@ GPU machine; skipped without one).
 
 - the per-token quantizer kernel rounds as torch, and the fused activation + quantizer
   (``silu_mul_quant``) gives its bytes; the FP8 GEMV (batch 1) and ``_scaled_mm`` agree;
-- ``Fp8Linear`` (the tensor-core GEMV at 1-8 rows, ``_scaled_mm`` above) against the float32
+- ``Fp8Linear`` (the tensor-core GEMV at 1-8 rows, the split-K GEMM to 64, ``_scaled_mm``
+  above) against the float32
   product of the same quantized weight and input, at decode and prefill row counts and
   Llama-3-8B's shapes; the CUDA tensor-core GEMV (kernels/fp8_gemv_mma.py) builds here and is
   that product within one bf16 step, plain and gated;
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("rows", [1, 7, 9, 64, 65, 300])  # GEMV, split-K GEMM, _scaled_mm
 @pytest.mark.parametrize(("k", "n"), [(4096, 6144), (14336, 4096), (256, 1536)])
 def test_fp8_linear_matches_float32_of_the_same_quantization(rows, k, n):
     torch.manual_seed(0)
@@ -174,7 +175,8 @@ def test_the_gated_tensor_core_gemv_is_silu_of_gate_times_up(rows):
     assert torch.equal(layer.silu_mul(x), y)  # what the MLP runs at these rows
 
 
-@pytest.mark.parametrize("rows", [4, 16])  # 4: the tensor-core GEMV, 16: _scaled_mm
+# 4: the tensor-core GEMV, 16: the split-K GEMM (its counters reset in the graph), 96: _scaled_mm
+@pytest.mark.parametrize("rows", [4, 16, 96])
 def test_fp8_linear_replays_in_a_cuda_graph(rows):
     torch.manual_seed(0)
     layer = Fp8Linear.from_linear(nn.Linear(512, 1024, device="cuda", dtype=torch.bfloat16))
@@ -191,6 +193,35 @@ def test_fp8_linear_replays_in_a_cuda_graph(rows):
     static.copy_(fresh)
     graph.replay()
     torch.testing.assert_close(out, layer(fresh), rtol=0, atol=0)
+    graph.replay()  # again: the split-K counters were left at zero
+    torch.testing.assert_close(out, layer(fresh), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [9, 33, 64])
+def test_split_k_rows_take_the_split_k_gemm_gated_and_plain(rows):
+    """Past the tensor-core GEMV's 8 rows and up to ``splitk_max_rows``, ``Fp8Linear`` quantizes
+    the input and runs ``fp8_gemv_splitk`` (not ``_scaled_mm``): the same bits as that call, and
+    within a bf16 step of the float32 product; gated, ``silu(gate) * up`` of it."""
+    from kernels.fp8_gemv import fp8_gemv_ref, fp8_gemv_splitk
+    from kernels.fp8_quant import quantize_per_token
+
+    assert Fp8Linear.mma_max_rows < rows <= Fp8Linear.splitk_max_rows
+    torch.manual_seed(rows)
+    inter = 1024
+    layer = Fp8Linear.from_linear(
+        nn.Linear(4096, 2 * inter, bias=False, device="cuda", dtype=torch.bfloat16)
+    )
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_per_token(x)
+    w, ws = layer.weight, layer.weight_scale
+    direct = fp8_gemv_splitk(xq, xs, w, ws, None, torch.bfloat16)
+    assert torch.equal(layer(x), direct)
+    both = fp8_gemv_ref(xq, xs, w, ws, None, torch.bfloat16).float()
+    assert ((direct.float() - both).norm() / both.norm()).item() < 4e-3
+    gated = layer.silu_mul(x)
+    assert torch.equal(gated, fp8_gemv_splitk(xq, xs, w, ws, None, torch.bfloat16, gated=True))
+    ref = torch.nn.functional.silu(both[:, :inter]) * both[:, inter:]
+    assert ((gated.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
 def test_quantizing_gives_the_device_back_half_the_projection_bytes():
