@@ -126,9 +126,12 @@ class LLM:
         # progress: one line rewritten on a terminal; into a file or a pipe (a log), a line
         # every PROGRESS_EVERY_S, not one per request
         tty, shown = sys.stderr.isatty(), t0
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
+        # Only finished requests' outputs are kept, so only those are made (output kind
+        # "final", as vLLM's LLM.generate asks for FINAL_ONLY).
+        kind, self.engine.output_kind = self.engine.output_kind, "final"
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
                     final[out.request_id] = out
                     done += 1
                     now = time.perf_counter()
@@ -138,6 +141,8 @@ class LLM:
                         print(
                             f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr
                         )
+        finally:
+            self.engine.output_kind = kind
         if use_tqdm and tty:
             print(file=sys.stderr)
         return [final[i] for i in ids]

@@ -152,8 +152,11 @@ class LLMEngine:
         self._ready: list = []
         self._grammars: Grammars | None = None  # structured outputs, made on first use
         self.grammar_errors = 0  # requests ended by their grammar's failure
-        # "cumulative": RequestOutputs (offline, LLM); "delta": Deltas, what changed since the
-        # last one (workers: per-request bytes on the wire stay O(tokens)).
+        # "cumulative": RequestOutputs of every request that progressed; "final": of the
+        # requests that finished only (LLM.generate, which keeps nothing else: the per-step
+        # copies of every running request's tokens are host time beside the device, ~20 us a
+        # request a step); "delta": Deltas, what changed since the last one (workers:
+        # per-request bytes on the wire stay O(tokens)).
         self.output_kind = "cumulative"
         self._step_log = StepLog.from_env()  # TANDEM_STEP_LOG: a line per step, to compare runs
 
@@ -521,7 +524,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput] | list[Delta]:
         """Run one scheduled forward pass. ``output_kind`` "cumulative": a RequestOutput for
-        every request that progressed; "delta": a Delta for every sequence that did.
+        every request that progressed; "final": for every request that finished; "delta": a
+        Delta for every sequence that progressed.
 
         With async scheduling the step is queued on the device and the call returns the
         outputs of the step before, which ran meanwhile; the host's work (reading and applying
@@ -564,6 +568,8 @@ class LLMEngine:
     def _outputs(self, groups: Sequence[_Group]) -> list[RequestOutput] | list[Delta]:
         if self.output_kind == "delta":
             return [d for g in groups for d in self._make_deltas(g)]
+        if self.output_kind == "final":
+            groups = [g for g in groups if all(s.output.finished for s in g.seqs)]
         return [self._make_output(g) for g in groups]
 
     def drain(self) -> list[RequestOutput] | list[Delta]:
@@ -660,7 +666,7 @@ class LLMEngine:
         if self.output_kind == "delta":
             errors = [Delta(g.request_id, error=g.error) for g in faulted]
             return errors + [d for g in touched.values() for d in self._make_deltas(g)]
-        return [self._make_output(g) for g in (*faulted, *touched.values())]
+        return self._outputs([*faulted, *touched.values()])
 
     def _isolate(
         self, chunks: list, exc: Exception

@@ -138,6 +138,39 @@ def test_streaming_deltas_add_up_to_the_final_output(llm, prompts):
     engine.block_manager.check_invariant(expect_idle=True)
 
 
+def test_final_outputs_are_the_cumulative_ones_of_finished_requests(llm, prompts):
+    """Output kind "final" (what ``LLM.generate`` steps with) hands out a request's output once,
+    when it finishes: the same tokens, logprobs and finish reason as the last cumulative
+    output; nothing for a request still running. ``generate`` leaves the kind as it was."""
+    engine = llm.engine
+    params = [SamplingParams(temperature=0.0, max_tokens=m, n=2, logprobs=2) for m in (3, 8, 5)]
+
+    def run(kind: str) -> dict[str, list]:
+        assert llm.reset_prefix_cache()  # both runs compute the same way: logprobs to the bit
+        engine.output_kind = kind
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"{kind}-{i}", p, sp)
+        seen: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen.setdefault(out.request_id.split("-")[1], []).append(out)
+        return seen
+
+    cumulative, final = run("cumulative"), run("final")
+    engine.output_kind = "cumulative"
+    assert sorted(final) == sorted(cumulative) == ["0", "1", "2"]
+    for i, outs in final.items():
+        assert len(outs) == 1 and outs[0].finished  # once, at the end
+        last = cumulative[i][-1]
+        assert len(cumulative[i]) > 1 and last.finished
+        for got, want in zip(outs[0].outputs, last.outputs, strict=True):
+            assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+            assert got.finish_reason == want.finish_reason == "length"
+    assert llm.generate(prompts[0], GREEDY)[0].finished
+    assert engine.output_kind == "cumulative"
+    engine.block_manager.check_invariant(expect_idle=True)
+
+
 def test_abort_at_every_stage_frees_everything(tiny_dir, prompts):
     llm = LLM(str(tiny_dir), block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
     engine = llm.engine
