@@ -180,13 +180,14 @@ def test_the_gated_mlp_hands_down_its_input_quantized_past_the_gemv_rows(monkeyp
     fused = fp8_quant.silu_mul_quant
     monkeypatch.setattr(fp8_quant, "silu_mul_quant", lambda h: calls.append(len(h)) or fused(h))
     ops = TritonOps()
-    rows = torch.randn(down.mma_max_rows + 1, 64, generator=g)
-    assert down.takes_quantized(rows.shape[0]) and not down.takes_quantized(down.mma_max_rows)
+    gemv_rows = max(down.mma_max_rows, down.gemv_max_rows, down.splitk_max_rows)
+    rows = torch.randn(gemv_rows + 1, 64, generator=g)
+    assert down.takes_quantized(rows.shape[0]) and not down.takes_quantized(gemv_rows)
     got = ops.gated_mlp(gate_up, down, rows)
     assert calls == [len(rows)]
     want = down.forward_quantized(*quantize_per_token(silu_and_mul(gate_up(rows))))
     assert torch.equal(got, want)
-    few = rows[: down.mma_max_rows]
+    few = rows[:gemv_rows]
     want_few = down(ops.gate_up_act(gate_up, few))
     assert torch.equal(ops.gated_mlp(gate_up, down, few), want_few)
     assert calls == [len(rows)]  # the GEMV's rows: not handed over quantized
