@@ -19,7 +19,8 @@
 # gpu_serve.py phases, SERVE_CLIENT=httpx: the client of the runs before 2026-11-28;
 # served-gateways: the same and through two gateway processes sharing the port, with CPU per
 # process; 1 GPU), steps and fp8 (issue 23's step table against both floors, issue 26's ITL and
-# throughput with repeats; 1 GPU),
+# throughput with repeats; 1 GPU), fp8-steps (bf16 and fp8 + fp8 KV on vLLM's sample, steps by
+# kind: device time and waits for the host; 1 GPU),
 # tests-tp, tp-scaling, pd70 and pd70-side (issue 29: tensor parallelism on 2-8 GPUs; pd70-side
 # runs both 70B topologies at once on 4T GPUs), local-prefill (issue 25: a conversation's next
 # turn by write-back or prefilled on its decode worker, 1P1D multi-turn).
@@ -147,6 +148,12 @@ for s in "$@"; do
         # each (the prefix cache reset before each; the median reported with the spread; 1 GPU)
         section fp8 540 python benchmarks/gpu_fp8_weights.py --kv8 --repeats "${FP8_REPEATS:-2}" \
             --out "$out/fp8/gpu_fp8_weights.json" ;;
+    fp8-steps)  # issue 26: vLLM's ShareGPT sample, bf16 then fp8 weights + fp8 KV, each step
+        # kind's device time and wait for the host (gpu_async.py); a pair in one call (1 GPU)
+        section fp8-steps 400 bash -c "python benchmarks/gpu_async.py --workloads vllm_sharegpt \
+            --settings on --out '$out/fp8-steps/bf16' && python benchmarks/gpu_async.py \
+            --workloads vllm_sharegpt --settings on --quantization fp8 --kv-cache-dtype fp8 \
+            --out '$out/fp8-steps/fp8_kv8'" ;;
     served-gateways)  # the same, through one gateway and through two sharing the port
         section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \
