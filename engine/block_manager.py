@@ -132,29 +132,22 @@ class BlockManager:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (after its computed tokens
         and ``computed_blocks``, the prefix hits found at admission). Returns the newly allocated
         block ids, or ``None`` (and changes nothing) when they do not fit."""
-        owned = self._req_blocks.get(request.request_id)
-        if owned and not computed_blocks:  # a running request's next chunk: the common case
-            num_tokens = request.num_computed_tokens + num_new_tokens
-            num_new = -(-num_tokens // self.block_size) - len(owned)
-            if num_new > len(self._free):
-                return None
-            new_blocks = [self._pop_free() for _ in range(num_new)] if num_new > 0 else []
-            owned.extend(new_blocks)
-            self._cache_full_blocks(request, num_tokens)
-            return new_blocks
         owned = self._req_blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_tokens += num_new_tokens
         num_new = self.blocks_needed(num_tokens) - len(owned) - len(computed_blocks)
-        hits_in_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        hits_in_free = 0
+        if computed_blocks:  # (a running request's next chunk, the common case, has none)
+            hits_in_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         if num_new > len(self._free) - hits_in_free:
             if not owned:
                 del self._req_blocks[request.request_id]
             return None
-        for block_id in computed_blocks:
-            self._touch(block_id)
-        owned.extend(computed_blocks)
-        new_blocks = [self._pop_free() for _ in range(max(num_new, 0))]
+        if computed_blocks:
+            for block_id in computed_blocks:
+                self._touch(block_id)
+            owned.extend(computed_blocks)
+        new_blocks = [self._pop_free() for _ in range(num_new)] if num_new > 0 else []
         owned.extend(new_blocks)
         self._cache_full_blocks(request, num_tokens)
         return new_blocks
