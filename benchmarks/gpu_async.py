@@ -11,12 +11,12 @@ Workloads: vLLM's ShareGPT sample (benchmarks/data/vllm_sharegpt_llama3_1000.jso
 out) and the ShareGPT-lengths file (110 in / 275 out, fresh token ids). The two settings
 alternate (off, on, off, on with ``--repeats 2``) so a drift of the machine hits both.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_async.py --out DIR [--repeats 1] [--num-requests 1000]
-        [--settings on] [--quantization fp8] [--kv-cache-dtype fp8]
-
 Each run also breaks its steps down by shape (decode-only or carrying prompt tokens, by the
 number of sequences): the device's time on each step and its wait for the host before the
 next, so a kind of step the host cannot keep up with shows as a wait there.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_async.py --out DIR [--repeats 1] [--num-requests 1000]
+        [--settings on] [--quantization fp8] [--kv-cache-dtype fp8] [--gc-freeze off,on]
     python benchmarks/gpu_async.py --replot benchmarks/results/gpu_async.json   # no GPU needed
 """
 
@@ -37,18 +37,25 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_engine import log, make_llm, throughput  # noqa: E402
 from benchmarks.gpu_sweep import check_freed, prompts_for  # noqa: E402
 from benchmarks.workloads import SHAREGPT_LENGTHS, read_workload  # noqa: E402
+from engine.runtime import freeze_startup_heap  # noqa: E402
 
 VLLM_SAMPLE = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
 
 
+def step_times(timeline) -> list[tuple[float, float]]:
+    """Per step: (ms the device worked on it, ms it then waited for the host before the next
+    step began)."""
+    times = []
+    for i, (start, end) in enumerate(timeline):
+        wait = max(end.elapsed_time(timeline[i + 1][0]), 0.0) if i + 1 < len(timeline) else 0.0
+        times.append((start.elapsed_time(end), wait))
+    return times
+
+
 def device_time(timeline) -> tuple[float, float]:
     """(seconds the device worked on steps, seconds it waited for the host between them)."""
-    busy = idle = 0.0
-    for i, (start, end) in enumerate(timeline):
-        busy += start.elapsed_time(end) / 1e3
-        if i + 1 < len(timeline):
-            idle += max(end.elapsed_time(timeline[i + 1][0]), 0.0) / 1e3
-    return busy, idle
+    times = step_times(timeline)
+    return sum(t for t, _ in times) / 1e3, sum(w for _, w in times) / 1e3
 
 
 SEQ_BUCKETS = (8, 64, 128, 256, 384, 448, 1 << 30)
@@ -69,14 +76,11 @@ def by_shape(timeline, shapes: list[tuple[int, int, int]]) -> dict[str, dict]:
     """Per kind of step (``shape_key``): steps, mean tokens, mean device ms a step and mean ms
     the device then waited for the host before the next step began."""
     rows: dict[str, list] = {}
-    for i, ((start, end), (seqs, tokens, prompt)) in enumerate(zip(timeline, shapes, strict=True)):
-        wait = 0.0
-        if i + 1 < len(timeline):
-            wait = max(end.elapsed_time(timeline[i + 1][0]), 0.0)
+    for (busy, wait), (seqs, tokens, prompt) in zip(step_times(timeline), shapes, strict=True):
         row = rows.setdefault(shape_key(seqs, prompt), [0, 0, 0.0, 0.0])
         row[0] += 1
         row[1] += tokens
-        row[2] += start.elapsed_time(end)
+        row[2] += busy
         row[3] += wait
     return {
         k: {"steps": n, "tokens": t / n, "device_ms": d / n, "waits_ms": w / n}
@@ -140,9 +144,8 @@ def run(
     runner.timeline = []
     recorder = ShapeRecorder(runner.launch)
     runner.launch = recorder
-    if gc_freeze:  # what a long-running server does after start-up: the heap so far not scanned
-        gc.collect()
-        gc.freeze()
+    if gc_freeze:  # as a worker actor does when its loop starts
+        freeze_startup_heap()
     pauses = GcPauses()
     gc.callbacks.append(pauses)
     try:
