@@ -18,7 +18,7 @@ import time
 
 import pytest
 from cluster_checks import assert_idle
-from hf_oracle import hf_greedy_ids
+from hf_oracle import hf_greedy_ids, hf_greedy_ids_batch
 
 from engine import SamplingParams
 from engine.messages import control
@@ -164,7 +164,7 @@ def test_concurrent_requests_migrated_back_and_forth(cluster, tok, model):
         for i in range(N_MOVED)
     ]
     n_tokens = 64
-    expected = [hf_greedy_ids(model, p, n_tokens) for p in prompts]
+    expected = hf_greedy_ids_batch(model, prompts, n_tokens)
     rng = random.Random(7)
     plan = {
         f"r{i}": sorted(rng.sample(range(4, n_tokens - 8), rng.choice([1, 2])))
@@ -240,9 +240,10 @@ def test_seeded_sampling_migrated_equals_unmigrated(cluster, tok):
 
 
 def test_drain_under_load_aborts_nothing(cluster, tok, model):
-    # 4 streams (the oracle costs ~85 ms a token on 2 cores: 8 spent 45 s of CI on it)
+    # 4 streams (the oracle costs ~85 ms a token on 2 cores one prompt at a time: 8 spent 45 s
+    # of CI on it; batched, the 4 cost about as much as one)
     prompts = [tok(f"Explain {t} to a child:")["input_ids"] for t in TOPICS[:4]]
-    expected = [hf_greedy_ids(model, p, 64) for p in prompts]
+    expected = hf_greedy_ids_batch(model, prompts, 64)
 
     async def main():
         progress = {}
