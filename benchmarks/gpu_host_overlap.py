@@ -17,7 +17,12 @@ and the script reports:
   runtime calls by total host time (a synchronizing call shows up as a long one);
 * cProfile over the same steps: the host functions by their own time.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_host_overlap.py --out F [--quantization fp8]
+``--breakdown``: the host time inside ``launch`` split by part, timed with ``perf_counter``
+around each (no profiler, so the shares are the host's own): input preparation, the attention
+metadata, each piecewise graph replay, and the attention's kernels by launcher (rotary with
+the KV write, decode, extend), per call and per step.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_host_overlap.py --out F [--quantization fp8] [--breakdown]
 
 Prints the tables and writes JSON.
 """
@@ -74,6 +79,57 @@ def pipelined(runner, out, reps: int) -> dict:
         "launch_s": statistics.median(launches),
         "collect_s": statistics.median(collects),
     }
+
+
+class _Timed:
+    """A callable that adds its wall seconds to ``totals[name]`` (seconds, calls)."""
+
+    def __init__(self, fn, name: str, totals: dict):
+        self.fn, self.name, self.totals = fn, name, totals
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            row = self.totals.setdefault(self.name, [0.0, 0])
+            row[0] += time.perf_counter() - t0
+            row[1] += 1
+
+
+def breakdown(runner, out, reps: int) -> list[dict]:
+    """Host seconds per step inside ``launch`` by part, over ``reps`` pipelined steps (the
+    parts are timed where they are called; ``launch`` is the whole)."""
+    totals: dict[str, list] = {}
+    backend = runner.backend
+    patched = [(runner, "launch"), (runner, "_prepare"), (backend, "build")]
+    patched += [(backend, n) for n in ("_rotary_write", "_decode_kernel", "_extend", "_write")
+                if hasattr(backend, n)]  # fmt: skip
+    if runner.piecewise is not None:
+        patched.append((runner.piecewise, "forward"))
+    saved_replay = torch.cuda.CUDAGraph.replay
+    own = [(obj, name, obj.__dict__.get(name)) for obj, name in patched]  # instance attributes
+    for obj, name in patched:
+        setattr(obj, name, _Timed(getattr(obj, name), name, totals))
+    timed_replay = _Timed(saved_replay, "CUDAGraph.replay", totals)
+    torch.cuda.CUDAGraph.replay = lambda graph: timed_replay(graph)  # (a function: a method)
+    try:
+        run_pipelined(runner, out, 3)
+        torch.cuda.synchronize()
+        totals.clear()
+        run_pipelined(runner, out, reps)
+    finally:
+        torch.cuda.CUDAGraph.replay = saved_replay
+        for obj, name, value in own:
+            if value is None:
+                delattr(obj, name)  # the class's method again
+            else:
+                setattr(obj, name, value)
+    return sorted(
+        ({"part": k, "calls_per_step": c / reps, "ms_per_step": 1e3 * s / reps,
+          "us_per_call": 1e6 * s / c} for k, (s, c) in totals.items()),
+        key=lambda r: -r["ms_per_step"],
+    )  # fmt: skip
 
 
 def traced(runner, out, reps: int, top: int) -> dict:
@@ -188,6 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     ap.add_argument("--steps", default="decode-256,mixed", help="decode-256, decode-1, mixed")
     ap.add_argument("--modes", default="graphs", help="graphs and/or eager (no CUDA graphs)")
+    ap.add_argument("--breakdown", action="store_true", help="launch's host time by part only")
     args = ap.parse_args(argv)
     from engine.scheduler import SchedulerOutput
 
@@ -213,6 +270,17 @@ def main(argv=None) -> int:
         graphs = mode == "graphs"
         with with_graphs(runner, graphs, graphs):
             row = pipelined(runner, out, args.reps)
+            if args.breakdown:
+                row["breakdown"] = breakdown(runner, out, args.reps)
+                result["steps"][f"{name} {mode}"] = row
+                print(f"\n### {name}, {mode}: period {row['period_s'] * 1e3:.2f} ms, host in "
+                      f"launch {row['launch_s'] * 1e3:.2f} ms, in collect "
+                      f"{row['collect_s'] * 1e3:.2f} ms\n\n| part | calls / step | ms / step | "
+                      "us / call |\n|---|---|---|---|")  # fmt: skip
+                for r in row["breakdown"]:
+                    print(f"| {r['part']} | {r['calls_per_step']:.0f} | {r['ms_per_step']:.3f} | "
+                          f"{r['us_per_call']:.1f} |")  # fmt: skip
+                continue
             row["trace"] = traced(runner, out, max(args.reps // 2, 5), args.top)
             row["host"] = host_profile(runner, out, max(args.reps // 2, 5), args.top)
         result["steps"][f"{name} {mode}"] = row

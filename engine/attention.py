@@ -340,17 +340,21 @@ class TritonAttentionBackend(AttentionBackend):
         if chunks[:num_decodes] != decodes:
             raise ValueError("decode chunks must come first")
         prefills = chunks[num_decodes:]
-        slots = np.concatenate(
-            [slot_array(c.block_table, c.start, c.start + c.num_tokens, block_size) for c in chunks]
-        )
+        slots = [
+            slot_array(c.block_table, c.start, c.start + c.num_tokens, block_size) for c in prefills
+        ]
         fields = {}
         if decodes:
-            fields["decode_block_tables"] = host_to_device(
-                _table_np(decodes, block_size, lambda c: c.start + 1), device
-            )
-            fields["decode_context_lens"] = host_to_device(
-                np.array([c.start + 1 for c in decodes], dtype=np.int32), device
-            )
+            # each decode's slot read off its row of the table, not one array per decode
+            # (a step of ~500 decodes spent ~2 ms in those on an H200's host)
+            table = _table_np(decodes, block_size, lambda c: c.start + 1)
+            lens = np.array([c.start + 1 for c in decodes], dtype=np.int32)
+            starts = lens.astype(np.int64) - 1
+            blocks = table[np.arange(num_decodes), starts // block_size]
+            slots.insert(0, blocks.astype(np.int64) * block_size + starts % block_size)
+            fields["decode_block_tables"] = host_to_device(table, device)
+            fields["decode_context_lens"] = host_to_device(lens, device)
+        slots = np.concatenate(slots)
         if prefills:
             lens = np.array([c.num_tokens for c in prefills], dtype=np.int32)
             cu = np.zeros(len(prefills) + 1, dtype=np.int32)
