@@ -77,43 +77,73 @@ def hf_greedy_ids(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bo
 # Batched and one-at-a-time fp32 logits differ by about 6e-5 on SmolLM2 (measured on the 2-core
 # CPU); a prompt whose greedy path comes closer to a tie than this at any step is recomputed alone.
 BATCH_TIE_MARGIN = 1e-3
+# A prompt joins a batch of longer ones if it needs at most this many pad tokens: padding costs
+# prefill compute, a batch of its own costs a decode pass.
+BATCH_MAX_PAD = 256
 
 
-def hf_greedy_ids_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """``hf_greedy_ids`` for each prompt (no eos stop), from one left-padded ``generate`` call.
+def hf_greedy_ids_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False
+) -> list[list[int]]:
+    """``hf_greedy_ids`` of each prompt, from left-padded batched ``generate`` calls.
 
     A GEMV-bound CPU decodes a batch of a dozen in about the time of one sequence. Batching changes
     the fp32 logits by rounding only, so a prompt's tokens are ``hf_greedy_ids``' whenever the top
     logit beat the runner-up by ``BATCH_TIE_MARGIN`` at every step; the prompts where it did not
-    are recomputed one at a time with ``hf_greedy_ids`` itself. Identical prompts run once."""
+    are recomputed one at a time with ``hf_greedy_ids`` itself, as is a prompt alone in its batch.
+    Identical prompts run once."""
+    unique = sorted(set(map(tuple, prompts)), key=len, reverse=True)
+    groups: list[list[tuple[int, ...]]] = []
+    for p in unique:
+        if groups and len(groups[-1][0]) - len(p) <= BATCH_MAX_PAD:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    by_prompt = {}
+    for group in groups:
+        if len(group) == 1:
+            by_prompt[group[0]] = hf_greedy_ids(model, list(group[0]), max_new_tokens, stop_at_eos)
+        else:
+            by_prompt |= _greedy_batch(model, group, max_new_tokens, stop_at_eos)
+    return [by_prompt[tuple(p)] for p in prompts]
+
+
+def _greedy_batch(model, group, max_new_tokens: int, stop_at_eos: bool) -> dict:
     import torch
 
-    unique = list(dict.fromkeys(tuple(p) for p in prompts))
-    width = max(len(p) for p in unique)
-    pad = [[0] * (width - len(p)) for p in unique]
-    x = torch.tensor([z + list(p) for z, p in zip(pad, unique, strict=True)], device=model.device)
-    mask = torch.tensor(
-        [[0] * len(z) + [1] * len(p) for z, p in zip(pad, unique, strict=True)],
-        device=model.device,
-    )
+    width = len(group[0])
+    x = torch.tensor([[0] * (width - len(p)) + list(p) for p in group], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+    kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": 0}
     with torch.no_grad():
         out = model.generate(
             x,
-            attention_mask=mask,
+            attention_mask=mask.to(model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,
+            **kwargs,
         )
-    tokens = out.sequences[:, width:]
-    logits = torch.stack(out.logits, dim=1)  # (prompt, step, vocab)
-    assert torch.equal(logits.argmax(dim=-1), tokens), "generate's greedy tokens are not argmaxes"
+    tokens = out.sequences[:, width:].cpu()
+    logits = torch.stack(out.logits, dim=1).float().cpu()  # (prompt, step, vocab)
+    lengths = torch.full((len(group),), tokens.shape[1])
+    if stop_at_eos:  # each row ends at its first eos (a finished row is padded after it)
+        eos = model.generation_config.eos_token_id
+        eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
+        for i, row in enumerate(tokens):
+            hits = torch.isin(row, eos).nonzero()
+            if len(hits):
+                lengths[i] = int(hits[0]) + 1
+    live = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    greedy = logits.argmax(dim=-1) == tokens
+    assert bool((greedy | ~live).all()), "generate's greedy tokens are not argmaxes"
     top2 = logits.topk(2, dim=-1).values
-    close = (top2[..., 0] - top2[..., 1]).amin(dim=-1) < BATCH_TIE_MARGIN
-    by_prompt = {
-        p: hf_greedy_ids(model, list(p), max_new_tokens) if near_tie else row
-        for p, row, near_tie in zip(unique, tokens.tolist(), close.tolist(), strict=True)
+    gap = (top2[..., 0] - top2[..., 1]).masked_fill(~live, float("inf"))
+    close = gap.amin(dim=-1) < BATCH_TIE_MARGIN
+    return {
+        p: hf_greedy_ids(model, list(p), max_new_tokens, stop_at_eos)
+        if near_tie
+        else row[:n].tolist()
+        for p, row, n, near_tie in zip(group, tokens, lengths.tolist(), close.tolist(), strict=True)
     }
-    return [by_prompt[tuple(p)] for p in prompts]

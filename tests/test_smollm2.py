@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_oracle import hf_greedy_ids
+from hf_oracle import hf_greedy_ids, hf_greedy_ids_batch
 
 from engine import LLM, SamplingParams
 
@@ -51,7 +51,7 @@ def hf_greedy(model, ids, max_new_tokens=MAX_TOKENS):
 
 @pytest.fixture(scope="module")
 def expected(hf, prompts):
-    return [hf_greedy(hf, p) for p in prompts]
+    return hf_greedy_ids_batch(hf, prompts, MAX_TOKENS, stop_at_eos=True)
 
 
 def test_prompt_lengths_span_one_to_hundreds(prompts):
