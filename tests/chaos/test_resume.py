@@ -23,7 +23,7 @@ import time
 
 import pytest
 from cluster_checks import assert_idle
-from hf_oracle import hf_greedy_ids
+from hf_oracle import hf_greedy_ids_batch
 
 from engine import SamplingParams
 from router.outputs import Answer
@@ -84,7 +84,7 @@ def prompts(smollm2_dir):
 @pytest.fixture(scope="module")
 def expected_greedy(smollm2_dir, prompts):
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    return [hf_greedy_ids(model.eval(), p, MAX_TOKENS) for p in prompts]
+    return hf_greedy_ids_batch(model.eval(), prompts, MAX_TOKENS)
 
 
 def _pid(cluster, name: str) -> int:
