@@ -53,7 +53,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales
-from kernels.launch import launch
 from kernels.pdl import start as pdl_start
 
 _LOG2E = math.log2(math.e)
@@ -378,9 +377,8 @@ def _launch(
         if use_tma
         else [None, None, None]
     )
-    grid = (num_heads, -(-max_seqlen_q // block_m), num_chunks)
-    launch(
-        _extend_attention_kernel, grid,
+    grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), num_chunks)
+    _extend_attention_kernel[grid](
         q, k, v, k_cache, v_cache, out, block_tables, cu_seqlens_q, prefix_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales, quantize_fp8
-from kernels.launch import launch
 from kernels.pdl import start as pdl_start
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -103,9 +102,7 @@ def write_kv_cache(
     if t == 0:
         return
     block_h, block_d = triton.next_power_of_2(kv_heads), triton.next_power_of_2(head_dim)
-    launch(
-        _write_kv_cache_kernel,
-        (t,),
+    _write_kv_cache_kernel[(t,)](
         k,
         v,
         k_cache,

@@ -54,7 +54,6 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales
-from kernels.launch import launch
 from kernels.pdl import gdc_launch_dependents, gdc_wait
 from kernels.pdl import start as pdl_start
 
@@ -380,7 +379,7 @@ def _launch(
                          f"{num_splits}, {block_n}")  # fmt: skip
     group = num_heads // kv_heads
     direct = num_splits == 1
-    options = pdl.launch_options(q.device)
+    launch = pdl.launch_options(q.device)
     # A grid that is one wave (at most _PROGRAMS_PER_SM a SM: small batches, which the splits
     # fill up to it) is bound by each program's chain of reads, table then K/V; reading the
     # first tile while the KV write before it still runs took 0.2 ms off a batch-1 step of the
@@ -388,12 +387,11 @@ def _launch(
     # through the wait cost them (+2.6 % at batch 256): benchmarks/NOTES.md.
     programs = batch * kv_heads * num_splits
     if prefetch is None:
-        prefetch = options["PDL"] and programs <= _PROGRAMS_PER_SM * _num_sms(q.device)
+        prefetch = launch["PDL"] and programs <= _PROGRAMS_PER_SM * _num_sms(q.device)
     # Workspace (fp32): acc [B, H, S, D] then (max, sum) [B, H, S, 2], one allocation.
     ws = out if direct else torch.empty(batch * num_heads * num_splits * (head_dim + 2),
                                         dtype=torch.float32, device=q.device)  # fmt: skip
-    launch(
-        _split_kernel, (batch, kv_heads, num_splits),
+    _split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
         qk_scale, v_scale,
         q.stride(0), q.stride(1),
@@ -402,14 +400,13 @@ def _launch(
         G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, F16_DOT=f16_dot,
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **options,
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if not direct:
-        launch(
-            _reduce_kernel, (batch, num_heads),
+        _reduce_kernel[(batch, num_heads)](
             ws, out, out.stride(0), out.stride(1), num_heads, num_splits,
             D=head_dim, S_PAD=_next_pow2(num_splits), num_warps=4,
-            **options,
+            **launch,
         )  # fmt: skip
     return out
 

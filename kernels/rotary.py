@@ -35,7 +35,6 @@ import triton.language as tl
 from kernels import pdl
 from kernels.fp8 import FP8
 from kernels.kv_cache_write import check_cache, to_cache
-from kernels.launch import launch
 from kernels.pdl import start as pdl_start
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -211,12 +210,11 @@ def _launch(q, k, positions, cos, sin, cache) -> None:
     if t == 0:
         return
     half = head_dim // 2
-    block_half = 1 << (half - 1).bit_length()  # (triton's helpers cost microseconds a call)
+    block_half = triton.next_power_of_2(half)
     block_h, num_warps = _config(t, block_half, max(num_heads, k.shape[1]))
-    grid = (t, -(-num_heads // block_h) - (-k.shape[1] // block_h))
+    grid = (t, triton.cdiv(num_heads, block_h) + triton.cdiv(k.shape[1], block_h))
     v, k_cache, v_cache, slots, k_scale, v_scale = cache or (k, k, k, positions, 1.0, 1.0)
-    launch(
-        _rotary_kernel, grid,
+    _rotary_kernel[grid](
         q, k, positions, cos, sin, v, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
