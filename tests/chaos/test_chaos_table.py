@@ -45,6 +45,27 @@ ORDER = [
 MAX_CONCURRENT = 5
 
 
+def batched_hf_expected(model_dir: str, tok, jobs) -> None:
+    """``chaos.hf_expected``'s texts (transformers' fp32 greedy tokens) from one
+    ``hf_greedy_ids_batch`` call per output length (equal to one prompt at a time: a near tie is
+    recomputed alone), on one thread as there: 5.7 s instead of 10.7 s for these 15 jobs."""
+    import torch
+    import transformers
+    from hf_oracle import hf_greedy_ids_batch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n in sorted({j.max_tokens for j in jobs}):
+            same = [j for j in jobs if j.max_tokens == n]
+            ids = hf_greedy_ids_batch(model.eval(), [j.prompt_ids for j in same], n)
+            for job, out in zip(same, ids, strict=True):
+                job.expected = chaos.render(tok, job.prompt_ids, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def table(smollm2_dir):
     cfg = chaos.ChaosConfig(
@@ -67,7 +88,9 @@ def table(smollm2_dir):
         deadline_s=120.0,
         progress=False,
     )
-    rows, meta = chaos.run_chaos(cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chaos, "hf_expected", batched_hf_expected)
+        rows, meta = chaos.run_chaos(cfg)
     print("\n" + chaos.format_table(rows))
     return {r.scenario: r for r in rows}
 
