@@ -114,9 +114,8 @@ def test_host_tier_and_a_conversation_across_prefill_and_decode(
 ):
     from engine.block_manager import prefix_block_hashes
 
-    # transformers' answers before any server starts: beside a live P/D cluster the oracle ran
-    # 5-9x slower on 2 cores (10 s for 8 tokens of a 200-token prompt). The conversation's turns
-    # are built from its answers, so all of them are known up front.
+    # transformers' answers before any server starts, so the oracle never shares the 2 cores
+    # with the workers (the turns are built from its answers: all are known up front)
     expect_first = hf(prompts[0])[1]
     answer, answer_text = hf(prompts[3], 40)
     turn1 = prompts[3] + answer
