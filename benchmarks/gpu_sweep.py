@@ -12,6 +12,7 @@ writes ``gpu_sweep.json`` and a plot of throughput against the token budget, one
 
     PYTHONPATH=$PWD python benchmarks/gpu_sweep.py --out DIR [--seqs 256,512]
         [--budgets 2048,4096,8192] [--num-requests 1000]
+        [--quantization fp8] [--kv-cache-dtype fp8]    # passed to every engine, the warm-up too
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def check_freed() -> None:
         raise SystemExit("the last engine's memory was not freed: the next would not be comparable")
 
 
+# --quantization / --kv-cache-dtype: passed to every engine of the run
+ENGINE_ARGS: dict = {}
+
+
 def _run(seqs: int, budget: int, lengths, prompts: list[list[int]]) -> dict:
     t0 = time.perf_counter()
     if seqs == 0:  # the engine's own defaults for the device (EngineConfig.DEVICE_DEFAULTS)
-        llm = make_llm(max_num_seqs=None, max_num_batched_tokens=None, cuda_graph_max_batch=None)
+        llm = make_llm(max_num_seqs=None, max_num_batched_tokens=None, cuda_graph_max_batch=None,
+                       **ENGINE_ARGS)  # fmt: skip
     else:
-        llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=budget, cuda_graph_max_batch=seqs)
+        llm = make_llm(max_num_seqs=seqs, max_num_batched_tokens=budget, cuda_graph_max_batch=seqs,
+                       **ENGINE_ARGS)  # fmt: skip
     start_s = time.perf_counter() - t0
     engine = llm.engine
     steps = [0]
@@ -83,6 +90,7 @@ def _run(seqs: int, budget: int, lengths, prompts: list[list[int]]) -> dict:
         "start_s": start_s,
         "steps": steps[0],
         "kv_blocks": engine.runner.num_kv_blocks,
+        **ENGINE_ARGS,
     }
 
 
@@ -100,6 +108,8 @@ def main() -> None:
         "prompts and output lengths instead of the ShareGPT-lengths file",
     )
     ap.add_argument("--defaults", action="store_true", help="also a run at the engine defaults")
+    ap.add_argument("--quantization", default=None, choices=(None, "fp8"))
+    ap.add_argument("--kv-cache-dtype", default=None, choices=(None, "auto", "fp8"))
     ap.add_argument(
         "--no-warmup",
         action="store_true",
@@ -107,6 +117,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    for key in ("quantization", "kv_cache_dtype"):
+        if getattr(args, key) is not None:
+            ENGINE_ARGS[key] = getattr(args, key)
     source = args.workload or ROOT / "benchmarks" / SHAREGPT_LENGTHS
     if args.workload is not None:
         items = read_workload(args.workload)[: args.num_requests]
@@ -119,6 +132,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "workload": str(source.relative_to(ROOT)) if source.is_relative_to(ROOT) else str(source),
         "requests": len(lengths),
+        **ENGINE_ARGS,
         "runs": [],
     }
 
@@ -144,7 +158,10 @@ def main() -> None:
 
 
 def print_table(r: dict) -> None:
-    print(f"\n{r['gpu']}, {r['requests']} requests of {r['workload']}, Llama-3-8B shape bf16")
+    weights = "fp8 weights" if r.get("quantization") == "fp8" else "bf16"
+    kv = ", fp8 KV" if r.get("kv_cache_dtype") == "fp8" else ""
+    print(f"\n{r['gpu']}, {r['requests']} requests of {r['workload']}, Llama-3-8B shape, "
+          f"{weights}{kv}")  # fmt: skip
     print(
         "| max_num_seqs | max_num_batched_tokens | req/s | out tok/s | steps | KV blocks | start s |"
     )

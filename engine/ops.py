@@ -105,9 +105,10 @@ class TritonOps:
             from kernels.fp8_quant import silu_mul_quant
 
             h = gate_up(x)
-            quantized = silu_mul_quant(h)
+            rows = x.shape[0]
+            quantized = silu_mul_quant(h, rows=down.scaled_mm_rows(rows))
             if quantized is not None:
-                return down.forward_quantized(*quantized)
+                return down.forward_quantized(*quantized)[:rows]
             return down(self.silu_and_mul(h))
         return down(self.gate_up_act(gate_up, x))
 

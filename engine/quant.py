@@ -63,6 +63,13 @@ class Fp8Linear(nn.Module):
     # _scaled_mm's small-M kernels run at 2.2-3.7x their floor at 16-64 rows on an H200,
     # split-K at 1.15-2.35x: 64-80 us a layer against 110-116 (benchmarks/NOTES.md)
     splitk_max_rows = 64
+    # class-wide: on CUDA, _scaled_mm's rows are padded up to a multiple of this (zero rows,
+    # their products dropped) up to scaled_mm_pad_max_rows rows (0: never). cuBLAS's e4m3
+    # kernels at rows between multiples of 128 ran slower than at the next multiple on an
+    # H200: a layer's four products 169 us at 136 rows against 121 at 256, 202 at 264 against
+    # 160 at 384, 250 at 392 against 182 at 512 (benchmarks/NOTES.md); past 512 not measured
+    scaled_mm_row_multiple = 128
+    scaled_mm_pad_max_rows = 512
     fuse_activation = True  # class-wide: benchmarks set False to time silu_and_mul apart
 
     def __init__(
@@ -118,10 +125,21 @@ class Fp8Linear(nn.Module):
                 w, ws = self.weight, self.weight_scale
                 y = fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype)
                 return y.reshape(*shape[:-1], self.out_features)
-            xq, x_scale = quantize_per_token(x)
+            m = x.shape[0]
+            xq, x_scale = quantize_per_token(x, rows=self.scaled_mm_rows(m))
+            y = self.forward_quantized(xq, x_scale)[:m]
         else:
             xq, x_scale = quantize_rows(x)
-        return self.forward_quantized(xq, x_scale).reshape(*shape[:-1], self.out_features)
+            y = self.forward_quantized(xq, x_scale)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def scaled_mm_rows(self, rows: int) -> int:
+        """The rows ``_scaled_mm`` runs for a CUDA call on ``rows`` rows: padded up to a
+        multiple of ``scaled_mm_row_multiple`` while at most ``scaled_mm_pad_max_rows``."""
+        step = self.scaled_mm_row_multiple
+        if not step or rows > self.scaled_mm_pad_max_rows:
+            return rows
+        return -(-rows // step) * step
 
     def takes_quantized(self, rows: int) -> bool:
         """Whether a CUDA call on ``rows`` rows quantizes its input and runs ``_scaled_mm``
@@ -131,7 +149,8 @@ class Fp8Linear(nn.Module):
 
     def forward_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """``forward``'s product from its input already quantized per row: ``xq [M, K]`` e4m3
-        and ``x_scale [M, 1]`` float32, as ``quantize_per_token`` gives them."""
+        and ``x_scale [M, 1]`` float32, as ``quantize_per_token`` gives them (padded to
+        ``scaled_mm_rows`` rows on CUDA: the caller keeps its own rows of the result)."""
         y = torch._scaled_mm(
             xq,
             self.weight.t(),

@@ -61,6 +61,7 @@ def _quant_rows_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    M,
     K,
     stride_xm,
     stride_qm,
@@ -72,20 +73,24 @@ def _quant_rows_kernel(
 ):
     """Program ``m``: row ``m``'s scale, then the row in e4m3. ``ONE_PASS`` (the row fits one
     ``BLOCK_K`` tile): the row is read once and kept in registers; else read twice, tile by
-    tile (the second read hits L2). The same scale and bytes either way."""
+    tile (the second read hits L2). The same scale and bytes either way. Programs past the
+    ``M`` rows of x (padding) write a row of zeros, as a row of zeros quantizes."""
     pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
+    valid = m < M
     if ONE_PASS:
-        x = tl.load(x_ptr + m * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-        _store_e4m3_row(x, q_ptr + m * stride_qm, s_ptr + m, rk, rk < K, MIN_AMAX_, FP8_MAX_)
+        mask = rk < K
+        x = tl.load(x_ptr + m * stride_xm + rk, mask=mask & valid, other=0.0).to(tl.float32)
+        _store_e4m3_row(x, q_ptr + m * stride_qm, s_ptr + m, rk, mask, MIN_AMAX_, FP8_MAX_)
     else:
-        scale = row_scale(x_ptr + m * stride_xm, K, MIN_AMAX_, FP8_MAX_, BLOCK_K)
+        scale = row_scale(x_ptr + m * stride_xm, tl.where(valid, K, 0), MIN_AMAX_, FP8_MAX_,
+                          BLOCK_K)  # fmt: skip
         tl.store(s_ptr + m, scale)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
-            x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_)
+            x = tl.load(x_ptr + m * stride_xm + kk, mask=(kk < K) & valid, other=0.0)
+            q = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX_, FP8_MAX_)
             tl.store(q_ptr + m * stride_qm + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
 
 
@@ -98,27 +103,31 @@ def _one_pass_warps(block: int) -> int:
 
 
 def quantize_per_token(
-    x: torch.Tensor, block_k: int | None = None
+    x: torch.Tensor, block_k: int | None = None, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (rows may be strided, K contiguous) as ``(xq [M, K] e4m3, scale [M, 1]
     float32)``; what ``quantize_per_token_ref`` computes. A row up to ``ONE_PASS_MAX_K`` long is
     one tile read once (a decode batch's few rows: one memory round trip, not two a tile; on an
     H200 a Llama-3-70B row of 28,672 took ~56 round trips in 1024-wide tiles); ``block_k``
-    forces tiles of that width."""
+    forces tiles of that width. ``rows`` (>= M): the outputs padded to that many rows, the
+    padding quantized as rows of zeros (e4m3 zeros, scale ``MIN_AMAX / 448``)."""
     m, k = x.shape
-    if x.stride(1) != 1:
-        raise ValueError(f"quantize_per_token: x {tuple(x.shape)} must be contiguous along K")
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    rows = m if rows is None else rows
+    if x.stride(1) != 1 or rows < m:
+        raise ValueError(f"quantize_per_token: x {tuple(x.shape)} must be contiguous along K "
+                         f"and rows ({rows}) at least its own")  # fmt: skip
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if block_k is None:
         block_k = triton.next_power_of_2(k) if k <= ONE_PASS_MAX_K else 1024
     one_pass = block_k >= k
     warps = _one_pass_warps(block_k) if one_pass else 4
-    if m:
-        _quant_rows_kernel[(m,)](
+    if rows:
+        _quant_rows_kernel[(rows,)](
             x,
             q,
             scale,
+            m,
             k,
             x.stride(0),
             q.stride(0),
@@ -137,6 +146,7 @@ def _silu_mul_quant_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    M,
     inter,
     stride_xm,
     stride_qm,
@@ -147,36 +157,44 @@ def _silu_mul_quant_kernel(
 ):
     """Program ``m``: row ``m`` of ``silu(gate) * up`` rounded to x's dtype (as
     ``silu_and_mul`` stores it), then its scale and e4m3 values (as ``_quant_rows_kernel``'s
-    one pass computes them from that stored row)."""
+    one pass computes them from that stored row). Programs past the ``M`` rows of x (padding)
+    write a row of zeros."""
     pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < inter
     row = x_ptr + m * stride_xm
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    valid = m < M
+    gate = tl.load(row + cols, mask=mask & valid, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + cols, mask=mask & valid, other=0.0).to(tl.float32)
     y = silu_mul_f32(gate, up).to(x_ptr.dtype.element_ty).to(tl.float32)
     _store_e4m3_row(y, q_ptr + m * stride_qm, s_ptr + m, cols, mask, MIN_AMAX_, FP8_MAX_)
 
 
-def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def silu_mul_quant(
+    x: torch.Tensor, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quantize_per_token(silu_and_mul(x))`` for ``x [T, 2I]`` (fp32, fp16 or bf16, last dim
     contiguous) in one kernel, bit for bit; None where a row of ``I`` does not fit one tile
-    (``ONE_PASS_MAX_K``), for the two kernels to run instead."""
+    (``ONE_PASS_MAX_K``), for the two kernels to run instead. ``rows``: as
+    ``quantize_per_token``'s."""
     t, width = x.shape
     inter = width // 2
-    if width % 2 or x.stride(1) != 1 or x.dtype not in _ACT_DTYPES:
-        raise ValueError(f"silu_mul_quant: x {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+    rows = t if rows is None else rows
+    if width % 2 or x.stride(1) != 1 or x.dtype not in _ACT_DTYPES or rows < t:
+        raise ValueError(f"silu_mul_quant: x {tuple(x.shape)} {x.dtype} strides {x.stride()}, "
+                         f"rows {rows}")  # fmt: skip
     if inter > ONE_PASS_MAX_K:
         return None
-    q = torch.empty(t, inter, dtype=FP8, device=x.device)
-    scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    q = torch.empty(rows, inter, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(inter)
-    if t:
-        _silu_mul_quant_kernel[(t,)](
+    if rows:
+        _silu_mul_quant_kernel[(rows,)](
             x,
             q,
             scale,
+            t,
             inter,
             x.stride(0),
             q.stride(0),

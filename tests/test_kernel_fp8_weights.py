@@ -187,16 +187,61 @@ def test_the_gated_mlp_hands_down_its_input_quantized_past_the_gemv_rows(monkeyp
         layer.weight_scale.data.uniform_(0.01, 0.02, generator=g)
     calls = []
     fused = fp8_quant.silu_mul_quant
-    monkeypatch.setattr(fp8_quant, "silu_mul_quant", lambda h: calls.append(len(h)) or fused(h))
+    monkeypatch.setattr(
+        fp8_quant,
+        "silu_mul_quant",
+        lambda h, rows=None: calls.append((len(h), rows)) or fused(h, rows=rows),
+    )
     ops = TritonOps()
     gemv_rows = max(down.mma_max_rows, down.gemv_max_rows, down.splitk_max_rows)
     rows = torch.randn(gemv_rows + 1, 64, generator=g)
     assert down.takes_quantized(rows.shape[0]) and not down.takes_quantized(gemv_rows)
     got = ops.gated_mlp(gate_up, down, rows)
-    assert calls == [len(rows)]
+    padded = down.scaled_mm_rows(len(rows))  # (65 rows: _scaled_mm runs 128, zeros after 65)
+    assert calls == [(len(rows), padded)] and padded > len(rows)
     want = down.forward_quantized(*quantize_per_token(silu_and_mul(gate_up(rows))))
-    assert torch.equal(got, want)
+    assert got.shape == want.shape and torch.equal(got, want)
     few = rows[:gemv_rows]
     want_few = down(ops.gate_up_act(gate_up, few))
     assert torch.equal(ops.gated_mlp(gate_up, down, few), want_few)
-    assert calls == [len(rows)]  # the GEMV's rows: not handed over quantized
+    assert len(calls) == 1  # the GEMV's rows: not handed over quantized
+
+
+@pytest.mark.parametrize("block_k", [64, None])  # two passes over the row, and one
+def test_the_quantizer_pads_with_rows_of_zeros(block_k):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 300, generator=g)
+    q, scale = quantize_per_token(x, block_k=block_k)
+    qp, scale_p = quantize_per_token(x, block_k=block_k, rows=8)
+    assert qp.shape == (8, 300) and scale_p.shape == (8, 1)
+    assert torch.equal(qp[:5].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scale_p[:5], scale)
+    zero_q, zero_scale = quantize_per_token_ref(torch.zeros(3, 300))
+    assert torch.equal(qp[5:].view(torch.uint8), zero_q.view(torch.uint8))
+    assert torch.equal(scale_p[5:], zero_scale)
+    with pytest.raises(ValueError, match="rows"):
+        quantize_per_token(x, rows=4)
+
+
+def test_silu_mul_quant_pads_with_rows_of_zeros():
+    from kernels.fp8_quant import silu_mul_quant
+
+    h = torch.randn(3, 2 * 48, generator=torch.Generator().manual_seed(6))
+    q, scale = silu_mul_quant(h)
+    qp, scale_p = silu_mul_quant(h, rows=16)
+    assert qp.shape == (16, 48)
+    assert torch.equal(qp[:3].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scale_p[:3], scale)
+    assert not qp[3:].view(torch.uint8).any()  # e4m3 zeros
+    assert torch.equal(scale_p[3:], quantize_per_token_ref(torch.zeros(13, 48))[1])
+
+
+def test_scaled_mm_rows_pad_to_the_multiple_up_to_the_limit(monkeypatch):
+    from engine.quant import Fp8Linear
+
+    layer = Fp8Linear.from_linear(torch.nn.Linear(32, 16, bias=False))
+    assert [layer.scaled_mm_rows(r) for r in (65, 128, 129, 257, 392, 512, 513, 2048)] == [
+        128, 128, 256, 384, 512, 512, 513, 2048,
+    ]  # fmt: skip
+    monkeypatch.setattr(Fp8Linear, "scaled_mm_row_multiple", 0)
+    assert layer.scaled_mm_rows(129) == 129
