@@ -56,7 +56,7 @@ def _store_e4m3_row(x, q_row, s_at, cols, mask, MIN_AMAX_: tl.constexpr, FP8_MAX
     tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (the rows vary per step: one variant for all)
 def _quant_rows_kernel(
     x_ptr,
     q_ptr,
@@ -141,7 +141,7 @@ def quantize_per_token(
     return q, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _silu_mul_quant_kernel(
     x_ptr,
     q_ptr,
