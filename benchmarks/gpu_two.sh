@@ -20,7 +20,8 @@
 # served-gateways: the same and through two gateway processes sharing the port, with CPU per
 # process; 1 GPU), steps and fp8 (issue 23's step table against both floors, issue 26's ITL and
 # throughput with repeats; 1 GPU), fp8-steps (bf16 and fp8 + fp8 KV on vLLM's sample, steps by
-# kind: device time and waits for the host; 1 GPU),
+# kind: device time and waits for the host; 1 GPU), fp8-pad (issue 26: the FP8 GPU tests, then
+# fp8 + fp8 KV with _scaled_mm's rows padded to multiples of 128 and without, then bf16; 1 GPU),
 # tests-tp, tp-scaling, pd70 and pd70-side (issue 29: tensor parallelism on 2-8 GPUs; pd70-side
 # runs both 70B topologies at once on 4T GPUs), local-prefill (issue 25: a conversation's next
 # turn by write-back or prefilled on its decode worker, 1P1D multi-turn).
@@ -154,6 +155,15 @@ for s in "$@"; do
             --settings on --out '$out/fp8-steps/bf16' && python benchmarks/gpu_async.py \
             --workloads vllm_sharegpt --settings on --quantization fp8 --kv-cache-dtype fp8 \
             --out '$out/fp8-steps/fp8_kv8'" ;;
+    fp8-pad)  # issue 26: Fp8Linear's padded _scaled_mm rows checked, then A/B (1 GPU)
+        section fp8-pad 560 bash -c "python -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_fp8_weights_gpu.py && python benchmarks/gpu_async.py \
+            --workloads vllm_sharegpt --settings on --quantization fp8 --kv-cache-dtype fp8 \
+            --out '$out/fp8-pad/padded' && python benchmarks/fp8_rows_ab.py \
+            scaled_mm_pad_max_rows=0 benchmarks/gpu_async.py --workloads vllm_sharegpt \
+            --settings on --quantization fp8 --kv-cache-dtype fp8 --out '$out/fp8-pad/unpadded' \
+            && python benchmarks/gpu_async.py --workloads vllm_sharegpt --settings on \
+            --out '$out/fp8-pad/bf16'" ;;
     served-gateways)  # the same, through one gateway and through two sharing the port
         section served-gateways 560 python benchmarks/gpu_serve.py run --model "$model" \
             --phases offline,one,one@gw2 --inf-only --requests-file "$sample" "${dummy[@]}" \
