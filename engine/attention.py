@@ -515,23 +515,16 @@ def _by_length(decodes: list[ChunkSpec]) -> list[tuple[int, list[ChunkSpec]]]:
     return groups
 
 
-def padded_block_tables(decodes: list[ChunkSpec], block_size: int) -> list[list[int]]:
-    """Each decode's blocks up to its new token, right-padded with block 0 to one width."""
-    tables = [c.block_table[: c.start // block_size + 1] for c in decodes]
-    width = max(len(t) for t in tables)
-    return [t + [0] * (width - len(t)) for t in tables]
-
-
 def _decode_group(first: int, run: list[ChunkSpec], block_size: int, device) -> DecodeGroup:
-    padded = padded_block_tables(run, block_size)
-    max_blocks = len(padded[0])
+    padded = _table_np(run, block_size, lambda c: c.start + 1, dtype=np.int64)
+    max_blocks = padded.shape[1]
     lens = torch.tensor([c.start + 1 for c in run])
     valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
     mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
     return DecodeGroup(
         first=first,
         num_rows=len(run),
-        blocks=torch.tensor(padded, dtype=torch.long, device=device),
+        blocks=torch.from_numpy(padded).to(device),
         mask=mask.view(1, len(run), 1, -1).to(device),
     )
 
