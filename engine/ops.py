@@ -108,7 +108,7 @@ class TritonOps:
             rows = x.shape[0]
             quantized = silu_mul_quant(h, rows=down.scaled_mm_rows(rows))
             if quantized is not None:
-                return down.forward_quantized(*quantized)[:rows]
+                return down.forward_quantized(*quantized, rows=rows)
             return down(self.silu_and_mul(h))
         return down(self.gate_up_act(gate_up, x))
 

@@ -127,7 +127,7 @@ class Fp8Linear(nn.Module):
                 return y.reshape(*shape[:-1], self.out_features)
             m = x.shape[0]
             xq, x_scale = quantize_per_token(x, rows=self.scaled_mm_rows(m))
-            y = self.forward_quantized(xq, x_scale)[:m]
+            y = self.forward_quantized(xq, x_scale, rows=m)
         else:
             xq, x_scale = quantize_rows(x)
             y = self.forward_quantized(xq, x_scale)
@@ -147,10 +147,12 @@ class Fp8Linear(nn.Module):
         (``forward_quantized``; engine/ops.py ``TritonOps.gated_mlp``)."""
         return rows > max(self.mma_max_rows, self.gemv_max_rows, self.splitk_max_rows)
 
-    def forward_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    def forward_quantized(
+        self, xq: torch.Tensor, x_scale: torch.Tensor, rows: int | None = None
+    ) -> torch.Tensor:
         """``forward``'s product from its input already quantized per row: ``xq [M, K]`` e4m3
-        and ``x_scale [M, 1]`` float32, as ``quantize_per_token`` gives them (padded to
-        ``scaled_mm_rows`` rows on CUDA: the caller keeps its own rows of the result)."""
+        and ``x_scale [M, 1]`` float32, as ``quantize_per_token`` gives them. ``rows``: the
+        input's own rows, the rest padding (``scaled_mm_rows``), whose products are dropped."""
         y = torch._scaled_mm(
             xq,
             self.weight.t(),
@@ -158,6 +160,8 @@ class Fp8Linear(nn.Module):
             scale_b=self.weight_scale,
             out_dtype=self.out_dtype,
         )
+        if rows is not None:
+            y = y[:rows]
         if self.bias is not None:
             y = y + self.bias
         return y
