@@ -113,7 +113,8 @@ def make_llm(**overrides):
         gpu_memory_utilization=0.9,
     )
     kwargs.update(overrides)
-    return LLM(str(CONFIG), **kwargs)
+    model = kwargs.pop("model", str(CONFIG))  # a model folder of its own (another shape)
+    return LLM(model, **kwargs)
 
 
 def decode_itl(llm, context: int, steps: int, batch: int = 1) -> list[float]:

@@ -35,10 +35,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TorchOps:
     name = "torch"
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, into=None
+    ) -> torch.Tensor:
+        """``into``: the layer the result feeds (TritonOps may quantize for it; ignored here)."""
         return rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x, residual, weight, eps, into=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x + residual
         return rms_norm(residual, weight, eps), residual
 
@@ -73,11 +78,33 @@ class TritonOps:
 
         self._rmsnorm, self._rotary, self._activation = rmsnorm, rotary, activation
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, into=None):
+        rows = self._quantized_rows(x, into)
+        if rows is not None:
+            from kernels.fp8_quant import rms_norm_quant
+
+            return rms_norm_quant(x, None, weight, eps, rows=rows)
         return self._rmsnorm.rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, into=None):
+        """As TorchOps', and where ``into`` (the layer the norm feeds) takes its input quantized
+        (an FP8 projection whose product would quantize it in a kernel of its own) the norm is
+        returned quantized for it (``QuantizedRows``: one kernel, the same bytes)."""
+        rows = self._quantized_rows(x, into)
+        if rows is not None:
+            from kernels.fp8_quant import rms_norm_quant
+
+            return rms_norm_quant(x, residual, weight, eps, rows=rows), residual
         return self._rmsnorm.fused_add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
+    def _quantized_rows(x, into) -> int | None:
+        """The rows ``into`` wants its input quantized to (engine/quant.py
+        ``Fp8Linear.quantized_input_rows``), or None: not quantized here."""
+        wants = getattr(into, "quantized_input_rows", None)
+        if wants is None or x.dim() != 2 or x.stride(-1) != 1:
+            return None
+        return wants(x)
 
     def rope_state(self, rotary, positions, dtype):
         return positions, rotary.cos, rotary.sin
@@ -101,7 +128,7 @@ class TritonOps:
         projection past its GEMV's rows) the activation is quantized in the kernel that computes
         it (kernels/fp8_quant.py ``silu_mul_quant``: the same bytes as the two kernels)."""
         takes = getattr(down, "takes_quantized", None)
-        if takes is not None and x.dim() == 2 and takes(x.shape[0]):
+        if takes is not None and len(x.shape) == 2 and takes(x.shape[0]):
             from kernels.fp8_quant import silu_mul_quant
 
             h = gate_up(x)
@@ -129,12 +156,12 @@ class CpuOps(TorchOps):
     def _rows(*xs: torch.Tensor) -> bool:
         return all(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 for x in xs)
 
-    def rms_norm(self, x, weight, eps):
+    def rms_norm(self, x, weight, eps, into=None):
         if self._rows(x):
             return self._k.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
 
-    def add_rms_norm(self, x, residual, weight, eps):
+    def add_rms_norm(self, x, residual, weight, eps, into=None):
         if self._rows(x, residual):
             return self._k.add_rms_norm(x, residual, weight, eps), residual
         return super().add_rms_norm(x, residual, weight, eps)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fp8 import QuantizedRows
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # The projections that become Fp8Linear, by their names in engine/models/llama.py.
@@ -71,6 +73,10 @@ class Fp8Linear(nn.Module):
     scaled_mm_row_multiple = 128
     scaled_mm_pad_max_rows = 512
     fuse_activation = True  # class-wide: benchmarks set False to time silu_and_mul apart
+    # class-wide: the RMSNorm in front of the layer quantizes its output for it where the layer
+    # would quantize its input in a kernel of its own (engine/ops.py TritonOps, 2+ rows on CUDA);
+    # benchmarks set 0 to time the two kernels
+    fuse_norm_quant = 1
 
     def __init__(
         self,
@@ -100,7 +106,9 @@ class Fp8Linear(nn.Module):
             weight[rows], scale[rows] = quantize_rows(w[rows])
         return cls(weight, scale, linear.bias, w.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return self._product(x, gated=False)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if x.stride(-1) != 1:
@@ -132,6 +140,42 @@ class Fp8Linear(nn.Module):
             xq, x_scale = quantize_rows(x)
             y = self.forward_quantized(xq, x_scale)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def quantized_input_rows(self, x: torch.Tensor) -> int | None:
+        """For a producer that can quantize this layer's input ``x [M, K]`` in the kernel that
+        computes it (engine/ops.py ``TritonOps``' norms): the rows of the ``QuantizedRows`` to
+        hand over (M, or padded for ``_scaled_mm``), or None where the layer's own product
+        quantizes x without a kernel of its own (the one-row GEMVs), or ``fuse_norm_quant`` is
+        off. ``forward`` and ``silu_mul`` take either."""
+        if not self.fuse_norm_quant or x.dim() != 2:
+            return None
+        m = x.shape[0]
+        if not x.is_cuda:
+            return m
+        if m <= self.gemv_max_rows or (m == 1 and self._takes_mma(x, gated=False)):
+            return None
+        if m <= max(self.mma_max_rows, self.splitk_max_rows):
+            return m
+        return self.scaled_mm_rows(m)
+
+    def _product(self, x: QuantizedRows, gated: bool) -> torch.Tensor | None:
+        """``forward`` (``gated``: ``silu_mul``) of an input quantized by its producer: the
+        tensor-core GEMV, the split-K GEMM or ``_scaled_mm`` by its rows, as for a bf16 input;
+        gated, None past the GEMMs' rows (the caller runs ``forward`` and the activation)."""
+        m, q, scale = x.rows, x.q, x.scale
+        if q.is_cuda and m <= max(self.mma_max_rows, self.splitk_max_rows):
+            w, ws = self.weight, self.weight_scale
+            if self._takes_mma(q[:m], gated):
+                from kernels import fp8_gemv_mma
+
+                return fp8_gemv_mma.launch(q[:m], w, ws, self.bias, gated, x_scale=scale[:m])
+            if m <= self.splitk_max_rows:
+                from kernels.fp8_gemv import fp8_gemv_splitk
+
+                return fp8_gemv_splitk(q[:m], scale[:m], w, ws, self.bias, self.out_dtype, gated)
+        if gated:
+            return None
+        return self.forward_quantized(q, scale, rows=m)
 
     def scaled_mm_rows(self, rows: int) -> int:
         """The rows ``_scaled_mm`` runs for a CUDA call on ``rows`` rows: padded up to a
@@ -166,11 +210,13 @@ class Fp8Linear(nn.Module):
             y = y + self.bias
         return y
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+    def silu_mul(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | None:
         """``silu_and_mul(self(x))`` for a fused gate/up projection in one kernel where an FP8
         GEMV runs (CUDA, 2-D input of at most ``mma_max_rows`` rows, or ``gemv_max_rows``
         without the tensor-core GEMV, or ``splitk_max_rows`` behind the quantizer); None
         elsewhere."""
+        if isinstance(x, QuantizedRows):
+            return self._product(x, gated=True) if self.fuse_activation else None
         if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
             return None
         if x.stride(-1) != 1:

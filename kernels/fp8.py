@@ -5,11 +5,16 @@ it too): e4m3 (``torch.float8_e4m3fn``, largest finite value 448) with one scale
     value ~= stored * scale
 
 The scales come from the checkpoint (``k_scale`` / ``v_scale`` per attention layer) or are 1.0.
+
+``QuantizedRows`` is the other FP8 value that travels between modules: activations quantized per
+row for an FP8 weight's product (engine/quant.py), here so that the engine can name it without
+importing Triton.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -37,3 +42,20 @@ def check_kv_scales(k_scale: float, v_scale: float) -> None:
         ok = isinstance(scale, int | float) and not isinstance(scale, bool)
         if not (ok and scale > 0 and math.isfinite(scale)):
             raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
+
+
+class QuantizedRows(NamedTuple):
+    """Activations quantized per row for an FP8 projection by the kernel that computed them
+    (kernels/fp8_quant.py ``rms_norm_quant``): ``q [R, K]`` e4m3 and ``scale [R, 1]`` float32 as
+    ``quantize_per_token`` gives them, of which the first ``rows`` are the activations and the
+    rest padding (rows of zeros) for the product's kernel. engine/quant.py ``Fp8Linear`` takes
+    them in place of ``[rows, K]`` activations."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The activations' shape, ``(rows, K)``, as the tensor they stand for has it."""
+        return self.rows, self.q.shape[1]

@@ -40,6 +40,9 @@ _TILE_K = 128  # columns a warp's loads cover a row tile
 # its blocks prefetch into L2 before the PDL wait, spread over the row tiles; 0 (the default):
 # none. 24 MB made batch-1 ITL worse on an H200, 3.04 -> 3.16 ms (benchmarks/NOTES.md).
 L2_PREFETCH_BYTES = 0
+# An experiment (benchmarks/gpu_itl_batches.py --mma-pdl-quantized): launch the 2-8-row
+# variant, whose x comes quantized, with PDL too (the default launches it without)
+PDL_QUANTIZED_X = False
 
 
 def default_config(n: int, k: int, gated: bool) -> dict:
@@ -67,8 +70,8 @@ def problem(
     **config,
 ) -> str | None:
     """Why ``fp8_gemv_mma`` cannot take this call (None when it can)."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2:
-        return "a 2-D bf16 CUDA input"
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or x.dim() != 2:
+        return "a 2-D bf16 (or e4m3, quantized) CUDA input"
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return "compute capability 8.9 or higher"
     m, k, n, cfg = _shape(x, weight, gated, config)
@@ -78,7 +81,7 @@ def problem(
         return f"K a multiple of {_TILE_K}, N of 16 x the row tiles"
     if gated and (weight.shape[0] % 2 or cfg["rt"] != 2):
         return "a gated weight of 2 x 16-row tiles"
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) * x.element_size() % 16 or x.data_ptr() % 16:
         return "x rows 16-byte aligned"
     if weight.stride(1) != 1 or weight.stride(0) % 16 or weight.data_ptr() % 16:
         return "weight rows 16-byte aligned"
@@ -109,19 +112,21 @@ def fp8_gemv_mma(
     return launch(x, weight, weight_scale, bias, gated, **config)
 
 
-def launch(x, weight, weight_scale, bias, gated: bool = False, **config) -> torch.Tensor:
+def launch(
+    x, weight, weight_scale, bias, gated: bool = False, x_scale=None, **config
+) -> torch.Tensor:
     """``fp8_gemv_mma`` without its checks, for a caller that has had ``problem`` say None for
-    these arguments (``Fp8Linear``, which asks before it chooses this path)."""
+    these arguments (``Fp8Linear``, which asks before it chooses this path). ``x_scale``
+    (``[M, 1]`` float32): x is already quantized (e4m3, as ``quantize_per_token`` gives it)."""
     m, k, n, cfg = _shape(x, weight, gated, config)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     ws = weight_scale.reshape(-1)
-    warps, rt, quant_x = cfg["warps"], cfg["rt"], m == 1
+    warps, rt, quant_x = cfg["warps"], cfg["rt"], m == 1 and x_scale is None
     smem = 4 * (warps * rt * 128 + MAX_ROWS * warps + MAX_ROWS) + (k + 16 if quant_x else 0)
     kernel = _kernel(x.device.index or 0, warps, cfg["unroll"], rt, gated, quant_x)
     kernel.reserve(smem)
     blocks = n // 16 if gated else n // (16 * rt)
-    x_scale = None
-    if not quant_x:
+    if not quant_x and x_scale is None:
         from kernels.fp8_quant import quantize_per_token
 
         x, x_scale = quantize_per_token(x)
@@ -145,7 +150,8 @@ def launch(x, weight, weight_scale, bias, gated: bool = False, **config) -> torc
     stream = torch.cuda.current_stream(x.device).cuda_stream
     # PDL at one row only: behind the quantizer (2-8 rows) it measured a third slower on an H200
     # (Llama-3-70B, batch 8: 32.2 ms a step with it, 21.5 without; benchmarks/NOTES.md)
-    kernel.launch(blocks, warps * 32, smem, stream, args, quant_x and pdl.enabled(x.device))
+    use_pdl = (quant_x or PDL_QUANTIZED_X) and pdl.enabled(x.device)
+    kernel.launch(blocks, warps * 32, smem, stream, args, use_pdl)
     return y
 
 

@@ -13,7 +13,10 @@ the e4m3 row and its scale.
 ``silu_mul_quant`` is the gated MLP's activation and the down projection's quantization in one
 kernel: the same bytes as ``silu_and_mul`` then ``quantize_per_token``, without the bf16
 activation written and read back between them (at a 2304-token step of Llama-3-8B, 66 MB each
-way a layer).
+way a layer). ``rms_norm_quant`` does the same for the RMSNorm (with the residual add folded in)
+in front of the q/k/v and gate/up projections: the same bytes as kernels/rmsnorm.py's kernel
+then ``quantize_per_token``, one launch instead of two. Their result travels to the projection
+as ``QuantizedRows``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.activation import silu_mul_f32
+from kernels.fp8 import QuantizedRows
 from kernels.pdl import start as pdl_start
+from kernels.rmsnorm import normalize_rows, tile_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -205,6 +210,108 @@ def silu_mul_quant(
             **pdl.launch_options(x.device),
         )
     return q, scale
+
+
+@triton.jit(do_not_specialize=["M", "R"])
+def _rms_norm_quant_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    R,
+    stride_xm,
+    stride_rm,
+    stride_qm,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    MIN_AMAX_: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``ROWS`` rows a program, as kernels/rmsnorm.py's kernel tiles them (the same sum of
+    squares): the residual add (stored), the norm rounded to x's dtype as that kernel stores it,
+    then each row's scale and e4m3 values as ``_store_e4m3_row`` computes them. Rows from ``M``
+    to ``R`` (padding) get a row of zeros."""
+    pdl_start(PDL)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    in_cols = (cols < N)[None, :]
+    mask = (rows < M)[:, None] & in_cols
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r_offs = rows[:, None] * stride_rm + cols[None, :]
+        r = tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_ptr.dtype.element_ty)  # the sum, rounded as the model rounds it
+        tl.store(res_ptr + r_offs, s, mask=mask)
+        x = s.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = normalize_rows(x, w, eps, N, x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1), MIN_AMAX_) / FP8_MAX_
+    out = rows < R
+    tl.store(s_ptr + rows, scale, mask=out)
+    q = tl.clamp(y / scale[:, None], -FP8_MAX_, FP8_MAX_)
+    q_offs = rows[:, None] * stride_qm + cols[None, :]
+    tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=out[:, None] & in_cols)
+
+
+def rms_norm_quant(
+    x: torch.Tensor,  # [M, N], N contiguous
+    residual: torch.Tensor | None,  # like x, or None (the norm alone)
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    rows: int | None = None,
+) -> QuantizedRows:
+    """``quantize_per_token(norm)`` where ``norm`` is kernels/rmsnorm.py's ``rms_norm(x)`` or,
+    with ``residual``, ``fused_add_rms_norm(x, residual)``'s normed value, in one kernel and bit
+    for bit (the norm is not stored). ``residual`` becomes ``x + residual`` IN PLACE, as there;
+    ``x`` is left as it is. ``rows``: as ``quantize_per_token``'s."""
+    m, n = x.shape
+    rows = m if rows is None else rows
+    if (
+        x.stride(1) != 1
+        or x.dtype not in _ACT_DTYPES
+        or weight.shape != (n,)
+        or not weight.is_contiguous()
+        or rows < m
+        or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                      or residual.stride(1) != 1))
+    ):  # fmt: skip
+        raise ValueError(f"rms_norm_quant: x {tuple(x.shape)} {x.dtype} strides {x.stride()}, "
+                         f"weight {tuple(weight.shape)}, rows {rows}")  # fmt: skip
+    q = torch.empty(rows, n, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block_n = triton.next_power_of_2(n)
+    per_program, warps = tile_config(block_n, x.element_size())
+    if rows:
+        res = x if residual is None else residual
+        _rms_norm_quant_kernel[(triton.cdiv(rows, per_program),)](
+            x,
+            res,
+            weight,
+            q,
+            scale,
+            m,
+            rows,
+            x.stride(0),
+            res.stride(0),
+            q.stride(0),
+            eps,
+            N=n,
+            BLOCK_N=block_n,
+            ROWS=per_program,
+            HAS_RESIDUAL=residual is not None,
+            MIN_AMAX_=MIN_AMAX,
+            FP8_MAX_=FP8_MAX,
+            num_warps=warps,
+            **pdl.launch_options(x.device),
+        )
+    return QuantizedRows(q, scale, m)
 
 
 def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

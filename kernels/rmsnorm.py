@@ -69,11 +69,19 @@ def _rms_norm_kernel(
         s = (x + r).to(res_ptr.dtype.element_ty)  # the sum, rounded as the model rounds it
         tl.store(res_ptr + r_offs, s, mask=mask)
         x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-    y = (x * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     o_offs = (a * o_s0 + b * o_s1)[:, None] + cols[None, :]
-    tl.store(out_ptr + o_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + o_offs, normalize_rows(x, w, eps, N, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def normalize_rows(x, w, eps, N: tl.constexpr, dtype: tl.constexpr):
+    """Rows of ``x`` (fp32 ``[ROWS, BLOCK_N]``, zeros past ``N``) normalised and scaled by ``w``
+    (fp32 ``[BLOCK_N]``) in ``dtype``, rounded where the module docstring says: the one
+    definition of the arithmetic (also kernels/fp8_quant.py's norm that quantizes its output)."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    return (y * w[None, :]).to(dtype)
 
 
 def rms_norm(
@@ -128,7 +136,7 @@ def _launch(x, residual, weight, out, eps) -> None:
     r3 = x3 if residual is None else _rows(residual)
     num_rows, inner = x3.shape[0] * x3.shape[1], x3.shape[1]
     block_n = triton.next_power_of_2(n)
-    rows, num_warps = _config(block_n, x.element_size())
+    rows, num_warps = tile_config(block_n, x.element_size())
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x3,
         r3,
@@ -152,7 +160,7 @@ def _launch(x, residual, weight, out, eps) -> None:
     )
 
 
-def _config(block_n: int, elem_size: int) -> tuple[int, int]:
+def tile_config(block_n: int, elem_size: int) -> tuple[int, int]:
     """Rows a program (a tile of about ``_TILE`` elements when rows are short, at most 8 rows)
     and warps (one per KiB of the tile, 2 to 16). Swept on an H100 (1-64 rows, 1-16 warps; T =
     1, 64, 4096; N = 4096, 576, 128, 64): within 5% of the best everywhere."""

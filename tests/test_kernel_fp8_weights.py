@@ -245,3 +245,82 @@ def test_scaled_mm_rows_pad_to_the_multiple_up_to_the_limit(monkeypatch):
     ]  # fmt: skip
     monkeypatch.setattr(Fp8Linear, "scaled_mm_row_multiple", 0)
     assert layer.scaled_mm_rows(129) == 129
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n", "rows"), [(1, 64, None), (5, 96, 8), (3, 300, None)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quant_is_the_norm_then_the_quantizer(dtype, t, n, rows, with_residual):
+    """``rms_norm_quant``: the bytes and scales of kernels/rmsnorm.py's norm (with the residual
+    add: the same sum stored in place) then ``quantize_per_token``, padding rows of zeros; x is
+    left as it was."""
+    from kernels import rmsnorm
+    from kernels.fp8_quant import rms_norm_quant
+
+    g = torch.Generator().manual_seed(t * n)
+    x = (torch.randn(t, n, generator=g) * 3).to(dtype)
+    residual = torch.randn(t, n, generator=g).to(dtype) if with_residual else None
+    weight = torch.rand(n, generator=g).to(dtype) + 0.5
+    x_before = x.clone()
+    if with_residual:
+        normed, want_sum = rmsnorm.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    else:
+        normed, want_sum = rmsnorm.rms_norm(x, weight, 1e-5), None
+    want_q, want_s = quantize_per_token(normed, rows=rows)
+    got = rms_norm_quant(x, residual, weight, 1e-5, rows=rows)
+    assert got.rows == t and got.shape == (t, n) and got.q.shape == want_q.shape
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale, want_s)
+    assert torch.equal(x, x_before)
+    if with_residual:
+        assert torch.equal(residual, want_sum)
+    with pytest.raises(ValueError, match="rms_norm_quant"):
+        rms_norm_quant(x, residual, weight, 1e-5, rows=t - 1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 70])
+def test_a_norm_into_an_fp8_projection_hands_it_the_input_quantized(rows, monkeypatch):
+    """``TritonOps``' norms with ``into`` an ``Fp8Linear``: one kernel returns ``QuantizedRows``
+    (the quantizer's bytes of the norm), which
+    the projection and the gated MLP take as they take the norm quantized by the quantizer (the
+    interpreter's e4m3 rounding is not torch's, so the reference quantizes with the kernel too);
+    into a bf16 layer, or with ``fuse_norm_quant`` off, the norm comes back as a tensor."""
+    from torch import nn
+
+    from engine.ops import TritonOps
+    from engine.quant import Fp8Linear
+    from kernels.fp8 import QuantizedRows
+    from kernels.fp8_quant import silu_mul_quant
+
+    g = torch.Generator().manual_seed(rows)
+    qkv = Fp8Linear.from_linear(nn.Linear(64, 96, bias=False))
+    gate_up = Fp8Linear.from_linear(nn.Linear(64, 2 * 48, bias=False))
+    down = Fp8Linear.from_linear(nn.Linear(48, 64, bias=False))
+    ops = TritonOps()
+    x = torch.randn(rows, 64, generator=g)
+    residual = torch.randn(rows, 64, generator=g)
+    weight = torch.rand(64, generator=g) + 0.5
+    padded = rows  # (on CPU: _scaled_mm's padding is for cuBLAS's kernels)
+    assert qkv.quantized_input_rows(x) == padded
+
+    normed, want_sum = ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    got, got_sum = ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5, into=qkv)
+    assert isinstance(got, QuantizedRows) and got.rows == rows and got.shape == (rows, 64)
+    q_ref, s_ref = quantize_per_token(normed, rows=padded)
+    assert torch.equal(got.q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(got.scale, s_ref) and torch.equal(got_sum, want_sum)
+    assert torch.equal(qkv(got), qkv.forward_quantized(q_ref, s_ref, rows=rows))
+
+    mlp_in = ops.rms_norm(x, weight, 1e-5, into=gate_up)
+    assert isinstance(mlp_in, QuantizedRows)
+    plain = ops.rms_norm(x, weight, 1e-5)
+    h = gate_up.forward_quantized(*quantize_per_token(plain, rows=padded), rows=rows)
+    if down.takes_quantized(rows):  # past the GEMMs' rows: the activation quantized too
+        want = down.forward_quantized(*silu_mul_quant(h, rows=padded), rows=rows)
+    else:
+        want = down(ops.silu_and_mul(h))
+    assert torch.equal(ops.gated_mlp(gate_up, down, mlp_in), want)
+
+    assert not isinstance(ops.rms_norm(x, weight, 1e-5, into=nn.Linear(64, 8)), QuantizedRows)
+    monkeypatch.setattr(Fp8Linear, "fuse_norm_quant", 0)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-5, into=qkv), plain)

@@ -49,13 +49,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, ops=None, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+    def forward(self, x: torch.Tensor, ops=None, residual: torch.Tensor | None = None, into=None):
+        """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``. ``into``: the
+        projection the norm feeds, which ``ops`` may hand the norm already quantized
+        (engine/ops.py ``TritonOps``, an FP8 projection)."""
         if residual is not None:
-            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.add_rms_norm(x, residual, self.weight, self.eps, into)
         if ops is None:
             return rms_norm(x, self.weight, self.eps)
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, into)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -190,16 +192,19 @@ class DecoderLayer(nn.Module):
         """Input norm and q, k, v: ``(q, k, v, residual)``. The residual stream is
         ``x + residual`` (vLLM's way, so the add folds into the next norm); ``residual`` is
         None at layer 0."""
+        qkv = self.self_attn.qkv_proj
         if residual is None:
-            x, residual = self.input_layernorm(x, step.ops), x
+            x, residual = self.input_layernorm(x, step.ops, into=qkv), x
         else:
-            x, residual = self.input_layernorm(x, step.ops, residual)
+            x, residual = self.input_layernorm(x, step.ops, residual, into=qkv)
         return (*self.self_attn.project(step, x), residual)
 
     def post_attention(self, step: StepContext, o, residual):
         """Attention output ``o`` ``[T, H * D]`` to the layer's output ``(x, residual)``:
         o_proj, the residual add folded into the post-attention norm, MLP."""
-        x, residual = self.post_attention_layernorm(self.self_attn.output(o), step.ops, residual)
+        x, residual = self.post_attention_layernorm(
+            self.self_attn.output(o), step.ops, residual, into=self.mlp.gate_up_proj
+        )
         return self.mlp(step, x), residual
 
     def forward(self, step: StepContext, x, residual, kv_cache):

@@ -314,3 +314,60 @@ def test_fp8_model_close_to_bf16_with_graphs_on(tiny):
     diffs, first = _logprob_diffs(fp8, eager)
     assert first >= len(prompts) - 1
     assert len(diffs) >= 2 * len(prompts) and max(diffs) < 2e-2, diffs
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quant_is_the_norm_then_the_quantizer_on_the_gpu(rows, with_residual):
+    """One kernel, the bytes of kernels/rmsnorm.py's norm then ``quantize_per_token`` (padded
+    as ``_scaled_mm`` takes them), and the residual's sum, at Llama-3-8B's width."""
+    from kernels import rmsnorm
+    from kernels.fp8_quant import quantize_per_token, rms_norm_quant
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 4
+    residual = torch.randn_like(x) if with_residual else None
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    padded = -(-rows // 128) * 128
+    if with_residual:
+        normed, want_sum = rmsnorm.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    else:
+        normed, want_sum = rmsnorm.rms_norm(x, weight, 1e-5), None
+    want_q, want_s = quantize_per_token(normed, rows=padded)
+    got = rms_norm_quant(x, residual, weight, 1e-5, rows=padded)
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got.scale, want_s)
+    if with_residual:
+        assert torch.equal(residual, want_sum)
+
+
+# 2, 8: the tensor-core GEMV; 9, 64: the split-K GEMM; 65, 300: _scaled_mm (padded rows)
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 64, 65, 300])
+def test_an_fp8_projection_takes_its_input_quantized_by_the_norm(rows):
+    """``TritonOps``' norm into an ``Fp8Linear``: past one row the norm hands the projection
+    ``QuantizedRows`` and every product path (plain and gated) gives the bits it gives the
+    norm as a tensor; at one row (the GEMV quantizes x itself) the norm stays a tensor."""
+    from engine.ops import TritonOps
+    from kernels.fp8 import QuantizedRows
+
+    torch.manual_seed(rows)
+    layer = Fp8Linear.from_linear(
+        nn.Linear(4096, 2 * 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    )
+    ops = TritonOps()
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    normed, _ = ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    got, _ = ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5, into=layer)
+    if rows == 1:
+        assert not isinstance(got, QuantizedRows) and torch.equal(got, normed)
+        return
+    assert isinstance(got, QuantizedRows)
+    assert got.q.shape[0] == (rows if rows <= 64 else -(-rows // 128) * 128)
+    assert torch.equal(layer(got), layer(normed))
+    fused = layer.silu_mul(got)
+    if rows <= layer.splitk_max_rows:
+        assert fused is not None and torch.equal(fused, layer.silu_mul(normed))
+    else:
+        assert fused is None and layer.silu_mul(normed) is None
