@@ -12,8 +12,8 @@ so a decode step reads one byte per weight instead of two. The LM head, the embe
 norms stay in the model's dtype. On CUDA the input's quantization is one Triton kernel
 (kernels/fp8_quant.py), or the RMSNorm's own kernel in front of q/k/v and gate/up
 (``QuantizedRows``), and batch 1 takes an FP8 GEMV that quantizes its input itself: the same
-numbers. The activation scales are computed on the device (no host
-sync), so the CUDA graphs capture the quantized forward as they capture the unquantized one.
+numbers. The activation scales are computed on the device (no host sync), so the CUDA graphs
+capture the quantized forward as they capture the unquantized one.
 
 Where it runs: wherever ``torch._scaled_mm`` takes e4m3 with row-wise scales. On CUDA that is
 compute capability 8.9 and up (Ada, Hopper); torch's CPU build (2.13) has the same kernel, so
