@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,14 @@ def hf(smollm2_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
 
     def greedy(prompt: list[int], n: int = 8) -> tuple[list[int], str]:
-        ids = hf_greedy_ids(model.eval(), prompt, n)
+        # one torch thread: this runs beside a server's start, and a second thread on 2 busy
+        # cores spins (a 9 s oracle took 70 s so)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            ids = hf_greedy_ids(model.eval(), prompt, n)
+        finally:
+            torch.set_num_threads(threads)
         return ids, tok.decode(ids, skip_special_tokens=True)
 
     return greedy
@@ -114,22 +122,38 @@ def test_host_tier_and_a_conversation_across_prefill_and_decode(
 ):
     from engine.block_manager import prefix_block_hashes
 
-    # transformers' answers before any server starts, so the oracle never shares the 2 cores
-    # with the workers (the turns are built from its answers: all are known up front)
-    expect_first = hf(prompts[0])[1]
-    answer, answer_text = hf(prompts[3], 40)
-    turn1 = prompts[3] + answer
-    turn2 = turn1 + prompts[1][:30]  # 46 tokens the decode worker lacks: a prefill worker's
-    want2, text2 = hf(turn2)
-    turn3 = turn2 + want2 + prompts[1][30:35]
-    want3, text3 = hf(turn3)
-    turn4 = turn3 + want3 + prompts[1][35:40]
-    text4 = hf(turn4)[1]
+    def oracle() -> dict[str, list[int] | str]:
+        """transformers' answers, turn by turn (each turn is built from the answer before)."""
+        expect_first = hf(prompts[0])[1]
+        answer, answer_text = hf(prompts[3], 40)
+        turn1 = prompts[3] + answer
+        turn2 = turn1 + prompts[1][:30]  # 46 tokens the decode worker lacks: a prefill worker's
+        want2, text2 = hf(turn2)
+        turn3 = turn2 + want2 + prompts[1][30:35]
+        want3, text3 = hf(turn3)
+        turn4 = turn3 + want3 + prompts[1][35:40]
+        text4 = hf(turn4)[1]
+        return dict(
+            expect_first=expect_first,
+            answer_text=answer_text,
+            turns=(turn1, turn2, turn3, turn4),
+            texts=(text2, text3, text4),
+        )
 
     tiers = ["kv_offload_cpu_gb=0.1", f"kv_offload_disk_dir={disk_dir}"]
     # a next turn the decode worker lacks at most 16 tokens of is prefilled there
     pd = ["--prefill", "1", "--decode", "1", "--local-prefill-tokens", "16"]
-    proc, url = serve(smollm2_dir, env, pd, tiers)
+    # transformers' answers while the first server starts (all are known before a request)
+    with ThreadPoolExecutor(1) as pool:
+        answers = pool.submit(oracle)
+        proc, url = serve(smollm2_dir, env, pd, tiers)
+        try:
+            o = answers.result()
+        except BaseException:
+            proc.stop()
+            raise
+    expect_first, answer_text = o["expect_first"], o["answer_text"]
+    (turn1, turn2, turn3, turn4), (text2, text3, text4) = o["turns"], o["texts"]
     try:
         client = make_client(url)
         first, cached = complete(client, prompts[0])
