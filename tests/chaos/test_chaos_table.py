@@ -13,7 +13,9 @@ The full table (more requests, replacement workers): ``python benchmarks/chaos.p
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -88,8 +90,23 @@ def table(smollm2_dir):
         deadline_s=120.0,
         progress=False,
     )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(chaos, "hf_expected", batched_hf_expected)
+    # the oracle runs in a thread while the workers start (run_chaos calls it before it starts
+    # them); the scenarios wait for its texts
+    oracle = ThreadPoolExecutor(1)
+    expected: list[Future] = []
+    drive = chaos.drive
+
+    async def drive_once_expected(h, jobs):
+        await asyncio.wrap_future(expected[0])  # its exception, if any, ends the run
+        return await drive(h, jobs)
+
+    with oracle, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            chaos,
+            "hf_expected",
+            lambda *args: expected.append(oracle.submit(batched_hf_expected, *args)),
+        )
+        mp.setattr(chaos, "drive", drive_once_expected)
         rows, meta = chaos.run_chaos(cfg)
     print("\n" + chaos.format_table(rows))
     return {r.scenario: r for r in rows}
