@@ -115,28 +115,11 @@ class Fp8Linear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if x.is_cuda:  # the same numbers in fewer launches: kernels/fp8_quant.py, fp8_gemv.py
-            from kernels.fp8_gemv import fp8_gemv_quantizing
-            from kernels.fp8_quant import quantize_per_token
-
-            if self._takes_mma(x, gated=False):  # (checked: launched without a second check)
-                from kernels import fp8_gemv_mma
-
-                y = fp8_gemv_mma.launch(x, self.weight, self.weight_scale, self.bias)
-                return y.reshape(*shape[:-1], self.out_features)
-            if x.shape[0] <= self.gemv_max_rows:  # one kernel quantizes and multiplies
-                w, ws = self.weight, self.weight_scale
-                y = fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype)
-                return y.reshape(*shape[:-1], self.out_features)
-            if x.shape[0] <= self.splitk_max_rows:
-                from kernels.fp8_gemv import fp8_gemv_splitk
-
-                xq, x_scale = quantize_per_token(x)
-                w, ws = self.weight, self.weight_scale
-                y = fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype)
-                return y.reshape(*shape[:-1], self.out_features)
-            m = x.shape[0]
-            xq, x_scale = quantize_per_token(x, rows=self.scaled_mm_rows(m))
-            y = self.forward_quantized(xq, x_scale, rows=m)
+            path = self._gemv_path(x, gated=False)
+            if self._quantizes_itself(x, path):
+                y = self._quantizing_gemv(x, path, gated=False)
+            else:
+                y = self._product(self._quantize(x, path), gated=False)
         else:
             xq, x_scale = quantize_rows(x)
             y = self.forward_quantized(xq, x_scale)
@@ -150,14 +133,51 @@ class Fp8Linear(nn.Module):
         off. ``forward`` and ``silu_mul`` take either."""
         if not self.fuse_norm_quant or x.dim() != 2:
             return None
-        m = x.shape[0]
         if not x.is_cuda:
-            return m
-        if m <= self.gemv_max_rows or (m == 1 and self._takes_mma(x, gated=False)):
+            return x.shape[0]
+        path = self._gemv_path(x, gated=False)
+        if self._quantizes_itself(x, path):
             return None
-        if m <= max(self.mma_max_rows, self.splitk_max_rows):
+        return self._quantized_rows(x.shape[0], path)
+
+    def _quantized_rows(self, m: int, path: str | None) -> int:
+        """The rows a CUDA call on ``m`` rows taking ``path`` quantizes its input to: ``m`` for
+        the GEMVs, padded for ``_scaled_mm``."""
+        if path == "mma" or m <= self.splitk_max_rows:
             return m
         return self.scaled_mm_rows(m)
+
+    def _quantize(self, x: torch.Tensor, path: str | None) -> QuantizedRows:
+        """x quantized by its own kernel (kernels/fp8_quant.py), for ``_product``."""
+        from kernels.fp8_quant import quantize_per_token
+
+        m = x.shape[0]
+        return QuantizedRows(*quantize_per_token(x, rows=self._quantized_rows(m, path)), m)
+
+    def _gemv_path(self, x: torch.Tensor, gated: bool) -> str | None:
+        """The GEMV a CUDA call on ``x`` takes: "mma" (the tensor-core GEMV, at most
+        ``mma_max_rows`` rows), "gemv" (the Triton GEMV, at most ``gemv_max_rows`` rows where
+        the tensor-core one does not run), or None (the split-K GEMM or ``_scaled_mm``)."""
+        if self._takes_mma(x, gated):
+            return "mma"
+        return "gemv" if x.shape[0] <= self.gemv_max_rows else None
+
+    @staticmethod
+    def _quantizes_itself(x: torch.Tensor, path: str | None) -> bool:
+        """Whether ``path``'s kernel quantizes x itself: the Triton GEMV, and the tensor-core
+        GEMV at one row (more rows are quantized first)."""
+        return path == "gemv" or (path == "mma" and x.shape[0] == 1)
+
+    def _quantizing_gemv(self, x: torch.Tensor, path: str, gated: bool) -> torch.Tensor:
+        """The product (``gated``: ``silu_mul``'s) in one kernel that quantizes x itself."""
+        w, ws = self.weight, self.weight_scale
+        if path == "mma":
+            from kernels import fp8_gemv_mma
+
+            return fp8_gemv_mma.launch(x, w, ws, self.bias, gated)
+        from kernels.fp8_gemv import fp8_gemv_quantizing
+
+        return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=gated)
 
     def _product(self, x: QuantizedRows, gated: bool) -> torch.Tensor | None:
         """``forward`` (``gated``: ``silu_mul``) of an input quantized by its producer: the
@@ -216,26 +236,20 @@ class Fp8Linear(nn.Module):
         GEMV runs (CUDA, 2-D input of at most ``mma_max_rows`` rows, or ``gemv_max_rows``
         without the tensor-core GEMV, or ``splitk_max_rows`` behind the quantizer); None
         elsewhere."""
+        if not self.fuse_activation:
+            return None
         if isinstance(x, QuantizedRows):
-            return self._product(x, gated=True) if self.fuse_activation else None
-        if not (self.fuse_activation and x.is_cuda and x.dim() == 2):
+            return self._product(x, gated=True)
+        if not (x.is_cuda and x.dim() == 2):
             return None
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if self._takes_mma(x, gated=True):
-            from kernels import fp8_gemv_mma
-
-            return fp8_gemv_mma.launch(x, self.weight, self.weight_scale, self.bias, gated=True)
-        if x.shape[0] > max(self.gemv_max_rows, self.splitk_max_rows):  # (cuBLAS's rows)
+        path = self._gemv_path(x, gated=True)
+        if self._quantizes_itself(x, path):
+            return self._quantizing_gemv(x, path, gated=True)
+        if path is None and x.shape[0] > self.splitk_max_rows:  # (cuBLAS's rows)
             return None
-        from kernels.fp8_gemv import fp8_gemv_quantizing, fp8_gemv_splitk
-        from kernels.fp8_quant import quantize_per_token
-
-        w, ws = self.weight, self.weight_scale
-        if x.shape[0] <= self.gemv_max_rows:
-            return fp8_gemv_quantizing(x, w, ws, self.bias, self.out_dtype, gated=True)
-        xq, x_scale = quantize_per_token(x)
-        return fp8_gemv_splitk(xq, x_scale, w, ws, self.bias, self.out_dtype, gated=True)
+        return self._product(self._quantize(x, path), gated=True)
 
     def _takes_mma(self, x: torch.Tensor, gated: bool) -> bool:
         """Whether the CUDA tensor-core GEMV runs this call: at most ``mma_max_rows`` rows, bf16
