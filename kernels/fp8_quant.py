@@ -29,7 +29,7 @@ from kernels import pdl
 from kernels.activation import silu_mul_f32
 from kernels.fp8 import QuantizedRows
 from kernels.pdl import start as pdl_start
-from kernels.rmsnorm import normalize_rows, tile_config
+from kernels.rmsnorm import add_residual, normalize_rows, tile_config
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -245,11 +245,7 @@ def _rms_norm_quant_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
-        r_offs = rows[:, None] * stride_rm + cols[None, :]
-        r = tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(res_ptr.dtype.element_ty)  # the sum, rounded as the model rounds it
-        tl.store(res_ptr + r_offs, s, mask=mask)
-        x = s.to(tl.float32)
+        x = add_residual(x, res_ptr + rows[:, None] * stride_rm + cols[None, :], mask)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     y = normalize_rows(x, w, eps, N, x_ptr.dtype.element_ty).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(y), axis=1), MIN_AMAX_) / FP8_MAX_

@@ -64,14 +64,21 @@ def _rms_norm_kernel(
     x_offs = (a * x_s0 + b * x_s1)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r_offs = (a * r_s0 + b * r_s1)[:, None] + cols[None, :]
-        r = tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(res_ptr.dtype.element_ty)  # the sum, rounded as the model rounds it
-        tl.store(res_ptr + r_offs, s, mask=mask)
-        x = s.to(tl.float32)
+        x = add_residual(x, res_ptr + (a * r_s0 + b * r_s1)[:, None] + cols[None, :], mask)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     o_offs = (a * o_s0 + b * o_s1)[:, None] + cols[None, :]
     tl.store(out_ptr + o_offs, normalize_rows(x, w, eps, N, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_residual(x, res_at, mask):
+    """``x`` (fp32) plus the residual at the pointers ``res_at``, rounded to the residual's
+    dtype as the model rounds the sum, stored back there (vLLM's in-place convention); returns
+    the sum in fp32 (also kernels/fp8_quant.py's norm that quantizes its output)."""
+    r = tl.load(res_at, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(res_at.dtype.element_ty)
+    tl.store(res_at, s, mask=mask)
+    return s.to(tl.float32)
 
 
 @triton.jit
