@@ -19,6 +19,11 @@ Both also time the library's GEMM **swapped**: ``out.T = W @ x.T``, so the weigh
 the product's M side and the 256 tokens its narrow N side (cuBLAS then tiles 4096 x 256, not
 256 x 4096), the result read through a transposed view, and with the copy that makes it
 contiguous again (``swapped+copy``). ``--no-splitk`` skips the Triton sweep.
+
+``--bmm-split S`` (bf16) also times the library's GEMM with K cut into S slices run as one
+batched GEMM over strided views (``torch.bmm``, fp32 partial products where torch offers
+``out_dtype``, else bf16), then summed over the slices and rounded: S times the output tiles
+for the narrow shapes, at the cost of the partials' traffic and the sum's kernel.
 """
 
 from __future__ import annotations
@@ -217,6 +222,34 @@ def fp8_main(args) -> None:
     (args.out / f"gpu_gemm_m{args.m}_fp8.json").write_text(json.dumps(res, indent=1))
 
 
+def bmm_split_times(a, w0, ws, split: int, floor: float) -> dict:
+    """``a @ w.T`` with K in ``split`` slices as one ``torch.bmm`` (fp32 partials where
+    ``out_dtype`` is offered), the slices summed and rounded to bf16; checked against
+    ``F.linear`` on ``w0``, timed cold; printed against the plain product."""
+    m, k = a.shape
+    a_s = a.view(m, split, k // split).transpose(0, 1)  # [S, M, K/S], no copy
+
+    def product(w, out_dtype):
+        w_s = w.view(w.shape[0], split, k // split).permute(1, 2, 0)  # [S, K/S, N], no copy
+        if out_dtype is None:
+            return torch.bmm(a_s, w_s).float().sum(0).to(a.dtype)
+        return torch.bmm(a_s, w_s, out_dtype=out_dtype).sum(0).to(a.dtype)
+
+    try:
+        product(w0, torch.float32)
+        out_dtype = torch.float32
+    except (TypeError, RuntimeError):  # a torch without bmm's out_dtype: bf16 partials
+        out_dtype = None
+    want = F.linear(a, w0).float()
+    got = product(w0, out_dtype).float()
+    if not torch.allclose(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item()):
+        raise AssertionError("the sliced product differs from the plain one")
+    t = graph_time(lambda w: product(w, out_dtype), ws)
+    print(f"  K in {split} slices by bmm ({'fp32' if out_dtype else 'bf16'} partials): "
+          f"{t * 1e6:.1f} us, {t / floor:.2f}x the floor")  # fmt: skip
+    return {"bmm_split": split, "bmm_split_s": t, "bmm_fp32_partials": out_dtype is not None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--m", type=int, default=256)
@@ -224,6 +257,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="qkv,o_proj,gate_up,down")
     ap.add_argument("--fp8", action="store_true", help="_scaled_mm against fp8_gemv_splitk")
     ap.add_argument("--no-splitk", action="store_true", help="the library's GEMMs only")
+    ap.add_argument("--bmm-split", type=int, default=0, help="also K in S slices by torch.bmm")
     ap.add_argument(
         "--splitk-default",
         action="store_true",
@@ -271,6 +305,8 @@ def main() -> None:
         res["shapes"][name] = {"floor_s": floor, "cublas_s": cublas, "splitk_s": best[0],
                                "config": best[1], **swap}  # fmt: skip
         print(table_row(name, floor, cublas, best, swap))
+        if args.bmm_split:
+            res["shapes"][name].update(bmm_split_times(a, w0, ws, args.bmm_split, floor))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"gpu_gemm_m{args.m}.json").write_text(json.dumps(res, indent=1))
 
