@@ -99,7 +99,12 @@ def _opt_str(v: Any) -> bool:
 
 
 def _tokens(v: Any) -> bool:
-    return isinstance(v, list) and all(_int(t) for t in v)
+    """A list of ints (not bools): in C for the one-token lists of decode steps' deltas, which a
+    gateway checks ~10,000 times a second (the generator over ``_int`` was 11 % of its time)."""
+    return type(v) is list and (not v or set(map(type, v)) == _INT_TYPE)
+
+
+_INT_TYPE = {int}
 
 
 def _logprobs(v: Any) -> bool:

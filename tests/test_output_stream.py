@@ -63,6 +63,10 @@ def _body(*batch) -> bytes:
         (_body(2, "w", 0, 0.0, []), "version"),
         (_body(1, "w", 0, 0, []), "header"),  # step age must be a float
         (_body(1, "w", 0, 0.0, [["r", 0, 0, [1, "x"]]]), "integers"),
+        (_body(1, "w", 0, 0.0, [["r", 0, 0, [True]]]), "integers"),  # a bool is no token id
+        (_body(1, "w", 0, 0.0, [["r", 0, 0, [2.0]]]), "integers"),
+        (_body(1, "w", 0, 0.0, [["r", 0, 0, {1: 2}]]), "integers"),
+        (_body(1, "w", 0, 0.0, [{"request_id": "r", "token_ids": [3, False]}]), "token_ids"),
         (_body(1, "w", 0, 0.0, [["r", 0, [1]]]), "plain delta"),
         (_body(1, "w", 0, 0.0, [{"request_id": "r", "evil": 1}]), "unknown"),
         (_body(1, "w", 0, 0.0, [{"request_id": "r", "retryable": 1}]), "retryable"),
