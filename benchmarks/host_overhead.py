@@ -18,6 +18,12 @@ vocabulary, whose forward pass is a small part of each step. Two runs of the sam
   its attention metadata), sampling, and taking the tokens in (stop checks, outputs).
 
     python benchmarks/host_overhead.py [--requests 1000] [--out benchmarks/results/host_overhead.json]
+    python benchmarks/host_overhead.py --worker [--out F]
+
+``--worker``: as a serving worker steps its engine (engine/runtime.py): output kind "delta", a
+delta for every request that progressed each step, each step's deltas encoded as the frame the
+output stream writes to the router (engine/output_stream.py ``encode_batch``), instead of
+``LLM.generate``'s outputs for finished requests only. The phases add "emit".
 
 Prints a table and writes JSON.
 """
@@ -56,6 +62,7 @@ PHASES = (
     ("forward (device work on a GPU)", ("model_runner.py:_run_everywhere",)),
     ("sampling (device work on a GPU)", ("model_runner.py:sample",)),
     ("take tokens in, outputs", ("llm_engine.py:_finish",)),
+    ("emit (--worker: the stream's frames)", ("host_overhead.py:_emit",)),
 )
 
 
@@ -89,10 +96,33 @@ def phase_seconds(stats: pstats.Stats) -> dict[str, float]:
     return {phase: sum(by_name.get(f, 0.0) for f in funcs) for phase, funcs in PHASES}
 
 
+def _emit(deltas: list) -> int:
+    """The frame a worker writes for one step's deltas (one router): its size in bytes."""
+    from engine.messages import StreamBatch
+    from engine.output_stream import encode_batch
+
+    return len(encode_batch(StreamBatch("w", deltas))) if deltas else 0
+
+
+def run_worker(llm, prompts, params) -> None:
+    """Every request added, then the engine stepped with delta outputs, each step's deltas
+    encoded (``--worker``)."""
+    engine = llm.engine
+    kind, engine.output_kind = engine.output_kind, "delta"
+    try:
+        for prompt, p in zip(prompts, params, strict=True):
+            engine.add_request(None, prompt, p)
+        while engine.has_unfinished_requests():
+            _emit(engine.step())
+    finally:
+        engine.output_kind = kind
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/host_overhead.json")
+    ap.add_argument("--worker", action="store_true", help="delta outputs and stream frames")
     args = ap.parse_args(argv)
     import torch
 
@@ -112,7 +142,10 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
-            llm.generate(prompts, params)
+            if args.worker:
+                run_worker(llm, prompts, params)
+            else:
+                llm.generate(prompts, params)
             if prof is not None:
                 prof.disable()
             wall = time.perf_counter() - t0
@@ -129,6 +162,7 @@ def main(argv=None) -> dict:
         "benchmark": "host_overhead",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "requests": len(prompts),
+        "mode": "worker" if args.worker else "generate",
         "output_tokens": tokens,
         "model": MODEL,
         "runs": runs,
