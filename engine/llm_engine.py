@@ -869,7 +869,8 @@ class LLMEngine:
                     predicted=group.predicted if first else None,
                 )
             )
-        if all(s.output.finished for s in group.seqs):
+        seqs = group.seqs
+        if seqs[0].output.finished if len(seqs) == 1 else all(s.output.finished for s in seqs):
             self._retire(group)
         return deltas
 

@@ -1,8 +1,11 @@
 """The typed messages every tandem process exchanges (router <-> workers, worker <-> worker).
 
-Each is a frozen dataclass; Ray carries them between actors. Failure is a value on the hot path
-(``Full``, ``Rejected``, ``PrefillFailed``, a ``Delta`` with ``error``); exceptions are for
-faults (a dead actor, a bug).
+Each is a frozen dataclass but ``Delta``, a slotted one: a worker makes one a token and the
+router decodes it again, and a frozen dataclass's constructor sets each field through
+``object.__setattr__`` (1.7 us for its 13 fields, against 0.45 us). Nothing changes a delta
+once made. Ray carries them between actors. Failure is a value on the hot path (``Full``,
+``Rejected``, ``PrefillFailed``, a ``Delta`` with ``error``); exceptions are for faults (a dead
+actor, a bug).
 
 A request's messages, disaggregated::
 
@@ -120,7 +123,7 @@ PrefillResult = PrefillDone | PrefillFailed
 # -- the stream of outputs (decode / colocated worker -> router) ----------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Delta:
     """What one sequence of one request added since the last delta: never cumulative.
 
