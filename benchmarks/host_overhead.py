@@ -43,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.workloads import read_workload  # noqa: E402
+from engine.messages import StreamBatch  # noqa: E402
+from engine.output_stream import encode_batch  # noqa: E402
 
 SAMPLE = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
 VOCAB = 512
@@ -98,9 +100,6 @@ def phase_seconds(stats: pstats.Stats) -> dict[str, float]:
 
 def _emit(deltas: list) -> int:
     """The frame a worker writes for one step's deltas (one router): its size in bytes."""
-    from engine.messages import StreamBatch
-    from engine.output_stream import encode_batch
-
     return len(encode_batch(StreamBatch("w", deltas))) if deltas else 0
 
 

@@ -869,8 +869,7 @@ class LLMEngine:
                     predicted=group.predicted if first else None,
                 )
             )
-        seqs = group.seqs
-        if seqs[0].output.finished if len(seqs) == 1 else all(s.output.finished for s in seqs):
+        if all(s.output.finished for s in group.seqs):
             self._retire(group)
         return deltas
 
