@@ -700,47 +700,67 @@ class _Batch:
     flight go in the next one (at most ``MAX`` a call). A burst of 1000 requests then makes a
     few dozen actor calls of each kind instead of 1000; each cost the router's event loop
     ~0.5 ms of Ray's client work (argument checks, serialisation, submission), a fifth of its
-    time in a burst on CPU (benchmarks/NOTES.md). Kinds: colocated starts
-    (``generate_many``), reservations (``reserve_many``), a prefill's release
+    time in a burst on CPU (benchmarks/NOTES.md). ``FLUSH`` queued calls go at once, from
+    ``add``: the next loop turn comes only after every other request of a burst has been taken
+    in (~1 ms each), and the worker should have the first ones meanwhile. Kinds: colocated
+    starts (``generate_many``), reservations (``reserve_many``), a prefill's release
     (``release_many``). ``method(items, *extra)`` answers one value per item, in order; each
     item gets its own, or the call's failure (raised) or ``_UNRESPONSIVE``."""
 
     MAX = 256
+    FLUSH = 32
 
     def __init__(self, dispatcher: Dispatcher, worker: WorkerRef, method: str, *extra) -> None:
         self.dispatcher, self.worker, self.method, self.extra = dispatcher, worker, method, extra
         self.pending: list[tuple[Any, asyncio.Future]] = []
         self.task: asyncio.Task | None = None
+        self.settling: set[asyncio.Task] = set()  # answers of the calls ``add`` sent at once
 
     def add(self, item: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self.pending.append((item, future))
-        if self.task is None or self.task.done():
+        if len(self.pending) >= self.FLUSH:
+            batch, self.pending = self.pending, []
+            settling = asyncio.ensure_future(self._settle(batch, self._call(batch)))
+            self.settling.add(settling)  # (held until done: the loop keeps weak references)
+            settling.add_done_callback(self.settling.discard)
+        elif self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._send())
         return future
 
+    def _call(self, batch: list[tuple[Any, asyncio.Future]]) -> Any:
+        """The actor call for ``batch``, submitted now (its ObjectRef), or why it could not be."""
+        try:
+            method = getattr(self.worker.handle, self.method)
+            return method.remote([item for item, _ in batch], *self.extra)
+        except Exception as exc:  # noqa: BLE001 - the call's failure is each item's
+            return exc
+
     async def _send(self) -> None:
-        dispatcher, worker = self.dispatcher, self.worker
         while self.pending:
             batch, self.pending = self.pending[: self.MAX], self.pending[self.MAX :]
             batch = [(item, f) for item, f in batch if not f.done()]  # (callers cancelled)
-            if not batch:
-                continue
+            if batch:
+                await self._settle(batch, self._call(batch))
+
+    async def _settle(self, batch: list[tuple[Any, asyncio.Future]], call: Any) -> None:
+        """Each item of ``batch`` gets its answer from ``call``."""
+        if isinstance(call, Exception):
+            answers: Any = [call] * len(batch)
+        else:
             try:
-                method = getattr(worker.handle, self.method)
-                call = method.remote([item for item, _ in batch], *self.extra)
-                answers = await dispatcher._answer_of(worker, call)
+                answers = await self.dispatcher._answer_of(self.worker, call)
             except Exception as exc:  # noqa: BLE001 - the call's failure is each item's
                 answers = [exc] * len(batch)
-            if answers is _UNRESPONSIVE:
-                answers = [_UNRESPONSIVE] * len(batch)
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if future.done():
-                    continue
-                if isinstance(answer, BaseException):
-                    future.set_exception(answer)
-                else:
-                    future.set_result(answer)
+        if answers is _UNRESPONSIVE:
+            answers = [_UNRESPONSIVE] * len(batch)
+        for (_, future), answer in zip(batch, answers, strict=True):
+            if future.done():
+                continue
+            if isinstance(answer, BaseException):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
 
 
 async def worker_stream(worker: WorkerRef, client: str) -> AsyncIterator[StreamBatch]:

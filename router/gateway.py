@@ -584,7 +584,11 @@ class _Gateway:
         else:
             params = protocol.completion_sampling_params(req)
             await self._check_structured(req, params)
-            text, ids = await self._tokenize(protocol.completion_prompt, req)
+            if protocol.prompt_is_text(req):
+                text, ids = await self._tokenize(protocol.completion_prompt, req)
+            else:  # token ids are only checked: here, without a hop through a thread, whose
+                # answer would wait on the event loop behind a whole burst's new requests
+                text, ids = protocol.completion_prompt(req, self._prompt_tokenizer)
             hints = PredictInput(text=text)
         trace(request_id, "gw.tokenized")
         protocol.check_context(
@@ -832,24 +836,60 @@ class _Gateway:
 async def _unless_gone(request: Request, call: _Call, work: Awaitable[Any]) -> tuple[bool, Any]:
     """Await ``work`` unless the client disconnects or the call is stopped first (``work`` is
     then cancelled). Returns (True, its result) or (False, None) when the client went away;
-    raises the call's error when it was stopped, else ``work``'s own exception."""
-    task = asyncio.ensure_future(work)
+    raises the call's error when it was stopped, else ``work``'s own exception.
+
+    ``work`` runs in this task, not in one of its own: a new task starts only after every
+    callback the event loop has ready, and in a burst those are every other new request's
+    handler (~1 ms each), so each request would reach its worker only once the whole burst
+    was in. Two watchers cancel this task instead when the client goes or the call stops."""
+    me = asyncio.current_task()
+    assert me is not None
     gone = asyncio.ensure_future(_client_gone(request))
     stopped = asyncio.ensure_future(call.stop_event.wait())
-    tasks = (task, gone, stopped)
+    watchers = (gone, stopped)
+    state = {"running": True, "interrupted": False}
+
+    def interrupt(_: asyncio.Future) -> None:
+        if state["running"] and not state["interrupted"]:
+            state["interrupted"] = True
+            me.cancel()
+
+    for w in watchers:
+        w.add_done_callback(interrupt)
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    if not task.cancelled() and task.exception() is None:
-        return True, task.result()
-    if call.stopped is not None:
-        raise call.stopped
-    if task.cancelled():
+        result = await work
+    except asyncio.CancelledError:
+        if not state["interrupted"]:
+            raise  # cancelled from outside (the server stopping): not ours to answer
+        _uncancel(me)
+        if call.stopped is not None:
+            raise call.stopped from None
         return False, None
-    raise task.exception()  # type: ignore[misc]
+    except BaseException:
+        if state["interrupted"]:
+            _uncancel(me)
+            if call.stopped is not None:
+                raise call.stopped from None
+        raise
+    finally:
+        state["running"] = False
+        for w in watchers:
+            w.remove_done_callback(interrupt)
+            w.cancel()
+            w.add_done_callback(_retrieved)
+    if state["interrupted"]:  # ``work`` ended anyway: the cancellation it took is undone
+        _uncancel(me)
+    return True, result
+
+
+def _uncancel(task: asyncio.Task) -> None:
+    if hasattr(task, "uncancel"):  # Python 3.11+: the request to cancel is counted
+        task.uncancel()
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # a watcher's failure is of no interest once the work is over
 
 
 def _chat_prompt(

@@ -467,10 +467,20 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | Non
     return text, ids
 
 
+def prompt_is_text(req: CompletionRequest) -> bool:
+    """Whether the completion's prompt is text (to be tokenized), not token ids."""
+    prompt = req.prompt
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)
+    )
+
+
 def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
     if not ids:
         raise bad_request(f"{param} is empty: it must contain at least one token", param=param)
     vocab = len(tokenizer) if tokenizer is not None else None
+    if min(ids) >= 0 and (vocab is None or max(ids) < vocab):  # the usual case, in C
+        return
     bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
     if bad:
         limit = f"[0, {vocab})" if vocab is not None else ">= 0"

@@ -198,7 +198,13 @@ class ClusterBackend:
         self, request_id, prompt_token_ids, params, priority, cache_salt, disagg, hints, ticket
     ):
         """Place and start a request that holds its slot (``ticket``)."""
-        req = await self._route_request(prompt_token_ids, cache_salt)
+        if not disagg and len(self.members.colocated) == 1:
+            # One worker to place on: the prefix index cannot change the choice, and its lookup
+            # is a round trip whose answer waits on the event loop behind a whole burst's new
+            # requests before this one could go to the worker.
+            req = RouteRequest(len(prompt_token_ids), self.block_size, index_available=False)
+        else:
+            req = await self._route_request(prompt_token_ids, cache_salt)
         predicted = ticket.predicted
         if predicted is not None:  # room for the likely tail of the answer
             req.predicted_output_tokens = math.ceil(predicted.quantiles[0.9])
@@ -385,7 +391,10 @@ class ClusterBackend:
             p, reason = self.policy.choose_prefill(req, pool(self.members.prefill))
             d, _ = self.policy.choose_decode(req, decode)
             return p, d, reason
-        d, reason = self.policy.choose_prefill(req, pool(self.members.colocated))
+        colocated = self.members.colocated
+        if len(colocated) == 1:
+            return None, colocated[0].name, "only_worker"
+        d, reason = self.policy.choose_prefill(req, pool(colocated))
         return None, d, reason
 
     def _local_prefill(self, req: RouteRequest, decode: list[WorkerView]) -> str | None:

@@ -222,6 +222,62 @@ def test_colocated_starts_of_a_burst_share_actor_calls() -> None:
     assert [rid for items, _ in calls for rid, *_ in items] == [f"r{i}" for i in range(40)]
 
 
+def test_a_burst_sends_each_full_batch_at_once_not_on_the_next_loop_turn() -> None:
+    """The ``FLUSH``-th start queued for a worker is submitted inside ``add``: a burst's first
+    requests reach the worker while the event loop is still taking in the rest (each of which
+    runs before the next loop turn). What is left goes on the next turn; each start gets its
+    own answer, in order."""
+    from router.dispatch import _Batch
+
+    view = _view(("worker-0", "colocated", False))
+    w = view.get("worker-0")
+    dispatcher = _dispatcher(view)
+    n = 2 * _Batch.FLUSH + 6
+
+    async def scenario():
+        batch = dispatcher._batch(w, "generate_many", "test")
+        futures, submitted = [], []
+        for i in range(n):  # one loop turn: no await between the adds
+            futures.append(batch.add((f"r{i}", [] if i == 3 else [1, i], SamplingParams(), {})))
+            submitted.append(len(w.handle.calls))
+        answers = await asyncio.gather(*futures)
+        await dispatcher.aclose()
+        return submitted, answers
+
+    submitted, answers = _run(scenario())
+    flush = _Batch.FLUSH
+    assert submitted[flush - 2] == 0 and submitted[flush - 1] == 1  # sent by the FLUSH-th add
+    assert submitted[2 * flush - 1] == 2 and submitted[-1] == 2  # the last 6: the next turn
+    calls = [args for name, args in w.handle.calls if name == "generate_many"]
+    assert [len(items) for items, _ in calls] == [flush, flush, 6]
+    assert [rid for items, _ in calls for rid, *_ in items] == [f"r{i}" for i in range(n)]
+    assert answers[3] == ("invalid", "prompt is empty") and answers.count(None) == n - 1
+
+
+def test_a_batch_sent_at_once_to_a_dead_worker_fails_each_of_its_starts() -> None:
+    from router.dispatch import _Batch
+
+    view = _view(("worker-0", "colocated", False))
+    w = view.get("worker-0")
+
+    class Gone:
+        def remote(self, *args):
+            raise RuntimeError("actor died")
+
+    w.handle.generate_many = Gone()
+    dispatcher = _dispatcher(view)
+
+    async def scenario():
+        batch = dispatcher._batch(w, "generate_many", "test")
+        futures = [batch.add((f"r{i}", [1], SamplingParams(), {})) for i in range(_Batch.FLUSH)]
+        answers = await asyncio.gather(*futures, return_exceptions=True)
+        await dispatcher.aclose()
+        return answers
+
+    answers = _run(scenario())
+    assert [str(a) for a in answers] == ["actor died"] * _Batch.FLUSH
+
+
 def test_a_batched_start_on_a_worker_that_dies_fails_each_retryably() -> None:
     view = _view(("worker-0", "colocated", False))
     w = view.get("worker-0")
