@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from functools import partial
 from typing import Any
 
 import httpx
@@ -733,6 +734,34 @@ async def test_invalid_parameter_through_the_openai_client(app) -> None:
     assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.message
 
 
+async def test_token_id_prompts_are_checked_without_the_tokenizer_threads(app, backend) -> None:
+    """A prompt of token ids is only checked, on the event loop: nothing goes to the tokenizer
+    threads (a hop whose answer would wait behind a burst). Ids outside the vocabulary, and an
+    empty prompt, are still a 400 naming ``prompt``; a text prompt is still tokenized there."""
+    gateway = app.state.gateway
+    vocab = len(gateway._prompt_tokenizer)
+    submitted = []
+    submit = gateway._tokenizer_pool.submit
+
+    def counting(fn, *args, **kwargs):
+        submitted.append(fn)
+        return submit(fn, *args, **kwargs)
+
+    gateway._tokenizer_pool.submit = counting
+    async with http(app) as c:
+        for prompt in ([5, 6, vocab - 1], [[5, 6, 7]]):
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert backend.opened[-1]["ids"] == [5, 6, 7] and submitted == []
+        for prompt, what in (([5, -1], "[-1]"), ([vocab, 5], f"[{vocab}]"), ([], "is empty")):
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert what in r.json()["error"]["message"]
+        assert submitted == []
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and len(submitted) == 1
+
+
 async def test_context_overflow_uses_vllm_wording(app, backend) -> None:
     prompt = list(range(100, 300))  # 200 tokens of a 256-token context
     async with http(app) as c:
@@ -1241,6 +1270,87 @@ async def test_drain_refuses_new_requests_and_ends_the_rest_in_band(backend) -> 
         assert p.status_code == 503 and p.json()["error"]["code"] == "shutting_down"
     assert sorted(backend.closed) == sorted(o["id"] for o in backend.opened)
     assert gateway.slots.in_use == 0 and not gateway.calls
+
+
+class _Client:
+    """An ASGI request's receive for ``_unless_gone``: the client disconnects when ``gone`` is
+    set."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+def _balanced(task: asyncio.Task) -> bool:
+    """No request to cancel ``task`` is left pending (Python 3.11+ counts them)."""
+    return not hasattr(task, "cancelling") or task.cancelling() == 0
+
+
+async def test_the_open_runs_in_the_request_task_before_anything_else_ready() -> None:
+    """A request's open is awaited in its own task, at once: a task of its own would start
+    only after every callback already ready, which in a burst is every other new request."""
+    from router.gateway import _Call, _unless_gone
+
+    order = []
+    asyncio.get_running_loop().call_soon(order.append, "ready before")
+
+    async def work():
+        order.append(asyncio.current_task())
+        return 7
+
+    me = asyncio.current_task()
+    assert await _unless_gone(_Client(), _Call(None, 1, set()), work()) == (True, 7)
+    assert order == [me]  # ran in this task, before the callback that was ready first
+    await asyncio.sleep(0)
+    assert order == [me, "ready before"] and _balanced(me)
+
+
+@pytest.mark.parametrize("how", ["client_gone", "call_stopped"])
+async def test_the_open_is_cancelled_when_the_client_goes_or_the_call_stops(how) -> None:
+    from router.gateway import APIError, _Call, _unless_gone
+
+    client, call = _Client(), _Call(None, 1, set())
+    cancelled = asyncio.Event()
+
+    async def work():
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    stop = APIError(503, "the server is shutting down")
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.01, client.gone.set if how == "client_gone" else partial(call.stop, stop))
+    me = asyncio.current_task()
+    if how == "client_gone":
+        assert await _unless_gone(client, call, work()) == (False, None)
+    else:
+        with pytest.raises(APIError) as info:
+            await _unless_gone(client, call, work())
+        assert info.value is stop
+    assert cancelled.is_set() and _balanced(me)
+    await asyncio.sleep(0.01)  # this task goes on: no cancellation was left for it
+
+
+async def test_a_request_task_cancelled_from_outside_stays_cancelled() -> None:
+    from router.gateway import _Call, _unless_gone
+
+    started = asyncio.Event()
+
+    async def work():
+        started.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.ensure_future(_unless_gone(_Client(), _Call(None, 1, set()), work()))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -481,3 +481,52 @@ def test_a_burst_is_placed_in_linear_time_and_stays_balanced(tmp_path, monkeypat
     for n in range(1, len(placed) + 1):  # every prefix of the burst is balanced
         assert abs(placed[:n].count("c-0") - placed[:n].count("c-1")) <= 1, placed
     assert calls[0] <= 2 * len(placed), f"{calls[0]} remaining() calls for {len(placed)} requests"
+
+
+def test_one_colocated_worker_is_placed_without_asking_the_index(tmp_path) -> None:
+    """With one colocated worker there is nothing to choose: the request goes there without a
+    prefix-index lookup (a round trip that a burst's requests would each wait on) and counts as
+    ``only_worker``; with two the index is asked and the policy chooses."""
+    from router.admission import Ticket
+    from router.policy import RouteRequest
+    from router.service import ClusterBackend
+
+    class Index:
+        def __init__(self) -> None:
+            self.lookups = 0
+
+        def lookup_many(self, many):
+            self.lookups += len(many)
+            return [{} for _ in many]
+
+    def backend_of(n: int) -> tuple[ClusterBackend, Index]:
+        workers = [
+            WorkerInfo(f"worker-{i}", "colocated", Handle(f"worker-{i}"), index_id=f"c/w{i}")
+            for i in range(n)
+        ]
+        members = Membership(1, workers, model_dir=str(tmp_path), block_size=BS, max_model_len=64)
+        index = Index()
+        return ClusterBackend(MembershipView(members), index=index), index
+
+    class Started(Exception):
+        pass
+
+    async def placed(backend: ClusterBackend) -> tuple:
+        def place(req, disagg, ticket):  # where the request would go; stop before dispatching
+            raise Started(backend._place(req, disagg, set()))
+
+        backend._place_ticket = place
+        ticket = Ticket("r", None, None, 0.0, 1.0)
+        with pytest.raises(Started) as info:
+            await backend._start(
+                "r", list(range(3 * BS)), SamplingParams(), 0, None, False, None, ticket
+            )
+        return info.value.args[0]
+
+    one, one_index = backend_of(1)
+    two, two_index = backend_of(2)
+    assert asyncio.run(placed(one)) == (None, "worker-0", "only_worker")
+    assert one_index.lookups == 0
+    assert one._place(RouteRequest(5, BS), False, {"worker-0"}) == (None, "worker-0", "only_worker")
+    _, name, reason = asyncio.run(placed(two))
+    assert two_index.lookups == 1 and reason == "load" and name in ("worker-0", "worker-1")
