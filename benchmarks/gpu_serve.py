@@ -174,10 +174,14 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- the requests
 
 
-def workload_args(args: argparse.Namespace, workload: str, num: int) -> list[str]:
+def workload_args(
+    args: argparse.Namespace, workload: str, num: int, text: bool = False
+) -> list[str]:
     clip = ["--max-output", str(args.max_output)] if args.max_output else []
     if workload == "sharegpt" and args.requests_file is not None:
         files = ["--workload", "file", "--workload-file", str(args.requests_file)]
+        if text:  # served phases with --text-prompts (the offline engine takes the ids)
+            files += ["--text-prompts", "--tokenizer", str(args.model)]
         return [*files, "--num-prompts", str(num), *clip]
     if workload == "sharegpt":
         return [
@@ -410,7 +414,7 @@ def drive(
     # fresh_round: a repeated prompt would be a prefix hit and flatter every later rate)
     cmd += ["--prompt-round", str(server.rounds)]
     server.rounds += len(rates)
-    cmd += workload_args(args, workload, num)
+    cmd += workload_args(args, workload, num, text=args.text_prompts)
     log(f"{name}: {num} {workload} requests at {[bench.format_rate(r) for r in rates]}")
     tail0 = kv_tail(server.url)
     client = subprocess.Popen(cmd, cwd=ROOT)
@@ -863,6 +867,11 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
         help="serve.py's HTTP client (httpx: the one the runs before 2026-11-28 used)",
     )
     r.add_argument("--profile-delay", type=float, default=8.0, help="py-spy starts then (s)")
+    r.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="the served phases send --requests-file's prompts as text (serve.py --text-prompts)",
+    )
 
 
 if __name__ == "__main__":

@@ -570,7 +570,10 @@ def file_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
         if rnd and ids:
             j = min(1, len(ids) - 1)
             ids[j] = lo + (ids[j] - lo + rnd * 7919) % (hi - lo)
-        out.append(Request(ids, len(ids), clip_output(item.output_len, args.max_output)))
+        prompt: str | list[int] = ids
+        if args.text_prompts:  # as vLLM's client sends ShareGPT: text, tokenized by the server
+            prompt = tokenizer.decode(ids)
+        out.append(Request(prompt, len(ids), clip_output(item.output_len, args.max_output)))
     return out
 
 
@@ -621,6 +624,8 @@ def build_requests(args: argparse.Namespace) -> list[Request]:
         name = args.model
     if name is None and args.workload == "sharegpt":
         raise SystemExit("--workload sharegpt needs --tokenizer (a folder or an alias)")
+    if args.text_prompts and (args.workload != "file" or name is None):
+        raise SystemExit("--text-prompts is for --workload file, with --tokenizer")
     tokenizer = load_tokenizer(name) if name else None
     requests = BUILDERS[args.workload](args, tokenizer)
     if not requests:
@@ -834,6 +839,12 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lengths-file", type=Path, default=None, help="sharegpt-ids lengths JSON")
     ap.add_argument(
         "--workload-file", type=Path, default=None, help="file: a benchmarks/workloads.py file"
+    )
+    ap.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="file: send each prompt as its ids decoded to text (--tokenizer), as vLLM's "
+        "client sends ShareGPT, so the server tokenizes it",
     )
     ap.add_argument("--max-prompt", type=int, default=1024, help="sharegpt: longer skipped")
     ap.add_argument("--max-output", type=int, default=None, help="sharegpt: clip outputs")

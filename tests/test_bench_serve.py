@@ -362,6 +362,30 @@ def test_file_workload_sends_the_files_own_requests():
         serve.build_requests(serve.parse_args(["--workload", "file"]))
 
 
+def test_file_workload_as_text_prompts(monkeypatch) -> None:
+    """``--text-prompts``: each prompt's ids decoded by ``--tokenizer`` (as vLLM's client sends
+    ShareGPT: the server tokenizes), the lengths still the file's; without a tokenizer it says
+    so."""
+    from benchmarks.workloads import read_workload
+
+    class Decoder:
+        def __len__(self) -> int:
+            return 200_000
+
+        def decode(self, ids) -> str:
+            return " ".join(map(str, ids))
+
+    monkeypatch.setattr(serve, "load_tokenizer", lambda name: Decoder())
+    path = ROOT / "benchmarks" / "data" / "vllm_sharegpt_llama3_1000.json"
+    file = ["--workload", "file", "--workload-file", str(path), "--num-prompts", "3"]
+    requests = serve.build_requests(serve.parse_args([*file, "--text-prompts", "--tokenizer", "t"]))
+    items = read_workload(path)[:3]
+    assert [r.prompt for r in requests] == [" ".join(map(str, i.prompt_token_ids)) for i in items]
+    assert [r.prompt_len for r in requests] == [len(i.prompt_token_ids) for i in items]
+    with pytest.raises(SystemExit, match="--text-prompts"):
+        serve.build_requests(serve.parse_args([*file, "--text-prompts"]))
+
+
 def test_file_workload_goes_round_without_prefix_hits(tmp_path) -> None:
     """Asked for more requests than the file holds, ``--workload file`` repeats its lengths but
     no later round's prompt shares its first block's tokens with an earlier one."""
