@@ -721,6 +721,7 @@ class _Batch:
         self.pending.append((item, future))
         if len(self.pending) >= self.FLUSH:
             batch, self.pending = self.pending, []
+            batch = [(item, f) for item, f in batch if not f.done()]  # (callers cancelled)
             settling = asyncio.ensure_future(self._settle(batch, self._call(batch)))
             self.settling.add(settling)  # (held until done: the loop keeps weak references)
             settling.add_done_callback(self.settling.discard)

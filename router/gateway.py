@@ -73,6 +73,9 @@ logger = logging.getLogger("tandem.gateway")
 HEALTH_TIMEOUT_S = 5.0
 # threads that parse and render prompts (their encodes batch in one BatchedEncoder)
 PROMPT_THREADS = 8
+# A completion's text prompt up to this long is encoded on the event loop (~0.1-0.3 ms), not on
+# a tokenizer thread: the thread's answer would wait behind a burst's other new requests.
+INLINE_PROMPT_CHARS = 2048
 _BACKGROUND: set[asyncio.Task] = set()  # cleanups that outlive a cancelled request task
 
 
@@ -584,11 +587,17 @@ class _Gateway:
         else:
             params = protocol.completion_sampling_params(req)
             await self._check_structured(req, params)
-            if protocol.prompt_is_text(req):
-                text, ids = await self._tokenize(protocol.completion_prompt, req)
-            else:  # token ids are only checked: here, without a hop through a thread, whose
-                # answer would wait on the event loop behind a whole burst's new requests
+            # Token ids are only checked, and a short text is encoded, here: the answer of a
+            # hop through a tokenizer thread would wait on the event loop behind a whole
+            # burst's new requests. A long text goes to the threads (batched, off the GIL).
+            prompt = protocol.prompt_text(req)
+            if prompt is None:
                 text, ids = protocol.completion_prompt(req, self._prompt_tokenizer)
+            elif self.encoder is not None and len(prompt) <= INLINE_PROMPT_CHARS:
+                encode = self.encoder.encode_now
+                text, ids = protocol.completion_prompt(req, self._prompt_tokenizer, encode)
+            else:
+                text, ids = await self._tokenize(protocol.completion_prompt, req)
             hints = PredictInput(text=text)
         trace(request_id, "gw.tokenized")
         protocol.check_context(

@@ -445,8 +445,11 @@ def _is_type_tag(part: Any) -> bool:
 # ------------------------------------------------------------------------------------ prompts
 
 
-def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | None, list[int]]:
-    """The one prompt of a completion request as (text or None, token ids)."""
+def completion_prompt(
+    req: CompletionRequest, tokenizer: Any, encode: Callable[[str], list[int]] | None = None
+) -> tuple[str | None, list[int]]:
+    """The one prompt of a completion request as (text or None, token ids); a text prompt
+    encoded by ``encode`` when given, else by ``tokenizer`` (with its special tokens)."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -459,7 +462,10 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | Non
     if isinstance(prompt, str):
         if tokenizer is None:
             raise bad_request("prompt: this model has no tokenizer; send token ids", param="prompt")
-        ids = encode_prompt(tokenizer, prompt) if prompt else []
+        if not prompt:
+            ids = []
+        else:
+            ids = encode(prompt) if encode is not None else encode_prompt(tokenizer, prompt)
         text: str | None = prompt
     else:
         ids, text = list(prompt), None
@@ -467,12 +473,12 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | Non
     return text, ids
 
 
-def prompt_is_text(req: CompletionRequest) -> bool:
-    """Whether the completion's prompt is text (to be tokenized), not token ids."""
+def prompt_text(req: CompletionRequest) -> str | None:
+    """The completion's prompt when it is text (to be tokenized), None for token ids."""
     prompt = req.prompt
-    return isinstance(prompt, str) or (
-        isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str)
-    )
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:

@@ -734,11 +734,17 @@ async def test_invalid_parameter_through_the_openai_client(app) -> None:
     assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.message
 
 
-async def test_token_id_prompts_are_checked_without_the_tokenizer_threads(app, backend) -> None:
-    """A prompt of token ids is only checked, on the event loop: nothing goes to the tokenizer
-    threads (a hop whose answer would wait behind a burst). Ids outside the vocabulary, and an
-    empty prompt, are still a 400 naming ``prompt``; a text prompt is still tokenized there."""
+async def test_token_ids_and_short_texts_skip_the_tokenizer_threads(
+    app, backend, tokenizer
+) -> None:
+    """A prompt of token ids is only checked, and a short text is encoded, on the event loop:
+    nothing goes to the tokenizer threads (a hop whose answer would wait behind a burst). Ids
+    outside the vocabulary, and an empty prompt, are still a 400 naming ``prompt``; a text is
+    encoded as the threads encode it; a long text still goes to them."""
+    from router.gateway import INLINE_PROMPT_CHARS
+
     gateway = app.state.gateway
+    assert gateway.encoder is not None  # a fast tokenizer: the batched encoder
     vocab = len(gateway._prompt_tokenizer)
     submitted = []
     submit = gateway._tokenizer_pool.submit
@@ -748,6 +754,8 @@ async def test_token_id_prompts_are_checked_without_the_tokenizer_threads(app, b
         return submit(fn, *args, **kwargs)
 
     gateway._tokenizer_pool.submit = counting
+    short = "The capital of France is " * 3
+    long = "=" * (INLINE_PROMPT_CHARS + 1)  # long, yet few tokens: the context is 256
     async with http(app) as c:
         for prompt in ([5, 6, vocab - 1], [[5, 6, 7]]):
             r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
@@ -757,9 +765,16 @@ async def test_token_id_prompts_are_checked_without_the_tokenizer_threads(app, b
             r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
             assert what in r.json()["error"]["message"]
+        for prompt in (short, [short]):
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert backend.opened[-1]["ids"] == encode_prompt(tokenizer, short)
         assert submitted == []
-        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        r = await c.post("/v1/completions", json={"prompt": "", "max_tokens": 2})
+        assert r.status_code == 400 and "is empty" in r.json()["error"]["message"]
+        r = await c.post("/v1/completions", json={"prompt": long, "max_tokens": 2})
         assert r.status_code == 200 and len(submitted) == 1
+        assert backend.opened[-1]["ids"] == encode_prompt(tokenizer, long)
 
 
 async def test_context_overflow_uses_vllm_wording(app, backend) -> None:

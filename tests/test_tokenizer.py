@@ -166,6 +166,21 @@ def test_encodes_arriving_during_a_batch_go_in_the_next_one(tok) -> None:
     assert (encoder.batches, encoder.texts) == (2, 6)
 
 
+def test_encode_now_gives_the_batched_ids_without_a_batch(tok) -> None:
+    """``encode_now`` (the gateway's short prompts, on its event loop) gives the ids the
+    wrapper gives, with and without special tokens, and makes no batch."""
+    encoder = BatchedEncoder.of(tok)
+    assert encoder is not None
+    try:
+        for text in ("Hello world", "unicode: héllo 日本語 🙂", "x" * 300):
+            assert encoder.encode_now(text) == list(tok(text).input_ids) == encoder.encode(text)
+            plain = list(tok(text, add_special_tokens=False).input_ids)
+            assert encoder.encode_now(text, add_special_tokens=False) == plain
+        assert encoder.texts == 3  # only the three encode() calls went through a batch
+    finally:
+        encoder.close()
+
+
 def test_a_backend_that_disagrees_is_not_bypassed(tok) -> None:
     """A tokenizer whose Rust backend gives other ids than the wrapper (a Python-side
     normalisation, say) gets no BatchedEncoder: the gateway keeps the wrapper."""
