@@ -697,17 +697,17 @@ _UNRESPONSIVE = object()  # _answer_of: the worker went suspect or dead before i
 class _Batch:
     """The calls of one kind bound for one worker, sent together: the first of a loop turn goes
     on the next turn with every call queued by then, and those that come while a call is in
-    flight go in the next one (at most ``MAX`` a call). A burst of 1000 requests then makes a
-    few dozen actor calls of each kind instead of 1000; each cost the router's event loop
-    ~0.5 ms of Ray's client work (argument checks, serialisation, submission), a fifth of its
-    time in a burst on CPU (benchmarks/NOTES.md). ``FLUSH`` queued calls go at once, from
-    ``add``: the next loop turn comes only after every other request of a burst has been taken
-    in (~1 ms each), and the worker should have the first ones meanwhile. Kinds: colocated
-    starts (``generate_many``), reservations (``reserve_many``), a prefill's release
-    (``release_many``). ``method(items, *extra)`` answers one value per item, in order; each
-    item gets its own, or the call's failure (raised) or ``_UNRESPONSIVE``."""
+    flight go in the next one; ``FLUSH`` queued calls go at once, from ``add`` (so at most
+    ``FLUSH`` a call). A burst of 1000 requests then makes a few dozen actor calls of each kind
+    instead of 1000; each cost the router's event loop ~0.5 ms of Ray's client work (argument
+    checks, serialisation, submission), a fifth of its time in a burst on CPU
+    (benchmarks/NOTES.md). ``add`` sends a full batch itself because the next loop turn comes
+    only after every other request of a burst has been taken in (~1 ms each), and the worker
+    should have the first ones meanwhile. Kinds: colocated starts (``generate_many``),
+    reservations (``reserve_many``), a prefill's release (``release_many``).
+    ``method(items, *extra)`` answers one value per item, in order; each item gets its own, or
+    the call's failure (raised) or ``_UNRESPONSIVE``."""
 
-    MAX = 256
     FLUSH = 32
 
     def __init__(self, dispatcher: Dispatcher, worker: WorkerRef, method: str, *extra) -> None:
@@ -720,14 +720,19 @@ class _Batch:
         future = asyncio.get_running_loop().create_future()
         self.pending.append((item, future))
         if len(self.pending) >= self.FLUSH:
-            batch, self.pending = self.pending, []
-            batch = [(item, f) for item, f in batch if not f.done()]  # (callers cancelled)
+            batch = self._take()
             settling = asyncio.ensure_future(self._settle(batch, self._call(batch)))
             self.settling.add(settling)  # (held until done: the loop keeps weak references)
             settling.add_done_callback(self.settling.discard)
         elif self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._send())
         return future
+
+    def _take(self) -> list[tuple[Any, asyncio.Future]]:
+        """Every queued call whose caller still waits (fewer than ``FLUSH``, or ``add``'s
+        full batch)."""
+        batch, self.pending = self.pending, []
+        return [(item, f) for item, f in batch if not f.done()]  # (callers cancelled)
 
     def _call(self, batch: list[tuple[Any, asyncio.Future]]) -> Any:
         """The actor call for ``batch``, submitted now (its ObjectRef), or why it could not be."""
@@ -739,8 +744,7 @@ class _Batch:
 
     async def _send(self) -> None:
         while self.pending:
-            batch, self.pending = self.pending[: self.MAX], self.pending[self.MAX :]
-            batch = [(item, f) for item, f in batch if not f.done()]  # (callers cancelled)
+            batch = self._take()
             if batch:
                 await self._settle(batch, self._call(batch))
 

@@ -590,8 +590,8 @@ class _Gateway:
             # Token ids are only checked, and a short text is encoded, here: the answer of a
             # hop through a tokenizer thread would wait on the event loop behind a whole
             # burst's new requests. A long text goes to the threads (batched, off the GIL).
-            prompt = protocol.prompt_text(req)
-            if prompt is None:
+            prompt = protocol.one_prompt(req)
+            if not isinstance(prompt, str):
                 text, ids = protocol.completion_prompt(req, self._prompt_tokenizer)
             elif self.encoder is not None and len(prompt) <= INLINE_PROMPT_CHARS:
                 encode = self.encoder.encode_now

@@ -445,11 +445,8 @@ def _is_type_tag(part: Any) -> bool:
 # ------------------------------------------------------------------------------------ prompts
 
 
-def completion_prompt(
-    req: CompletionRequest, tokenizer: Any, encode: Callable[[str], list[int]] | None = None
-) -> tuple[str | None, list[int]]:
-    """The one prompt of a completion request as (text or None, token ids); a text prompt
-    encoded by ``encode`` when given, else by ``tokenizer`` (with its special tokens)."""
+def one_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: text, or token ids."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -459,6 +456,15 @@ def completion_prompt(
                 param="prompt",
             )
         prompt = prompt[0]
+    return prompt
+
+
+def completion_prompt(
+    req: CompletionRequest, tokenizer: Any, encode: Callable[[str], list[int]] | None = None
+) -> tuple[str | None, list[int]]:
+    """The one prompt of a completion request as (text or None, token ids); a text prompt
+    encoded by ``encode`` when given, else by ``tokenizer`` (with its special tokens)."""
+    prompt = one_prompt(req)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise bad_request("prompt: this model has no tokenizer; send token ids", param="prompt")
@@ -471,14 +477,6 @@ def completion_prompt(
         ids, text = list(prompt), None
     check_token_ids(ids, tokenizer, "prompt")
     return text, ids
-
-
-def prompt_text(req: CompletionRequest) -> str | None:
-    """The completion's prompt when it is text (to be tokenized), None for token ids."""
-    prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else None
 
 
 def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
