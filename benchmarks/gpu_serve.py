@@ -182,6 +182,8 @@ def workload_args(
         files = ["--workload", "file", "--workload-file", str(args.requests_file)]
         if text:  # served phases with --text-prompts (the offline engine takes the ids)
             files += ["--text-prompts", "--tokenizer", str(args.model)]
+            if args.chat:  # each prompt as the one user message of a chat
+                files += ["--endpoint", "chat"]
         return [*files, "--num-prompts", str(num), *clip]
     if workload == "sharegpt":
         return [
@@ -414,7 +416,7 @@ def drive(
     # fresh_round: a repeated prompt would be a prefix hit and flatter every later rate)
     cmd += ["--prompt-round", str(server.rounds)]
     server.rounds += len(rates)
-    cmd += workload_args(args, workload, num, text=args.text_prompts)
+    cmd += workload_args(args, workload, num, text=args.text_prompts or args.chat)
     log(f"{name}: {num} {workload} requests at {[bench.format_rate(r) for r in rates]}")
     tail0 = kv_tail(server.url)
     client = subprocess.Popen(cmd, cwd=ROOT)
@@ -871,6 +873,12 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
         "--text-prompts",
         action="store_true",
         help="the served phases send --requests-file's prompts as text (serve.py --text-prompts)",
+    )
+    r.add_argument(
+        "--chat",
+        action="store_true",
+        help="the served phases send --requests-file's prompts as text, each the one user "
+        "message of a chat (/v1/chat/completions: the model's template adds its tokens)",
     )
 
 

@@ -19,6 +19,7 @@
 # gpu_serve.py phases, SERVE_CLIENT=httpx: the client of the runs before 2026-11-28,
 # SERVED_PROFILE=1: CPU per process and py-spy stacks where py-spy is on PATH; SERVED_TEXT=1:
 # the prompts sent as text, as vLLM's client sends ShareGPT (the offline phase takes the ids);
+# SERVED_CHAT=1: as text, each the one user message of a chat, to /v1/chat/completions;
 # served-gateways: the same and through two gateway processes sharing the port, with CPU per
 # process; 1 GPU), steps and fp8 (issue 23's step table against both floors, issue 26's ITL and
 # throughput with repeats; 1 GPU), fp8-steps (bf16 and fp8 + fp8 KV on vLLM's sample, steps by
@@ -143,7 +144,7 @@ for s in "$@"; do
         section served 420 python benchmarks/gpu_serve.py run --model "$model" \
             --phases "${SERVED_PHASES:-offline,one}" --inf-only --requests-file "$sample" \
             "${dummy[@]}" --client "${SERVE_CLIENT:-raw}" ${SERVED_PROFILE:+--profile} \
-            ${SERVED_TEXT:+--text-prompts} \
+            ${SERVED_TEXT:+--text-prompts} ${SERVED_CHAT:+--chat} \
             --out "$out/served" ;;
     steps)  # issue 23's step table: decode-1, decode-256, mixed, pipelined and serial, each
         # against its floor at the burst and the sustained bf16 rate (1 GPU)

@@ -617,8 +617,10 @@ BUILDERS = {
 
 def build_requests(args: argparse.Namespace) -> list[Request]:
     """The workload's request list (the same for every rate of a sweep)."""
-    if args.endpoint == "chat" and args.workload != "sharegpt":
-        raise SystemExit("--endpoint chat needs a text workload: --workload sharegpt")
+    if args.endpoint == "chat" and args.workload != "sharegpt" and not args.text_prompts:
+        raise SystemExit(
+            "--endpoint chat needs text: --workload sharegpt, or --workload file --text-prompts"
+        )
     name = args.tokenizer
     if name is None and args.workload == "sharegpt":
         name = args.model

@@ -46,9 +46,9 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase | BatchedEncoder, text: str) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase | Encoder, text: str) -> list[int]:
     """Token ids of ``text``, with special tokens (e.g. BOS) added as HF does by default."""
-    if isinstance(tokenizer, BatchedEncoder):
+    if isinstance(tokenizer, Encoder):
         return tokenizer.encode(text)
     return _as_id_list(tokenizer(text)["input_ids"])
 
@@ -65,7 +65,41 @@ _PROBES = (
 )
 
 
-class BatchedEncoder:
+class Encoder:
+    """A Hugging Face fast tokenizer whose texts are encoded by its Rust backend directly
+    (``encode``); everything else (``decode``, ``len``, the chat template) is the wrapped
+    tokenizer's. ``encode_prompt`` and ``apply_chat_template`` encode through ``encode``
+    (a chat is rendered by the wrapper, then encoded without special tokens, as the
+    wrapper's own ``tokenize=True`` does). Made by ``BatchedEncoder.of``, which checks that
+    the backend's ids are the wrapper's."""
+
+    tokenizer: PreTrainedTokenizerBase
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped tokenizer's everything else
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+
+class InlineEncoder(Encoder):
+    """A ``BatchedEncoder``'s texts encoded on the calling thread, without waiting for a
+    batch: for short prompts on an event loop, where the hop to a thread and back costs the
+    request more than the encode (``BatchedEncoder.inline``). The backend's encode borrows it
+    shared, as the batch thread's does."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+class BatchedEncoder(Encoder):
     """A Hugging Face fast tokenizer whose encodes, from any number of threads, run together:
     the texts that arrive while one ``encode_batch`` runs go in the next. The Rust tokenizer
     then spreads a burst's prompts over the cores with the GIL released, where one encode per
@@ -87,6 +121,7 @@ class BatchedEncoder:
         self._closed = False
         self.batches = 0  # encode_batch calls, and the texts they took (for tests, metrics)
         self.texts = 0
+        self.inline = InlineEncoder(tokenizer)  # the same ids, on the caller's thread
         self._thread = threading.Thread(target=self._run, name="tandem-encode", daemon=True)
         self._thread.start()
 
@@ -114,12 +149,6 @@ class BatchedEncoder:
                 return None
         return cls(tokenizer)
 
-    def __getattr__(self, name: str) -> Any:  # the wrapped tokenizer's everything else
-        return getattr(self.tokenizer, name)
-
-    def __len__(self) -> int:
-        return len(self.tokenizer)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s ids (blocking; any thread)."""
         item: list[Any] = [text, add_special_tokens, None]
@@ -133,12 +162,6 @@ class BatchedEncoder:
         if isinstance(item[2], BaseException):
             raise item[2]
         return item[2]
-
-    def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``text``'s ids on the calling thread, without waiting for a batch: for a short text
-        on an event loop, where the hop to a thread and back costs the request more than the
-        encode. The backend's encode borrows it shared, as the batch thread's does."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _run(self) -> None:
         while True:
@@ -191,7 +214,7 @@ def apply_chat_template(
             "Pass a Jinja template explicitly (chat_template=...) or send a plain-text prompt."
         )
     kwargs.pop("tokenize", None)
-    if isinstance(tokenizer, BatchedEncoder):  # the wrapper renders, the batch encodes
+    if isinstance(tokenizer, Encoder):  # the wrapper renders, the backend encodes
         kwargs.pop("return_dict", None)
         text = tokenizer.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs

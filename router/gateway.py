@@ -73,8 +73,9 @@ logger = logging.getLogger("tandem.gateway")
 HEALTH_TIMEOUT_S = 5.0
 # threads that parse and render prompts (their encodes batch in one BatchedEncoder)
 PROMPT_THREADS = 8
-# A completion's text prompt up to this long is encoded on the event loop (~0.1-0.3 ms), not on
-# a tokenizer thread: the thread's answer would wait behind a burst's other new requests.
+# A completion's text prompt, or a chat's text without tools, up to this long is encoded (and
+# rendered) on the event loop (~0.05-0.3 ms), not on a tokenizer thread: the thread's answer
+# would wait behind a burst's other new requests.
 INLINE_PROMPT_CHARS = 2048
 _BACKGROUND: set[asyncio.Task] = set()  # cleanups that outlive a cancelled request task
 
@@ -578,9 +579,17 @@ class _Gateway:
             await self._check_structured(req, params)
             render = protocol.ChatRender(fmt, tools, req.chat_template_kwargs)
             render.check()
-            ids, hints, thinking = await self._tokenize(
-                _chat_prompt, req.messages, req.add_generation_prompt, render
-            )
+            chat = (req.messages, req.add_generation_prompt, render)
+            # A short conversation without tools is rendered and encoded here, as a short
+            # completion text is (below); a long one, or one with tools, on the threads.
+            if (
+                self.encoder is not None
+                and tools is None
+                and (protocol.chat_chars(req.messages) <= INLINE_PROMPT_CHARS)
+            ):
+                ids, hints, thinking = _chat_prompt(*chat, self.encoder.inline)
+            else:
+                ids, hints, thinking = await self._tokenize(_chat_prompt, *chat)
             if fmt is not None and fmt.reads_anything(tools):
                 read = partial(fmt.reader, tools, thinking)
             text = None
@@ -594,8 +603,7 @@ class _Gateway:
             if not isinstance(prompt, str):
                 text, ids = protocol.completion_prompt(req, self._prompt_tokenizer)
             elif self.encoder is not None and len(prompt) <= INLINE_PROMPT_CHARS:
-                encode = self.encoder.encode_now
-                text, ids = protocol.completion_prompt(req, self._prompt_tokenizer, encode)
+                text, ids = protocol.completion_prompt(req, self.encoder.inline)
             else:
                 text, ids = await self._tokenize(protocol.completion_prompt, req)
             hints = PredictInput(text=text)
@@ -905,7 +913,7 @@ def _chat_prompt(
     messages: Any, add_generation_prompt: bool, render: protocol.ChatRender, tokenizer: Any
 ) -> tuple[list[int], PredictInput, bool]:
     """The chat prompt's ids and hints, and whether it leaves the answer inside the model's
-    thinking (on the tokenizer thread: the tokenizer is not safe from two threads)."""
+    thinking (on a tokenizer thread, or on the loop with the ``InlineEncoder``)."""
     ids, hints = protocol.chat_prompt_and_hints(messages, add_generation_prompt, tokenizer, render)
     thinking = render.fmt is not None and render.fmt.thinking(tokenizer, ids)
     return ids, hints, thinking

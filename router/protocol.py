@@ -459,11 +459,9 @@ def one_prompt(req: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def completion_prompt(
-    req: CompletionRequest, tokenizer: Any, encode: Callable[[str], list[int]] | None = None
-) -> tuple[str | None, list[int]]:
+def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | None, list[int]]:
     """The one prompt of a completion request as (text or None, token ids); a text prompt
-    encoded by ``encode`` when given, else by ``tokenizer`` (with its special tokens)."""
+    encoded by ``tokenizer``, with its special tokens."""
     prompt = one_prompt(req)
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -471,7 +469,7 @@ def completion_prompt(
         if not prompt:
             ids = []
         else:
-            ids = encode(prompt) if encode is not None else encode_prompt(tokenizer, prompt)
+            ids = encode_prompt(tokenizer, prompt)
         text: str | None = prompt
     else:
         ids, text = list(prompt), None
@@ -489,6 +487,21 @@ def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
     if bad:
         limit = f"[0, {vocab})" if vocab is not None else ">= 0"
         raise bad_request(f"{param}: token ids must be in {limit}, got {bad[:5]}", param=param)
+
+
+def chat_chars(messages: list[ChatMessage]) -> int:
+    """The characters of a conversation's text: contents, text parts, past reasoning, and the
+    names and arguments of past tool calls (what its rendering and encoding cost grows with)."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(part.text or "") for part in m.content)
+        total += len(m.reasoning_content or "")
+        for call in m.tool_calls or ():
+            total += len(call.function.name) + len(call.function.arguments)
+    return total
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -384,6 +384,10 @@ def test_file_workload_as_text_prompts(monkeypatch) -> None:
     assert [r.prompt_len for r in requests] == [len(i.prompt_token_ids) for i in items]
     with pytest.raises(SystemExit, match="--text-prompts"):
         serve.build_requests(serve.parse_args([*file, "--text-prompts"]))
+    chat = serve.parse_args([*file, "--endpoint", "chat", "--text-prompts", "--tokenizer", "t"])
+    assert [r.prompt for r in serve.build_requests(chat)] == [r.prompt for r in requests]
+    with pytest.raises(SystemExit, match="--endpoint chat needs text"):
+        serve.build_requests(serve.parse_args([*file, "--endpoint", "chat", "--tokenizer", "t"]))
 
 
 def test_file_workload_goes_round_without_prefix_hits(tmp_path) -> None:

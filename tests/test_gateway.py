@@ -777,6 +777,56 @@ async def test_token_ids_and_short_texts_skip_the_tokenizer_threads(
         assert backend.opened[-1]["ids"] == encode_prompt(tokenizer, long)
 
 
+async def test_short_chats_without_tools_skip_the_tokenizer_threads(
+    app, backend, tokenizer
+) -> None:
+    """A chat whose text is short and that has no tools is rendered and encoded on the event
+    loop, to the ids the template gives; a long one (by its characters, parts and past calls
+    counted), or one with tools, goes to the tokenizer threads, with the same ids as before."""
+    from router.gateway import INLINE_PROMPT_CHARS
+
+    gateway = app.state.gateway
+    submitted = []
+    submit = gateway._tokenizer_pool.submit
+
+    def counting(fn, *args, **kwargs):
+        submitted.append(fn)
+        return submit(fn, *args, **kwargs)
+
+    gateway._tokenizer_pool.submit = counting
+    short = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
+    ]
+    want = apply_chat_template(
+        tokenizer,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Capital of France?"},
+        ],
+    )
+    half = "=" * (INLINE_PROMPT_CHARS // 2 + 1)  # two such turns are long, yet few tokens
+    long = [
+        {"role": "user", "content": half},
+        {"role": "user", "content": [{"type": "text", "text": half}]},
+    ]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    async with http(app) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": short, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert backend.opened[-1]["ids"] == want and submitted == []
+        r = await c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert submitted == []
+        r = await c.post("/v1/chat/completions", json={"messages": long, "max_tokens": 2})
+        assert r.status_code == 200 and len(submitted) == 1, r.text
+        flat = [{"role": "user", "content": half}] * 2
+        assert backend.opened[-1]["ids"] == apply_chat_template(tokenizer, flat)
+        body = {"messages": short, "max_tokens": 2, "tools": [tool]}
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and len(submitted) == 2, r.text
+
+
 async def test_context_overflow_uses_vllm_wording(app, backend) -> None:
     prompt = list(range(100, 300))  # 200 tokens of a 256-token context
     async with http(app) as c:

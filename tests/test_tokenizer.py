@@ -166,16 +166,20 @@ def test_encodes_arriving_during_a_batch_go_in_the_next_one(tok) -> None:
     assert (encoder.batches, encoder.texts) == (2, 6)
 
 
-def test_encode_now_gives_the_batched_ids_without_a_batch(tok) -> None:
-    """``encode_now`` (the gateway's short prompts, on its event loop) gives the ids the
-    wrapper gives, with and without special tokens, and makes no batch."""
+def test_inline_encoder_gives_the_batched_ids_without_a_batch(tok) -> None:
+    """``inline`` (the gateway's short prompts, on its event loop) gives the ids the wrapper
+    gives, with and without special tokens and for a rendered chat, and makes no batch."""
     encoder = BatchedEncoder.of(tok)
     assert encoder is not None
     try:
         for text in ("Hello world", "unicode: héllo 日本語 🙂", "x" * 300):
-            assert encoder.encode_now(text) == list(tok(text).input_ids) == encoder.encode(text)
+            inline = encoder.inline
+            assert encode_prompt(inline, text) == list(tok(text).input_ids) == encoder.encode(text)
             plain = list(tok(text, add_special_tokens=False).input_ids)
-            assert encoder.encode_now(text, add_special_tokens=False) == plain
+            assert inline.encode(text, add_special_tokens=False) == plain
+            if tok.chat_template:
+                chat = [{"role": "user", "content": text}]
+                assert apply_chat_template(inline, chat) == apply_chat_template(tok, chat)
         assert encoder.texts == 3  # only the three encode() calls went through a batch
     finally:
         encoder.close()
