@@ -306,3 +306,103 @@ def test_the_first_tile_read_before_the_wait_changes_nothing(fp8, lens, num_spli
     before = _launch(*args, **kw, prefetch=True)
     assert not before.isnan().any()
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize(
+    ("lens", "num_splits", "block_n"),
+    [([1, 5, 16], 1, 16), ([37, 3], 4, 16), ([70, 64, 2], 3, 32), ([9], 8, 16)],
+)
+def test_rotary_and_kv_write_in_the_kernel_are_the_two_kernels(
+    fp8, prefetch, lens, num_splits, block_n
+):
+    """``rope`` (q and the new k rotated, k and v stored, in the attention's own launch) gives
+    bit for bit the output and the cache of kernels/rotary.py's ``apply_rotary_write_kv`` and
+    then the attention: the newest token in the first tile or a later one, in any split (empty
+    ones too), an fp8 cache with its scales, and a padding row (slot -1) whose cache is left as
+    it was. q and k are not rotated in place."""
+    from kernels.rotary import apply_rotary_write_kv
+
+    heads, kv_heads, head_dim, bs = 8, 2, 32, 4
+    q, k_cache, v_cache, tables, lens_t = make_case(lens, heads, kv_heads, head_dim, bs,
+                                                    torch.float32, seed=len(lens) + num_splits)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    batch = len(lens)
+    k = torch.randn(batch, kv_heads, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, head_dim, generator=g)
+    positions = (lens_t - 1).long()
+    last = positions
+    slots = tables[torch.arange(batch), last // bs].long() * bs + last % bs
+    slots[-1] = -1  # the last row pads the batch: nothing is written for it
+    freqs = torch.rand(int(lens_t.max()) + 3, head_dim // 2, generator=g) * 6
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    kw = {"num_splits": num_splits, "block_n": block_n, "prefetch": prefetch}
+    if fp8:
+        k_cache, v_cache = quantize_fp8(k_cache, 0.5), quantize_fp8(v_cache, 0.25)
+        kw.update(k_scale=0.5, v_scale=0.25)
+    scales = (kw.get("k_scale", 1.0), kw.get("v_scale", 1.0))
+
+    kc, vc, q2, k2 = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
+    apply_rotary_write_kv(q2, k2, v, positions, cos, sin, kc, vc, slots, *scales)
+    want = _launch(q2, kc, vc, tables, lens_t, bs, 0.3, **kw)
+
+    kf, vf, qf, kn = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
+    rope = (kn, v, positions, cos, sin, slots)
+    got = _launch(qf, kf, vf, tables, lens_t, bs, 0.3, **kw, rope=rope)
+    assert torch.equal(got[:-1], want[:-1]) and not got.isnan().any()
+    for fused, two in ((kf, kc), (vf, vc)):  # (unused slots hold NaN in both)
+        assert torch.equal(fused.float().nan_to_num(7.0), two.float().nan_to_num(7.0))
+    assert torch.equal(kf[:, slots[:-1]].float(), kc[:, slots[:-1]].float())
+    assert torch.equal(qf, q) and torch.equal(kn, k)  # not rotated in place
+    pad = tables[-1, last[-1] // bs].long() * bs + last[-1] % bs
+    assert torch.equal(kf[:, pad].float().nan_to_num(7.0), k_cache[:, pad].float().nan_to_num(7.0))
+
+
+def test_rotary_of_a_large_grid_runs_the_rotary_kernel_first(monkeypatch):
+    """Past ``ROPE_PROGRAMS_PER_SM`` programs an SM, ``rope`` runs kernels/rotary.py's kernel
+    and then the attention (the rotary in the kernel would halve the programs an SM holds):
+    the same output and cache, q and k rotated in place as that kernel does."""
+    from kernels import paged_decode_attention as pda
+    from kernels.rotary import apply_rotary_write_kv
+
+    monkeypatch.setattr(pda, "_num_sms", lambda device: 2)  # 2 x 2 programs: a large grid
+    lens = [3, 1, 6, 2, 5]
+    q, k_cache, v_cache, tables, lens_t = make_case(lens, 4, 1, 16, 4, torch.float32, seed=9)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(5, 1, 16, generator=g), torch.randn(5, 1, 16, generator=g)
+    last = (lens_t - 1).long()
+    slots = tables[torch.arange(5), last // 4].long() * 4 + last % 4
+    cos, sin = torch.rand(8, 16, generator=g), torch.rand(8, 16, generator=g)
+    kc, vc, q2, k2 = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
+    apply_rotary_write_kv(q2, k2, v, last, cos, sin, kc, vc, slots)
+    want = pda._launch(q2, kc, vc, tables, lens_t, 4, 0.3, num_splits=1)
+    kf, vf, qf, kn = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
+    rope = (kn, v, last, cos, sin, slots)
+    got = pda._launch(qf, kf, vf, tables, lens_t, 4, 0.3, num_splits=1, rope=rope)
+    assert torch.equal(got, want)
+    assert torch.equal(kf.nan_to_num(7.0), kc.nan_to_num(7.0))
+    assert torch.equal(vf.nan_to_num(7.0), vc.nan_to_num(7.0))
+    assert torch.equal(qf, q2) and torch.equal(kn, k2)  # the rotary kernel's in-place result
+
+
+def test_rotary_in_the_kernel_rejects_bad_inputs():
+    q, k_cache, v_cache, tables, lens = make_case([5, 9], 4, 2, 16, 4, torch.float32, seed=3)
+    k = torch.zeros(2, 2, 16)
+    pos = torch.tensor([4, 8])
+    table = torch.zeros(16, 16)
+    good = (k, k, pos, table, table, pos)
+    args = (q, k_cache, v_cache, tables, lens, 4, 0.3)
+    paged_decode_attention(*args, rope=good)  # fine
+    for i, bad, match in (
+        (0, torch.zeros(2, 4, 16), "k and v must be"),
+        (1, torch.zeros(2, 2, 16, dtype=torch.float16), "k and v must be"),
+        (2, torch.tensor([4]), "positions must be"),
+        (3, table.double(), "cos must be"),
+        (4, torch.zeros(16, 8), "sin must be"),
+        (5, pos.float(), "slot_mapping must be"),
+    ):
+        rope = list(good)
+        rope[i] = bad
+        with pytest.raises(ValueError, match=match):
+            paged_decode_attention(*args, rope=tuple(rope))

@@ -104,3 +104,51 @@ def test_cuda_graph_replay_follows_new_lengths_and_tables():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, paged_decode_attention_ref(q, k, v, tables, lens, 16, 0.1))
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize(("batch", "max_ctx"), [(1, 512), (1, 4096), (8, 512), (256, 512)])
+def test_rotary_and_kv_write_in_the_kernel_are_the_two_kernels(
+    kv_dtype, batch, max_ctx, wide, monkeypatch
+):
+    """``rope`` on the GPU (PDL on Hopper, the first tile read before the wait at small grids,
+    bf16's tensor-core products): the output and the cache bit for bit those of
+    kernels/rotary.py's ``apply_rotary_write_kv`` and then the attention, at batch 1 (many
+    splits), a grid past one wave and a large one, bf16 and fp8 caches; ``wide``: the rotary
+    in the kernel at every grid (``ROPE_PROGRAMS_PER_SM``), not only small ones."""
+    from kernels import paged_decode_attention as pda
+    from kernels.fp8 import quantize_fp8
+    from kernels.rotary import apply_rotary_write_kv
+
+    if wide:
+        monkeypatch.setattr(pda, "ROPE_PROGRAMS_PER_SM", 10_000)
+
+    heads, kv_heads, head_dim, bs = 32, 8, 128, 16
+    q, k_cache, v_cache, tables, lens = make_case(
+        batch, max_ctx, heads, kv_heads, head_dim, bs, torch.bfloat16, seed=batch + max_ctx
+    )
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(batch, heads + 2 * kv_heads, head_dim, generator=g, device="cuda")
+    qkv = qkv.to(torch.bfloat16)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    last = (lens - 1).long()
+    slots = tables[torch.arange(batch, device="cuda"), last // bs].long() * bs + last % bs
+    freqs = torch.rand(max_ctx, head_dim // 2, generator=g, device="cuda") * 6
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    scales = (1.0, 1.0)
+    if kv_dtype == "fp8":
+        scales = (0.5, 0.25)
+        k_cache, v_cache = quantize_fp8(k_cache, scales[0]), quantize_fp8(v_cache, scales[1])
+    kw = {"k_scale": scales[0], "v_scale": scales[1]}
+
+    kc, vc, q2, k2 = k_cache.clone(), v_cache.clone(), q.clone(), k.clone()
+    apply_rotary_write_kv(q2, k2, v, last, cos, sin, kc, vc, slots, *scales)
+    want = paged_decode_attention(q2, kc, vc, tables, lens, bs, head_dim**-0.5, **kw)
+    kf, vf = k_cache.clone(), v_cache.clone()
+    rope = (k, v, last, cos, sin, slots)
+    got = paged_decode_attention(q, kf, vf, tables, lens, bs, head_dim**-0.5, **kw, rope=rope)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert torch.equal(kf.view(torch.uint8), kc.view(torch.uint8))
+    assert torch.equal(vf.view(torch.uint8), vc.view(torch.uint8))
