@@ -8,11 +8,7 @@ in the same run. For A/Bs of the small-batch FP8 paths (issue 26)::
 
 Settings: ``default``; ``mma-pdl-quantized`` (kernels/fp8_gemv_mma.py ``PDL_QUANTIZED_X``: the
 2-8-row tensor-core GEMV launched with PDL); ``no-norm-quant`` (``Fp8Linear.fuse_norm_quant``
-off: the norm and the quantizer as two kernels); ``rope-apart``
-(``TritonAttentionBackend.rope_in_decode`` off: a decode step's rotary and KV write in
-kernels/rotary.py's kernel, before the attention's); ``rope-wide``
-(``ROPE_PROGRAMS_PER_SM`` 4: the rotary in the attention's launch for grids of up to 4
-programs an SM, not 2). Prints a table, writes JSON.
+off: the norm and the quantizer as two kernels). Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -34,18 +30,15 @@ from benchmarks.gpu_ceilings import hbm_copy_bandwidth  # noqa: E402
 from benchmarks.gpu_engine import decode_itl, log, make_llm  # noqa: E402
 from benchmarks.gpu_fp8_weights import big_config, weights_read_per_step  # noqa: E402
 
-SETTINGS = ("default", "mma-pdl-quantized", "no-norm-quant", "rope-apart", "rope-wide")
+SETTINGS = ("default", "mma-pdl-quantized", "no-norm-quant")
 
 
 def apply(setting: str) -> None:
-    from engine.attention import TritonAttentionBackend
     from engine.quant import Fp8Linear
-    from kernels import fp8_gemv_mma, paged_decode_attention
+    from kernels import fp8_gemv_mma
 
     fp8_gemv_mma.PDL_QUANTIZED_X = setting == "mma-pdl-quantized"
     Fp8Linear.fuse_norm_quant = 0 if setting == "no-norm-quant" else 1
-    TritonAttentionBackend.rope_in_decode = setting != "rope-apart"
-    paged_decode_attention.ROPE_PROGRAMS_PER_SM = 4 if setting == "rope-wide" else 2
 
 
 def floor_ms(llm, batch: int, context: int, bandwidth: float) -> float:

@@ -265,9 +265,6 @@ class TritonAttentionBackend(AttentionBackend):
     buffers)."""
 
     name = "triton"
-    # class-wide: a decode-only step's rotary and KV write in the attention's launch
-    # (benchmarks set False to time kernels/rotary.py's kernel apart)
-    rope_in_decode = True
 
     def __init__(self) -> None:
         from kernels.extend_attention import extend_attention
@@ -296,8 +293,7 @@ class TritonAttentionBackend(AttentionBackend):
         rotary (up to 64 rows and more: other head blocks), the extend with and without TMA
         loads (chunks of 1024 tokens or more use them), the decode in one split (written
         directly) and in 2..64 splits (a workspace, then a reduce per power of two of splits),
-        each with its first tile read before the PDL wait and after it (kernels/), with the
-        rotary and KV write of a decode-only step in it and without, for one
+        each with its first tile read before the PDL wait and after it (kernels/), for one
         sequence, for a batch whose grid fills the GPU and for one whose grid is large (an fp8
         cache's tiles follow the grid: kernels/paged_decode_attention.py ``launch_config``).
         Integer arguments that vary per step (table widths, split counts) are not specialised
@@ -328,19 +324,13 @@ class TritonAttentionBackend(AttentionBackend):
         # (a large grid is never split: default_num_splits splits only grids that leave SMs idle)
         for batch, most_splits in ((1, _MAX_SPLITS), (full, _MAX_SPLITS), (large, 1)):
             splits = 1
-            q = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
-            k = torch.zeros(batch, kv_heads, head_dim, dtype=dtype, device=device)
-            positions = torch.zeros(batch, dtype=torch.int64, device=device)
-            skip = torch.full((batch,), -1, dtype=torch.int64, device=device)
-            # (with the rotary and KV write of a decode-only step, and without: mixed steps)
-            ropes = (None, (k, k, positions, cos_sin, cos_sin, skip))
             while splits <= most_splits:
+                q = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
                 table = torch.zeros(batch, splits, dtype=torch.int32, device=device)
                 lens = torch.full((batch,), splits * block_size, dtype=torch.int32, device=device)
                 for prefetch in prefetches:
-                    for rope in ropes:
-                        self._decode_kernel(q, k_cache, v_cache, table, lens, block_size, 1.0,
-                                            num_splits=splits, prefetch=prefetch, rope=rope)  # fmt: skip
+                    self._decode_kernel(q, k_cache, v_cache, table, lens, block_size, 1.0,
+                                        num_splits=splits, prefetch=prefetch)  # fmt: skip
                 splits *= 2
         torch.cuda.synchronize(device)
 
@@ -393,34 +383,18 @@ class TritonAttentionBackend(AttentionBackend):
         self, q, k, v, k_cache, v_cache, meta, scale, out=None, k_scale=1.0, v_scale=1.0, rope=None
     ):
         """``rope``: TritonOps' rotary state (positions, cos, sin) when q and k come unrotated;
-        one kernel rotates them in place and writes the KV, or, in a step of decodes only,
-        the attention's own launch rotates them and writes it (one kernel fewer a layer)."""
-        t, num_heads, head_dim = q.shape
-        nd = meta.num_decodes
-        if rope is not None and nd == t and self.rope_in_decode:
-            out = self._decode_kernel(
-                q,
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                meta.block_size,
-                scale,
-                out=None if out is None else out.view(t, num_heads, head_dim),
-                k_scale=k_scale,
-                v_scale=v_scale,
-                rope=(k, v, *rope, meta.slot_mapping),
-            )
-            return out.view(t, num_heads * head_dim)
+        one kernel rotates them in place and writes the KV."""
         if rope is not None:
             slots = meta.slot_mapping
             self._rotary_write(q, k, v, *rope, k_cache, v_cache, slots, k_scale, v_scale)
         else:
             self._write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        t, num_heads, head_dim = q.shape
         if out is None:
             out = torch.empty(t, num_heads, head_dim, dtype=q.dtype, device=q.device)
         else:
             out = out.view(t, num_heads, head_dim)
+        nd = meta.num_decodes
         if nd:
             self._decode_kernel(
                 q[:nd],

@@ -54,10 +54,8 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8 import FP8, check_kv_scales
-from kernels.kv_cache_write import to_cache
 from kernels.pdl import gdc_launch_dependents, gdc_wait
 from kernels.pdl import start as pdl_start
-from kernels.rotary import apply_rotary_write_kv, rotate_pair
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -96,38 +94,6 @@ def _accumulate(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.const
     return m_new, l_i, acc
 
 
-@triton.jit
-def _rope_tables(pos_at, cos_ptr, sin_ptr, stride_cos, stride_sin, dims, D: tl.constexpr):
-    """cos and sin at the token's position for each of ``dims`` (fp32; a pair's two halves
-    read the first half's column, as kernels/rotary.py does), each dim's partner in the other
-    half, and which dims are in the first half."""
-    HALF: tl.constexpr = D // 2
-    low = dims < HALF
-    cols = tl.where(low, dims, dims - HALF)
-    pos = tl.load(pos_at).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * stride_cos + cols)
-    sin = tl.load(sin_ptr + pos * stride_sin + cols)
-    return cos, sin, tl.where(low, dims + HALF, cols), low
-
-
-@triton.jit
-def _rotate(x, x_swap, cos, sin, low):
-    """Rotary of rows ``x`` (``x_swap``: each element's partner in the other half), in fp32,
-    rounded to x's dtype: kernels/rotary.py's ``x1*c - x2*s | x2*c + x1*s``, term for term."""
-    x1 = tl.where(low, x, x_swap).to(tl.float32)
-    x2 = tl.where(low, x_swap, x).to(tl.float32)
-    o1, o2 = rotate_pair(x1, x2, cos, sin)
-    return tl.where(low, o1, o2).to(x.dtype)
-
-
-@triton.jit
-def _with_row(tile, row, at, BROADCAST: tl.constexpr):
-    """``tile`` with ``row`` (``[D]`` when ``BROADCAST``, else a tile) where ``at``."""
-    if BROADCAST:
-        return tl.where(at[:, None], row[None, :], tile)
-    return tl.where(at[:, None], row, tile)
-
-
 @triton.jit(do_not_specialize=["stride_tb", "table_width"])  # the width varies per step
 def _split_kernel(
     q_ptr,  # [B, H, D]
@@ -140,19 +106,6 @@ def _split_kernel(
     # ml [B, H, S, 2] (running max in log2 units, sum of exp2); one buffer, one pointer
     qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache)
     v_scale,  # fp8 cache: the accumulator's scale
-    kn_ptr,  # ROPE: the step's k and v [B, KVH, D], k unrotated (views of the fused qkv)
-    vn_ptr,
-    pos_ptr,  # ROPE: [B] positions, cos / sin tables [max_positions, D] fp32, slots [B]
-    cos_ptr,
-    sin_ptr,
-    slot_ptr,
-    k_scale,  # ROPE with an fp8 cache: k's scale as it is stored (kernels/kv_cache_write.py)
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
-    stride_cos,
-    stride_sin,
     stride_qb,
     stride_qh,
     stride_kh,
@@ -173,7 +126,6 @@ def _split_kernel(
     FP8: tl.constexpr,  # the cache holds e4m3: upcast each tile to q's dtype
     F16_DOT: tl.constexpr,  # FP8 with a 16-bit q: upcast to fp16 instead (q and P rounded to it)
     PREFETCH: tl.constexpr,  # PDL: the first tile's older tokens read before the wait
-    ROPE: tl.constexpr,  # q and the new k come unrotated: rotated here, k and v stored here
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
     if PDL:
@@ -201,11 +153,6 @@ def _split_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     first = start
-    last = ctx - 1  # the newest token's position: this step's KV write stores it
-    if ROPE:  # the step's inputs and constant tables: read before the PDL wait
-        cos, sin, swap, low = _rope_tables(pos_ptr + b, cos_ptr, sin_ptr, stride_cos,
-                                           stride_sin, dims, D)  # fmt: skip
-        slot_new = tl.load(slot_ptr + b).to(tl.int64)
     if PREFETCH:
         # The first tile's older tokens are read before waiting for the kernels before this
         # one (PDL): lengths and tables come from the step's host copies, and every token but
@@ -214,38 +161,24 @@ def _split_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < end
         slot = _slots(table_row, pos, valid, BLOCK_SIZE)
-        old = valid & (pos < last)
+        old = valid & (pos < ctx - 1)
         k = _rows(k_head, slot, stride_ks, dims, old, q_ptr.dtype.element_ty, FP8, F16_DOT)
         v = _rows(v_head, slot, stride_vs, dims, old, q_ptr.dtype.element_ty, FP8, F16_DOT)
     if PDL:
         gdc_wait()
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_row + dims[None, :], mask=row_ok[:, None], other=0.0)
-    if ROPE:
-        q_swap = tl.load(q_row + swap[None, :], mask=row_ok[:, None], other=0.0)
-        q = _rotate(q, q_swap, cos, sin, low)
-        # The new token's k (rotated) and v as the cache stores them, kept for the tile that
-        # holds it; the split that holds it stores them (a padding row's slot is -1: nothing).
-        kn_row = kn_ptr + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh
-        k_new = _rotate(tl.load(kn_row + dims), tl.load(kn_row + swap), cos, sin, low)
-        k_new = to_cache(k_new, k_scale, k_ptr.dtype.element_ty, FP8)
-        v_new = tl.load(vn_ptr + b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh + dims)
-        v_new = to_cache(v_new, v_scale, v_ptr.dtype.element_ty, FP8)
-        if (start <= last) & (last < end) & (slot_new >= 0):
-            tl.store(k_head + slot_new * stride_ks + dims, k_new)
-            tl.store(v_head + slot_new * stride_vs + dims, v_new)
-        if FP8:  # upcast as _rows upcasts a tile
-            k_new = k_new.to(tl.float16 if F16_DOT else q_ptr.dtype.element_ty)
-            v_new = v_new.to(tl.float16 if F16_DOT else q_ptr.dtype.element_ty)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     if F16_DOT:  # saturated: a bf16 q past fp16's range stays finite
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if PREFETCH:
-        new = valid & (pos == last)
-        if not ROPE:  # read from the cache, where the kernel before this one wrote it
-            k_new = _rows(k_head, slot, stride_ks, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
-            v_new = _rows(v_head, slot, stride_vs, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
-        k = _with_row(k, k_new, new, ROPE)
-        v = _with_row(v, v_new, new, ROPE)
+        new = valid & (pos == ctx - 1)
+        k_new = _rows(k_head, slot, stride_ks, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        v_new = _rows(v_head, slot, stride_vs, dims, new, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        k = tl.where(new[:, None], k_new, k)
+        v = tl.where(new[:, None], v_new, v)
         if start < end:  # (an empty split keeps max -inf and sum 0)
             m_i, l_i, acc = _accumulate(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
         first = start + BLOCK_N
@@ -253,13 +186,8 @@ def _split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         slot = _slots(table_row, pos, valid, BLOCK_SIZE)
-        # ROPE: the newest token's row from registers (this program may be storing it)
-        read = valid & (pos != last) if ROPE else valid
-        k = _rows(k_head, slot, stride_ks, dims, read, q_ptr.dtype.element_ty, FP8, F16_DOT)
-        v = _rows(v_head, slot, stride_vs, dims, read, q_ptr.dtype.element_ty, FP8, F16_DOT)
-        if ROPE:
-            k = _with_row(k, k_new, pos == last, True)
-            v = _with_row(v, v_new, pos == last, True)
+        k = _rows(k_head, slot, stride_ks, dims, valid, q_ptr.dtype.element_ty, FP8, F16_DOT)
+        v = _rows(v_head, slot, stride_vs, dims, valid, q_ptr.dtype.element_ty, FP8, F16_DOT)
         m_i, l_i, acc = _accumulate(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if FP8:
@@ -327,10 +255,6 @@ def _num_sms(device: torch.device) -> int:
 
 # Programs wanted per SM: a few resident per SM hide the gather latency and even out the tail.
 _PROGRAMS_PER_SM = 2
-# The largest grid (programs per SM) whose decode rotates q and k in the attention's launch
-# (``rope``); larger ones run kernels/rotary.py's kernel first (``_launch``).
-ROPE_PROGRAMS_PER_SM = 2
-ROPE_MAX_REGISTERS = 144  # a thread's registers for that variant (0: as Triton allocates)
 _MAX_SPLITS = 64
 
 
@@ -402,7 +326,6 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     prefetch: bool | None = None,
-    rope: tuple | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its paged context.
 
@@ -414,20 +337,11 @@ def paged_decode_attention(
     the longest context the table can hold. The caches may be fp8 (``torch.float8_e4m3fn``)
     with q in any of the three: each element then reads as ``cache * k_scale`` (``v_scale``);
     the scales are ignored for caches of q's dtype. ``prefetch``: see ``_launch`` (None: where
-    it pays).
-
-    ``rope``: ``(k, v, positions, cos, sin, slot_mapping)`` when q and this step's k come
-    unrotated (a decode step: one new token a sequence, at position ``context_lens - 1``): the
-    kernel rotates q and k (kernels/rotary.py's arithmetic; cos and sin ``[max_positions, D]``
-    fp32), stores k and v in their slots (``[B]``, -1: none) as kernels/kv_cache_write.py does,
-    and attends, in one launch instead of kernels/rotary.py's ``apply_rotary_write_kv`` and
-    then this; the same cache and output. k and v ``[B, KVH, D]`` (views of a fused qkv are
-    fine). A grid of more than one wave runs the two kernels (see ``_launch``), which rotate q
-    and k in place; one wave leaves them as they are."""
+    it pays)."""
     programs = q.shape[0] * k_cache.shape[0]
     config = launch_config(q.shape[-1], q.dtype, k_cache.dtype, programs, q.device)
     args = (q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out, num_splits)
-    return _launch(*args, k_scale=k_scale, v_scale=v_scale, prefetch=prefetch, rope=rope, **config)
+    return _launch(*args, k_scale=k_scale, v_scale=v_scale, prefetch=prefetch, **config)
 
 
 def pick_num_splits(batch, kv_heads, max_blocks, block_size, block_n, device) -> int:
@@ -440,12 +354,11 @@ def _launch(
     q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None,
     num_splits=None, *, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
     k_scale: float = 1.0, v_scale: float = 1.0, f16_dot: bool = False,
-    prefetch: bool | None = None, rope: tuple | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The launcher with its tile and launch parameters open, for tests and benchmarks.
     ``f16_dot`` (an fp8 cache, q bf16 or fp16): the products in fp16, q and P rounded to it.
-    ``prefetch``: the first tile read before the PDL wait (None: where it pays, below).
-    ``rope``: see ``paged_decode_attention``."""
+    ``prefetch``: the first tile read before the PDL wait (None: where it pays, below)."""
     _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out)
     fp8 = k_cache.dtype == FP8
     f16_dot = bool(f16_dot and fp8 and q.dtype != torch.float32)
@@ -453,10 +366,6 @@ def _launch(
     if fp8:
         check_kv_scales(k_scale, v_scale)
         qk_scale *= k_scale
-    else:
-        k_scale = v_scale = 1.0  # (a cache of q's dtype ignores them)
-    if rope is not None:
-        _check_rope(q, k_cache, *rope)
     batch, num_heads, head_dim = q.shape
     kv_heads, width = k_cache.shape[0], block_tables.shape[1]
     if out is None:
@@ -477,43 +386,21 @@ def _launch(
     # Llama-3-8B shape on an H100. Larger grids are bound by bandwidth, and holding the tile
     # through the wait cost them (+2.6 % at batch 256): benchmarks/NOTES.md.
     programs = batch * kv_heads * num_splits
-    sms = _num_sms(q.device)
     if prefetch is None:
-        prefetch = launch["PDL"] and programs <= _PROGRAMS_PER_SM * sms
-    # The rotary in the kernel holds ~90 more registers a thread (q and the new k rotated in
-    # fp32): in a small grid it saves the rotary's launch (batch 1: 7.6 -> 5.3 us a layer on an
-    # H200), in a large one the programs an SM can hold halve and it loses (batch 256: 135 ->
-    # 207 us): there the rotary kernel does it first (benchmarks/NOTES.md).
-    if rope is not None and programs > ROPE_PROGRAMS_PER_SM * sms:
-        k_new, v_new, positions, cos, sin, slots = rope
-        apply_rotary_write_kv(q, k_new, v_new, positions, cos, sin, k_cache, v_cache, slots,
-                              k_scale, v_scale)  # fmt: skip
-        rope = None
-    regs = {}
-    if rope is not None:
-        k_new, v_new, positions, cos, sin, slots = rope
-        if q.is_cuda and ROPE_MAX_REGISTERS:
-            regs["maxnreg"] = ROPE_MAX_REGISTERS
-    else:  # (unused pointers)
-        k_new = v_new = q
-        positions = cos = sin = slots = context_lens
+        prefetch = launch["PDL"] and programs <= _PROGRAMS_PER_SM * _num_sms(q.device)
     # Workspace (fp32): acc [B, H, S, D] then (max, sum) [B, H, S, 2], one allocation.
     ws = out if direct else torch.empty(batch * num_heads * num_splits * (head_dim + 2),
                                         dtype=torch.float32, device=q.device)  # fmt: skip
     _split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, ws,
         qk_scale, v_scale,
-        k_new, v_new, positions, cos, sin, slots, k_scale,
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), width,
         G=group, G_PAD=max(16, _next_pow2(group)), D=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, F16_DOT=f16_dot,
-        PREFETCH=prefetch, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
-        **launch, **regs,
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **launch,
     )  # fmt: skip
     if not direct:
         _reduce_kernel[(batch, num_heads)](
@@ -574,31 +461,6 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, block_size, out) -> 
     devices = {t.device for t in (*tensors.values(), context_lens)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def _check_rope(q, k_cache, k, v, positions, cos, sin, slots) -> None:
-    """``rope``'s tensors against q and the cache (``paged_decode_attention``)."""
-    batch, _, head_dim = q.shape
-    want = (batch, k_cache.shape[0], head_dim)
-    if k.shape != want or v.shape != want or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"rope: k and v must be {want} {q.dtype}, got {tuple(k.shape)} {k.dtype}, "
-            f"{tuple(v.shape)} {v.dtype}"
-        )
-    for name, t in (("positions", positions), ("slot_mapping", slots)):
-        if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"rope: {name} must be [{batch}] int32/int64, got "
-                             f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2 or t.shape[1] != head_dim or t.dtype != torch.float32:
-            raise ValueError(f"rope: {name} must be [max_positions, {head_dim}] fp32, got "
-                             f"{tuple(t.shape)} {t.dtype}")  # fmt: skip
-    if any(t.stride(-1) != 1 for t in (k, v, cos, sin)):
-        raise ValueError("rope: k, v, cos and sin need a contiguous last dim")
-    if not positions.is_contiguous() or not slots.is_contiguous():
-        raise ValueError("rope: positions and slot_mapping must be contiguous")
-    if len({t.device for t in (q, k, v, positions, cos, sin, slots)}) != 1:
-        raise ValueError("rope: all tensors must be on q's device")
 
 
 def paged_decode_attention_ref(

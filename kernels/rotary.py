@@ -8,8 +8,8 @@ columns of the cos/sin tables at the token's position::
 
 which is ``x * cos + rotate_half(x) * sin`` for tables built as ``RotaryEmbedding.build`` builds
 them (``emb = cat(freqs, freqs)``: both halves of a row are equal, so the kernel reads only the
-first). Any rope scaling is already folded into the tables. Math in fp32 from the fp32 tables
-(``rotate_pair``), rounded once to the dtype; the plain model instead rounds cos/sin to the dtype and each product
+first). Any rope scaling is already folded into the tables. Math in fp32 from the fp32 tables,
+rounded once to the dtype; the plain model instead rounds cos/sin to the dtype and each product
 and the sum (HF does the same), so in bf16 the kernel is the more exact of the two and the two
 differ by about 1 ulp of bf16 on some elements.
 
@@ -41,15 +41,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def rotate_pair(x1, x2, cos, sin):
-    """``(x1*c - x2*s, x2*c + x1*s)`` in fp32, each one fused multiply-add after one product,
-    written out so that every kernel that rotates (also kernels/paged_decode_attention.py's)
-    rounds alike: left to the compiler, a product may or may not be contracted into the add
-    depending on the code around it (1 ulp apart in fp32, now and then a bf16 ulp after)."""
-    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
-
-
-@triton.jit
 def _rotate_heads(
     x_ptr,
     head_stride,
@@ -74,8 +65,8 @@ def _rotate_heads(
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    o1, o2 = rotate_pair(x1, x2, cos, sin)
-    o1, o2 = o1.to(dtype), o2.to(dtype)
+    o1 = (x1 * cos - x2 * sin).to(dtype)
+    o2 = (x2 * cos + x1 * sin).to(dtype)
     tl.store(p1, o1, mask=mask)
     tl.store(p1 + HALF, o2, mask=mask)
     if CACHE:
