@@ -489,10 +489,14 @@ def check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
         raise bad_request(f"{param}: token ids must be in {limit}, got {bad[:5]}", param=param)
 
 
+_MESSAGE_CHARS = 16  # a message's own share of its rendering (its role's header), in characters
+
+
 def chat_chars(messages: list[ChatMessage]) -> int:
     """The characters of a conversation's text: contents, text parts, past reasoning, and the
-    names and arguments of past tool calls (what its rendering and encoding cost grows with)."""
-    total = 0
+    names and arguments of past tool calls, and ``_MESSAGE_CHARS`` a message (what its
+    rendering and encoding cost grows with: many empty messages cost too)."""
+    total = _MESSAGE_CHARS * len(messages)
     for m in messages:
         if isinstance(m.content, str):
             total += len(m.content)

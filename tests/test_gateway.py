@@ -825,6 +825,9 @@ async def test_short_chats_without_tools_skip_the_tokenizer_threads(
         body = {"messages": short, "max_tokens": 2, "tools": [tool]}
         r = await c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200 and len(submitted) == 2, r.text
+        many = [{"role": "user", "content": ""}] * (INLINE_PROMPT_CHARS // 16 + 1)
+        r = await c.post("/v1/chat/completions", json={"messages": many, "max_tokens": 2})
+        assert len(submitted) == 3, r.text  # many empty messages are long too
 
 
 async def test_context_overflow_uses_vllm_wording(app, backend) -> None:
