@@ -466,10 +466,7 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> tuple[str | Non
     if isinstance(prompt, str):
         if tokenizer is None:
             raise bad_request("prompt: this model has no tokenizer; send token ids", param="prompt")
-        if not prompt:
-            ids = []
-        else:
-            ids = encode_prompt(tokenizer, prompt)
+        ids = encode_prompt(tokenizer, prompt) if prompt else []
         text: str | None = prompt
     else:
         ids, text = list(prompt), None
