@@ -734,6 +734,20 @@ async def test_invalid_parameter_through_the_openai_client(app) -> None:
     assert bad.value.body["param"] == "temperature" and "temperature" in bad.value.message
 
 
+def _count_tokenizer_hops(gateway) -> list:
+    """The functions the gateway hands its tokenizer threads from now on, in a list that
+    grows as it does."""
+    submitted = []
+    submit = gateway._tokenizer_pool.submit
+
+    def counting(fn, *args, **kwargs):
+        submitted.append(fn)
+        return submit(fn, *args, **kwargs)
+
+    gateway._tokenizer_pool.submit = counting
+    return submitted
+
+
 async def test_token_ids_and_short_texts_skip_the_tokenizer_threads(
     app, backend, tokenizer
 ) -> None:
@@ -746,14 +760,7 @@ async def test_token_ids_and_short_texts_skip_the_tokenizer_threads(
     gateway = app.state.gateway
     assert gateway.encoder is not None  # a fast tokenizer: the batched encoder
     vocab = len(gateway._prompt_tokenizer)
-    submitted = []
-    submit = gateway._tokenizer_pool.submit
-
-    def counting(fn, *args, **kwargs):
-        submitted.append(fn)
-        return submit(fn, *args, **kwargs)
-
-    gateway._tokenizer_pool.submit = counting
+    submitted = _count_tokenizer_hops(gateway)
     short = "The capital of France is " * 3
     long = "=" * (INLINE_PROMPT_CHARS + 1)  # long, yet few tokens: the context is 256
     async with http(app) as c:
@@ -786,14 +793,7 @@ async def test_short_chats_without_tools_skip_the_tokenizer_threads(
     from router.gateway import INLINE_PROMPT_CHARS
 
     gateway = app.state.gateway
-    submitted = []
-    submit = gateway._tokenizer_pool.submit
-
-    def counting(fn, *args, **kwargs):
-        submitted.append(fn)
-        return submit(fn, *args, **kwargs)
-
-    gateway._tokenizer_pool.submit = counting
+    submitted = _count_tokenizer_hops(gateway)
     short = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
